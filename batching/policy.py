@@ -1,0 +1,181 @@
+"""Dynamic batching policy: Triton's ``GetDynamicBatch`` as a pure function of plain values.
+
+The worker loop (``workers/loop.py``) turns its queue into ``Pending`` values, reads its clock once and
+asks ``decide(policy, pending, now_us)`` what to do. The answer is a value, never an effect:
+
+* ``Reject(items)``  - these requests expired while queued; answer them with a timeout, never run them.
+* ``Dispatch(items)`` - run exactly these requests, in this order, as one batch now.
+* ``Wait(until_us)`` - nothing is ready; call ``decide`` again at ``until_us`` or on a new arrival.
+* ``None``           - the queue is empty.
+
+The driver removes whatever a ``Reject`` or ``Dispatch`` names and calls ``decide`` again, so one call
+answers one question. This module reads no clock and does no I/O (style.md §3); all times are integer
+epoch microseconds, the unit of Triton's ``max_queue_delay_microseconds``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+__all__ = ["BatchPolicy", "Decision", "Dispatch", "Pending", "Reject", "Wait", "decide"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    """How one model batches; built from its ``config.pbtxt`` (protocol.md §3.4).
+
+    ``max_batch_size`` is in rows; 0 means the model does not batch, so every request runs alone.
+    ``preferred_batch_sizes`` is already normalised by the config parser; sizes above
+    ``max_batch_size`` are simply never reached. ``dynamic`` is False when the config has no
+    ``dynamic_batching`` block: then requests run one per dispatch, in order.
+    Raises ValueError on negative sizes or delays.
+    """
+
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0, got {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if any(size < 1 for size in self.preferred_batch_sizes):
+            raise ValueError(f"preferred batch sizes must be >= 1, got {self.preferred_batch_sizes}")
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """One queued request, as the policy sees it.
+
+    ``lane`` 0 is the highest priority. ``deadline_us`` is absolute (None = no queue timeout); a request
+    whose deadline is ``<= now_us`` has expired. ``rows`` is the request's size along the batch axis
+    (>= 1, else ValueError). Two requests may share a batch only if their ``shape_key`` values are
+    equal (protocol.md §3.6); the driver puts whatever must match (shapes, input names) into it.
+    """
+
+    request_id: str
+    lane: int
+    enqueued_at_us: int
+    deadline_us: int | None
+    rows: int
+    shape_key: Hashable = None
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"request {self.request_id!r}: rows must be >= 1, got {self.rows}")
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Run these requests as one batch now, in this order (never empty)."""
+
+    items: tuple[Pending, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Re-evaluate at ``until_us`` or on a new arrival, whichever comes first; always ``> now_us``."""
+
+    until_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """These requests expired while queued (``deadline_us <= now_us``): answer them with a timeout."""
+
+    items: tuple[Pending, ...]
+
+
+Decision: TypeAlias = Dispatch | Wait | Reject
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """Where the scan of the candidates stopped (counts are prefix lengths of the candidate list)."""
+
+    taken: int  # requests accumulated into the pending batch
+    rows: int  # their total rows
+    best: int  # prefix to send early (preferred size or saturation point); 0 = none
+    stopped_early: bool  # the next request did not fit (max size) or did not match (shape_key)
+
+
+def decide(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> Decision | None:
+    """Decide what the worker should do with its queue at ``now_us``.
+
+    ``pending`` is the whole queue in arrival order. Returns None iff it is empty. Otherwise:
+
+    1. If any request has expired, ``Reject`` all expired requests (in arrival order) before anything
+       else, so an expired request is never dispatched.
+    2. Candidates are ordered by lane, FIFO within a lane. A ``Dispatch`` is always a non-empty prefix
+       of that order: a lower-priority request never overtakes a higher-priority one, and nothing
+       overtakes an earlier request of its own lane.
+    3. Without dynamic batching (or with ``max_batch_size == 0``) the first candidate runs alone.
+    4. Otherwise Triton's ``GetDynamicBatch`` (protocol.md §3.5): a dispatch holds at most
+       ``max_batch_size`` rows, except that a lone oversize request still runs (so nothing deadlocks),
+       and requests are never split. A ``Wait`` never reaches past any queued request's
+       ``enqueued_at_us + max_queue_delay_us`` nor past its deadline.
+    """
+    if not pending:
+        return None
+    expired = tuple(p for p in pending if p.deadline_us is not None and p.deadline_us <= now_us)
+    if expired:
+        return Reject(expired)
+    # sorted() is stable, so arrival order survives within each lane.
+    candidates = sorted(pending, key=lambda p: p.lane)
+    if not policy.dynamic or policy.max_batch_size == 0:
+        return Dispatch((candidates[0],))
+    return _dynamic_batch(policy, candidates, now_us)
+
+
+def _dynamic_batch(policy: BatchPolicy, candidates: Sequence[Pending], now_us: int) -> Decision:
+    max_pref = max(policy.preferred_batch_sizes, default=policy.max_batch_size)
+    walk = _walk(policy, candidates, max_pref)
+    batch = candidates[: walk.taken]
+    oldest_us = min(p.enqueued_at_us for p in batch)
+    delay_us = policy.max_queue_delay_us
+    # Triton treats a zero delay as "never expires" here, so a preferred prefix still wins at delay 0.
+    delay_exceeded = delay_us != 0 and now_us - oldest_us >= delay_us
+
+    if walk.best and not delay_exceeded:
+        return Dispatch(tuple(candidates[: walk.best]))
+    if walk.stopped_early or walk.rows >= max_pref or delay_us == 0 or delay_exceeded:
+        # The batch cannot grow (or may not wait any longer): send the largest batch available.
+        return Dispatch(tuple(batch))
+
+    # Only reached when the walk took every candidate, so oldest_us is the oldest in the queue and no
+    # request waits past its own delay. No request has expired (decide rejected those first), so every
+    # deadline is > now_us, and oldest_us + delay_us > now_us because the delay has not been exceeded.
+    until_us = oldest_us + delay_us
+    deadlines = [p.deadline_us for p in candidates if p.deadline_us is not None]
+    if deadlines:
+        # Wake at the nearest timeout so the expired request is answered promptly (Triton does too).
+        until_us = min(until_us, min(deadlines))
+    return Wait(until_us)
+
+
+def _walk(policy: BatchPolicy, candidates: Sequence[Pending], max_pref: int) -> _Walk:
+    preferred = frozenset(policy.preferred_batch_sizes)
+    first = candidates[0]
+    # The first request is always taken, even if it alone exceeds max_batch_size: the gateway should
+    # have rejected it, but holding it back would block its lane forever.
+    taken, rows = 1, first.rows
+    best = 1 if rows in preferred else 0
+    for item in candidates[1:]:
+        grown = rows + item.rows
+        if grown > max_pref and best == 0:
+            # Saturation mark (Triton): with no preferred size reached, the largest prefix within the
+            # largest preferred size is the early-exit candidate. Rows only grow from here, so no
+            # preferred size can be reached later and `best` is final.
+            best = taken
+        if grown > policy.max_batch_size or item.shape_key != first.shape_key:
+            # Stop rather than skip ahead to a later request that would fit: skipping would break FIFO
+            # and could starve the odd request. It starts the next batch instead.
+            return _Walk(taken, rows, best, stopped_early=True)
+        taken, rows = taken + 1, grown
+        if rows in preferred:
+            best = taken
+    return _Walk(taken, rows, best, stopped_early=False)

@@ -1,0 +1,90 @@
+"""The `fleet` command line. Flag names follow tritonserver where it has one.
+
+    fleet up       embedded Redis (or --redis-url) + one gateway + one worker per device
+    fleet gateway  the HTTP gateway alone (compose runs this)
+    fleet worker   one worker process alone (compose runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fleet.settings import Settings
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-repository", "--model-store", dest="model_repository", action="append", type=Path,
+        help="model repository directory (repeatable); default ./model_repository",
+    )
+    p.add_argument("--redis-url", help="use this Redis instead of the default (env REDIS_URL)")
+    p.add_argument("--log-verbose", type=int, default=None, help="verbose logging level (0 = off)")
+    p.add_argument("--key-prefix", help="prefix of every Redis key (default fleet)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleet", description="Triton-compatible inference fleet on Redis")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis, a gateway and workers locally")
+    _common(up)
+    up.add_argument("--http-port", type=int, default=None)
+    up.add_argument("--metrics-port", type=int, default=None)
+    up.add_argument("--http-address", default=None)
+    up.add_argument("--workers", type=int, default=None, help="worker processes (default: one per device)")
+    up.add_argument("--data-dir", type=Path, default=Path(".fleet"), help="embedded Redis files and logs")
+
+    gw = sub.add_parser("gateway", help="run the HTTP gateway")
+    _common(gw)
+    gw.add_argument("--http-port", type=int, default=None)
+    gw.add_argument("--metrics-port", type=int, default=None)
+    gw.add_argument("--http-address", default=None)
+
+    wk = sub.add_parser("worker", help="run one worker process")
+    _common(wk)
+    wk.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    wk.add_argument("--worker-id", default=None)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Environment first, then whatever the command line set explicitly."""
+    overrides: dict[str, Any] = {}
+    if args.model_repository:
+        overrides["model_repositories"] = tuple(args.model_repository)
+    if args.redis_url:
+        overrides["redis_url"] = args.redis_url
+    if args.log_verbose is not None:
+        overrides["log_verbose"] = args.log_verbose
+    if args.key_prefix:
+        overrides["key_prefix"] = args.key_prefix
+    for flag, field in (("http_port", "http_port"), ("metrics_port", "metrics_port"),
+                        ("http_address", "http_host"), ("worker_id", "worker_id")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[field] = value
+    return Settings(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    if args.command == "up":
+        from fleet.launcher import run_up
+
+        return run_up(settings, workers=args.workers, data_dir=args.data_dir)
+    if args.command == "gateway":
+        from gateway.server import serve
+
+        return serve(settings)
+    from workers.main import serve as serve_worker
+
+    return serve_worker(settings, device=args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The wire envelope between gateway, workers and bulk jobs: one msgpack map per request or reply.
+
+Tensors travel as (name, datatype, shape, raw bytes) with Triton's binary layout (fleet.tensors), so
+binary HTTP bodies pass through as slices and are never turned into Python lists. This is the only
+module that encodes or decodes envelopes; nothing crossing Redis is ever pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from fleet.errors import InvalidInput
+
+
+@dataclass(slots=True)
+class WireTensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview  # raw little-endian row-major bytes (BYTES: length-prefixed elements)
+
+
+@dataclass(slots=True)
+class RequestEnvelope:
+    id: str  # unique per accepted request (gateway id + counter); replies are matched on it
+    model: str
+    version: int
+    inputs: list[WireTensor]
+    reply_to: str  # the stream key the reply goes to
+    enqueued_at_us: int  # epoch µs, set by the gateway just before XADD
+    outputs: list[str] | None = None  # requested output names; None = all
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    deadline_us: int | None = None  # absolute epoch µs; None = no queue timeout
+    client_id: str = ""  # the request "id" the client sent, echoed in the response
+
+    def batch_rows(self, batched: bool) -> int:
+        """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
+        if not batched or not self.inputs or not self.inputs[0].shape:
+            return 1
+        return max(1, self.inputs[0].shape[0])
+
+
+@dataclass(slots=True)
+class ReplyEnvelope:
+    id: str
+    model_version: int = 0
+    outputs: list[WireTensor] | None = None
+    error_code: str = ""
+    error_message: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    queue_us: int = 0
+    compute_us: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error_code
+
+
+def _pack_tensors(tensors: list[WireTensor]) -> list[list[Any]]:
+    return [[t.name, t.datatype, list(t.shape), t.data] for t in tensors]
+
+
+def _unpack_tensors(raw: Any) -> list[WireTensor]:
+    return [WireTensor(n, d, tuple(s), b) for n, d, s, b in raw]
+
+
+def encode_request(env: RequestEnvelope) -> bytes:
+    return msgpack.packb(
+        {
+            "id": env.id,
+            "m": env.model,
+            "v": env.version,
+            "i": _pack_tensors(env.inputs),
+            "o": env.outputs,
+            "p": env.parameters,
+            "pr": env.priority,
+            "dl": env.deadline_us,
+            "r": env.reply_to,
+            "t": env.enqueued_at_us,
+            "c": env.client_id,
+        },
+        use_bin_type=True,
+    )
+
+
+def decode_request(payload: bytes) -> RequestEnvelope:
+    """Decode a request; raises InvalidInput on anything that is not a well-formed envelope."""
+    try:
+        m = msgpack.unpackb(payload, raw=False)
+        return RequestEnvelope(
+            id=m["id"],
+            model=m["m"],
+            version=int(m["v"]),
+            inputs=_unpack_tensors(m["i"]),
+            outputs=m.get("o"),
+            parameters=m.get("p") or {},
+            priority=int(m.get("pr") or 0),
+            deadline_us=m.get("dl"),
+            reply_to=m["r"],
+            enqueued_at_us=int(m["t"]),
+            client_id=m.get("c") or "",
+        )
+    except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise InvalidInput(f"malformed request envelope: {exc}") from exc
+
+
+def encode_reply(rep: ReplyEnvelope) -> bytes:
+    m: dict[str, Any] = {"id": rep.id, "v": rep.model_version, "q": rep.queue_us, "x": rep.compute_us}
+    if rep.error_code:
+        m["e"] = [rep.error_code, rep.error_message]
+    else:
+        m["o"] = _pack_tensors(rep.outputs or [])
+    if rep.parameters:
+        m["p"] = rep.parameters
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def decode_reply(payload: bytes) -> ReplyEnvelope:
+    m = msgpack.unpackb(payload, raw=False)
+    rep = ReplyEnvelope(
+        id=m["id"],
+        model_version=m.get("v", 0),
+        queue_us=m.get("q", 0),
+        compute_us=m.get("x", 0),
+        parameters=m.get("p") or {},
+    )
+    if "e" in m:
+        rep.error_code, rep.error_message = m["e"]
+    else:
+        rep.outputs = _unpack_tensors(m.get("o") or [])
+    return rep

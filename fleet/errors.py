@@ -1,0 +1,112 @@
+"""The one exception hierarchy of fleet. No HTTP here: gateway/errors.py maps ErrorCode to a status.
+
+    ServingError (code)
+    ├── InvalidInput            INVALID_ARG   bad JSON, shape, datatype, unknown input
+    ├── ModelNotFound           INVALID_ARG   unknown model name (Triton answers 400)
+    ├── VersionNotFound         NOT_FOUND     known model, unknown version
+    ├── ModelNotReady           UNAVAILABLE   no ready worker / version not ready
+    ├── QueueFull               UNAVAILABLE   max_queue_size reached
+    ├── RequestTimeout          UNAVAILABLE   queue timeout (Triton REJECT)
+    ├── DeadlineExceeded        DEADLINE_EXCEEDED  the gateway gave up waiting for a reply
+    ├── BrokerUnavailable       UNAVAILABLE   Redis cannot be reached
+    ├── Unsupported             UNSUPPORTED   a feature fleet does not do (yet)
+    ├── ConfigError             INVALID_ARG   a malformed or inconsistent config.pbtxt
+    └── InferenceFailed         INTERNAL      the model raised or returned garbage
+
+Errors cross Redis as data (`code`, `message`); `from_code` rebuilds them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    INVALID_ARG = "INVALID_ARG"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    INTERNAL = "INTERNAL"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNKNOWN = "UNKNOWN"
+
+
+class ServingError(Exception):
+    """Base of every error fleet reports to a caller; `message` is what the client sees."""
+
+    code: ErrorCode = ErrorCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidInput(ServingError):
+    code = ErrorCode.INVALID_ARG
+
+
+class ModelNotFound(ServingError):
+    code = ErrorCode.INVALID_ARG
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Request for unknown model: '{name}' is not found")
+
+
+class VersionNotFound(ServingError):
+    code = ErrorCode.NOT_FOUND
+
+    def __init__(self, name: str, version: str) -> None:
+        super().__init__(f"Request for unknown model: '{name}' version {version} is not found")
+
+
+class ModelNotReady(ServingError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class QueueFull(ServingError):
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, message: str = "Exceeds maximum queue size") -> None:
+        super().__init__(message)
+
+
+class RequestTimeout(ServingError):
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, message: str = "Request timeout expired") -> None:
+        super().__init__(message)
+
+
+class DeadlineExceeded(ServingError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class BrokerUnavailable(ServingError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class Unsupported(ServingError):
+    code = ErrorCode.UNSUPPORTED
+
+
+class ConfigError(ServingError):
+    code = ErrorCode.INVALID_ARG
+
+
+class InferenceFailed(ServingError):
+    code = ErrorCode.INTERNAL
+
+
+def from_code(code: str, message: str) -> ServingError:
+    """Rebuild an error that crossed Redis as data; unknown codes become INTERNAL."""
+    err = ServingError(message)
+    try:
+        err.code = ErrorCode(code)
+    except ValueError:
+        err.code = ErrorCode.INTERNAL
+    return err

@@ -1,0 +1,122 @@
+"""`fleet up`: one command that runs the whole system on one machine.
+
+Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway and one worker per
+device as child processes, prefixes their logs with their names, and stops everything on Ctrl-C/SIGTERM:
+children first (they drain and reply to what they hold), the server last.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from fleet.redis_server import LocalServer, start_server
+from fleet.settings import Settings
+
+log = logging.getLogger("fleet.up")
+
+
+def count_devices() -> list[str]:
+    """One entry per device a worker should own: each visible GPU, else the CPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+            gpus = [line for line in out.splitlines() if line.startswith("GPU ")]
+            if gpus:
+                return [f"cuda:{i}" for i in range(len(gpus))]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return ["cpu"]
+
+
+def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"{name:<9}| {line}\n")
+            out.flush()
+
+
+def _common_args(settings: Settings, redis_url: str) -> list[str]:
+    args = ["--redis-url", redis_url, "--key-prefix", settings.key_prefix,
+            "--log-verbose", str(settings.log_verbose)]
+    for repo in settings.model_repositories:
+        args += ["--model-repository", str(repo)]
+    return args
+
+
+def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    lock = threading.Lock()
+    server: LocalServer | None = None
+    redis_url = settings.redis_url
+    if not redis_url:
+        server = start_server(data_dir / "redis", appendonly=True, log_file=None)
+        redis_url = server.url
+        log.info("up       | embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
+
+    for repo in settings.model_repositories:
+        subprocess.run([sys.executable, "-m", "workers.generate_models", str(repo)], check=False)
+
+    devices = count_devices()
+    if workers is not None:
+        devices = [devices[i % len(devices)] for i in range(max(1, workers))]
+    common = _common_args(settings, redis_url)
+    specs: list[tuple[str, list[str]]] = [(
+        "gateway",
+        [sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
+         "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host],
+    )]
+    for i, device in enumerate(devices):
+        specs.append((f"worker-{i}", [sys.executable, "-m", "fleet", "worker", *common, "--device", device]))
+
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, cmd in specs:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert proc.stdout is not None
+            threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
+            children.append((name, proc))
+        log.info("up       | serving %s on http://%s:%d (metrics :%d); Ctrl-C stops",
+                 ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
+                 settings.http_port, settings.metrics_port)
+        while not stopping.is_set():
+            for name, proc in children:
+                if proc.poll() is not None:
+                    log.error("up       | %s exited with %s; stopping everything", name, proc.returncode)
+                    stopping.set()
+            stopping.wait(0.5)
+    finally:
+        _stop_children(children)
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def _stop_children(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: float = 15.0) -> None:
+    for _, proc in children:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for _, proc in children:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

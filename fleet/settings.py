@@ -1,0 +1,49 @@
+"""The one Settings object, read from the environment (FLEET_ prefix) once per entrypoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class Settings(BaseSettings):
+    """Everything a fleet process needs to know; frozen, passed down explicitly.
+
+    `redis_url` also reads the conventional REDIS_URL. Per-model behaviour (batching, instances, queue
+    policy) comes from config.pbtxt, never from here.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_", frozen=True, extra="ignore")
+
+    # Empty: `fleet up` starts an embedded server; gateway/worker alone use DEFAULT_REDIS_URL.
+    redis_url: str = Field(
+        default="",
+        validation_alias=AliasChoices("FLEET_REDIS_URL", "REDIS_URL", "redis_url"),
+    )
+    key_prefix: str = "fleet"
+    model_repositories: tuple[Path, ...] = (Path("model_repository"),)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    # The gateway gives up waiting for a worker's reply after this long (504).
+    request_timeout_s: float = 60.0
+    max_input_bytes: int = 64 * 1024 * 1024
+    # Heartbeats: a worker refreshes its key every interval; the key expires after ttl.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    # A reader blocks this long on XREADGROUP / XREAD before checking for shutdown.
+    block_ms: int = 1000
+    # A worker keeps at most this many batches per model read ahead of execution.
+    read_ahead_batches: int = 2
+    worker_id: str = ""
+    gateway_id: str = ""
+
+    @property
+    def redis_url_or_default(self) -> str:
+        return self.redis_url or DEFAULT_REDIS_URL

@@ -1,0 +1,92 @@
+"""Statistics counters that workers keep in Redis (one hash per model, HINCRBY once per batch) and the
+field names both sides agree on. Values are cumulative; several workers add into the same fields, so
+the gateway's /stats is the fleet-wide sum (perf_analyzer diffs two samples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+             "cache_hit", "cache_miss")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSample:
+    """What one executed batch adds to the counters of one model version."""
+
+    version: int
+    batch_size: int  # rows executed
+    requests_ok: int
+    requests_failed: int
+    request_ns_ok: int  # Σ end-to-end time of the successful requests
+    request_ns_failed: int
+    queue_ns: int  # Σ queue time of the successful requests
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+    finished_ms: int
+
+
+def field(version: int, name: str) -> str:
+    return f"{version}:{name}"
+
+
+def increments(s: BatchSample) -> dict[str, int]:
+    """The HINCRBY deltas for one batch (compute times count once per request, as Triton does)."""
+    v = s.version
+    ok = s.requests_ok
+    d = {
+        field(v, "success:count"): ok,
+        field(v, "success:ns"): s.request_ns_ok,
+        field(v, "queue:count"): ok,
+        field(v, "queue:ns"): s.queue_ns,
+        field(v, "compute_input:count"): ok,
+        field(v, "compute_input:ns"): s.compute_input_ns * ok,
+        field(v, "compute_infer:count"): ok,
+        field(v, "compute_infer:ns"): s.compute_infer_ns * ok,
+        field(v, "compute_output:count"): ok,
+        field(v, "compute_output:ns"): s.compute_output_ns * ok,
+        field(v, "inference_count"): s.batch_size if ok else 0,
+        field(v, "execution_count"): 1 if ok else 0,
+    }
+    if s.requests_failed:
+        d[field(v, "fail:count")] = s.requests_failed
+        d[field(v, "fail:ns")] = s.request_ns_failed
+    if ok:
+        b = f"batch:{s.batch_size}"
+        d[field(v, f"{b}:count")] = 1
+        d[field(v, f"{b}:compute_input")] = s.compute_input_ns
+        d[field(v, f"{b}:compute_infer")] = s.compute_infer_ns
+        d[field(v, f"{b}:compute_output")] = s.compute_output_ns
+    return {k: val for k, val in d.items() if val}
+
+
+def render_model_stats(name: str, version: int, raw: dict[str, int]) -> dict[str, object]:
+    """Triton's statistics-extension object for one (model, version) from the decoded hash fields."""
+
+    def get(key: str) -> int:
+        return raw.get(field(version, key), 0)
+
+    inference_stats = {d: {"count": get(f"{d}:count"), "ns": get(f"{d}:ns")} for d in DURATIONS}
+    batch_sizes = sorted(
+        {int(k.split(":")[2]) for k in raw if k.startswith(f"{version}:batch:") and k.endswith(":count")}
+    )
+    batch_stats = []
+    for size in batch_sizes:
+        count = get(f"batch:{size}:count")
+        batch_stats.append({
+            "batch_size": size,
+            **{p: {"count": count, "ns": get(f"batch:{size}:{p}")}
+               for p in ("compute_input", "compute_infer", "compute_output")},
+        })
+    return {
+        "name": name,
+        "version": str(version),
+        "last_inference": get("last_inference"),
+        "inference_count": get("inference_count"),
+        "execution_count": get("execution_count"),
+        "inference_stats": inference_stats,
+        "response_stats": {},
+        "batch_stats": batch_stats,
+        "memory_usage": [],
+    }

@@ -1,0 +1,47 @@
+"""create_app(settings): the gateway's ASGI application."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fleet.errors import ServingError
+from fleet.settings import Settings
+from gateway.errors import error_response, handle_serving_error
+from gateway.metrics import metrics_route
+from gateway.routes import ROUTES
+from gateway.state import GatewayState
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    state = GatewayState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="fleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fleet = state
+    app.router.routes.extend([*ROUTES, metrics_route()])
+    app.add_exception_handler(ServingError, handle_serving_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    return app

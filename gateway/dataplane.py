@@ -1,0 +1,78 @@
+"""The inference path, HTTP-free: resolve the model version, validate, enqueue, await the reply."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.envelope import RequestEnvelope, encode_request
+from fleet.errors import ModelNotReady, from_code
+from fleet.stats import render_model_stats
+from gateway.broker import Broker
+from gateway.catalog import Catalog
+from gateway.codec import parse_infer, render_infer
+
+import redis.asyncio as aioredis
+
+
+@dataclass(slots=True)
+class InferResult:
+    body: bytes
+    header_length: int | None
+
+
+class DataPlane:
+    def __init__(self, catalog: Catalog, broker: Broker) -> None:
+        self.catalog = catalog
+        self.broker = broker
+
+    async def infer(self, model: str, version: str | None, body: bytes, header_length: str | None) -> InferResult:
+        view, v = self.catalog.resolve(model, version)
+        spec = view.entry.spec
+        req = parse_infer(body, header_length, spec)
+        rid = self.broker.next_id()
+        env = RequestEnvelope(
+            id=rid,
+            model=model,
+            version=v,
+            inputs=req.inputs,
+            reply_to=self.broker.reply_key,
+            enqueued_at_us=time.time_ns() // 1000,
+            outputs=req.outputs,
+            parameters=req.parameters,
+            priority=req.priority,
+            client_id=req.client_id,
+        )
+        fut = self.broker.expect(rid)
+        try:
+            await self.broker.enqueue(self.broker.keys.queue(model), encode_request(env))
+            reply = await fut
+        finally:
+            self.broker.forget(rid)
+        if not reply.ok:
+            raise from_code(reply.error_code, reply.error_message)
+        body_out, hlen = render_infer(model, v, req, reply.outputs or [], reply.parameters)
+        return InferResult(body_out, hlen)
+
+
+async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any, name: str | None,
+                           version: str | None) -> dict[str, Any]:
+    """The statistics extension: every READY version (or the one asked for), summed across workers."""
+    if name:
+        view, v = catalog.resolve(name, version)
+        targets = [(name, [v])]
+    else:
+        targets = [(n, catalog.ready_versions(n)) for n in sorted(catalog.views)]
+        targets = [(n, vs) for n, vs in targets if vs]
+    pipe = client.pipeline(transaction=False)
+    for n, _ in targets:
+        pipe.hgetall(key_of(n))
+    raws = await pipe.execute()
+    out = []
+    for (n, versions), raw in zip(targets, raws, strict=True):
+        decoded = {k.decode(): int(val) for k, val in raw.items()}
+        out.extend(render_model_stats(n, v, decoded) for v in versions)
+    if name and not out:
+        raise ModelNotReady(f"model '{name}' has no ready version")
+    return {"model_stats": out}

@@ -1,0 +1,37 @@
+"""THE ErrorCode -> HTTP status table and the single handler that writes `{"error": "..."}`."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fleet.errors import ErrorCode, ServingError
+
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARG: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.ALREADY_EXISTS: 400,
+    ErrorCode.CANCELLED: 400,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.UNKNOWN: 400,
+}
+
+
+def status_for(code: ErrorCode) -> int:
+    return STATUS.get(code, 500)
+
+
+def error_response(status: int, message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def serving_error_response(exc: ServingError) -> Response:
+    return error_response(status_for(exc.code), exc.message)
+
+
+async def handle_serving_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServingError)
+    return serving_error_response(exc)

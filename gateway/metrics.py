@@ -1,0 +1,81 @@
+"""Prometheus metrics with Triton's names, computed at scrape time from the counters the workers keep
+in Redis, so every gateway reports the fleet-wide totals (no per-process state to aggregate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from fleet.stats import field
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_COUNTERS = [
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", "success:count"),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)", "inference_count"),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+     "execution_count"),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", "success:ns"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", "queue:ns"),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+     "compute_input:ns"),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+     "compute_infer:ns"),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
+     "compute_output:ns"),
+]
+
+
+class _Snapshot(Collector):
+    def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int) -> None:
+        self.rows = rows  # (model, version, decoded stats hash, queue depth)
+        self.workers = workers
+
+    def collect(self) -> Any:
+        labels = ["model", "version"]
+        for metric, doc, key in _COUNTERS:
+            fam = CounterMetricFamily(metric, doc, labels=labels)
+            for model, version, raw, _ in self.rows:
+                value = raw.get(field(version, key), 0)
+                fam.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
+            yield fam
+        fail = CounterMetricFamily("nv_inference_request_failure", "Number of failed inference requests",
+                                   labels=["model", "version", "reason"])
+        pending = GaugeMetricFamily("nv_inference_pending_request_count",
+                                    "Instantaneous number of pending requests awaiting execution per-model.",
+                                    labels=labels)
+        for model, version, raw, depth in self.rows:
+            fail.add_metric([model, str(version), "BACKEND"], raw.get(field(version, "fail:count"), 0))
+            pending.add_metric([model, str(version)], depth)
+        yield fail
+        yield pending
+        yield GaugeMetricFamily("fleet_workers", "Live workers (fresh heartbeat)", value=self.workers)
+
+
+async def metrics(request: Request) -> Response:
+    st = request.app.state.fleet
+    names = sorted(st.catalog.views)
+    pipe = st.client.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(st.keys.stats(n))
+        pipe.xlen(st.keys.queue(n))
+    results = await pipe.execute()
+    rows = []
+    for i, n in enumerate(names):
+        raw = {k.decode(): int(v) for k, v in results[2 * i].items()}
+        depth = int(results[2 * i + 1])
+        for v in st.catalog.view(n).entry.versions:
+            rows.append((n, v, raw, depth))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(rows, st.catalog.workers))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+
+def metrics_route() -> Route:
+    return Route("/metrics", metrics, methods=["GET"])

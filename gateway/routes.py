@@ -1,0 +1,176 @@
+"""KServe v2 REST routes with Triton's extensions. HTTP only: everything else is in dataplane/catalog.
+
+Every route is a plain Starlette endpoint (no FastAPI dependency layer): the infer route is the hot
+path, and design.md measured FastAPI's per-route layer at up to 2x the cost of a bare handler.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from fleet.errors import InvalidInput, ModelNotReady, Unsupported, VersionNotFound
+from gateway.codec import decompress
+from gateway.state import GatewayState
+
+SERVER_VERSION = "2.51.0"
+EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration", "binary_tensor_data",
+              "parameters", "statistics"]
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.fleet  # type: ignore[no-any-return]
+
+
+def _version(request: Request) -> str | None:
+    version = request.path_params.get("version")
+    if version is None or version == "":
+        return None
+    if not version.isdigit():
+        raise VersionNotFound(request.path_params["name"], version)
+    return str(version)
+
+
+def _json(doc: Any, status: int = 200) -> Response:
+    return Response(json.dumps(doc, separators=(",", ":")), status_code=status, media_type="application/json")
+
+
+async def live(request: Request) -> Response:
+    return _json({"live": True})
+
+
+async def ready(request: Request) -> Response:
+    st = _state(request)
+    try:
+        await st.broker.ping()
+    except Exception:
+        return _json({"ready": False, "error": "Redis is not reachable"}, 400)
+    if not st.catalog.all_ready():
+        return _json({"ready": False, "error": "not every model has a ready worker"}, 400)
+    return _json({"ready": True})
+
+
+async def server_metadata(request: Request) -> Response:
+    return _json({"name": "triton", "version": SERVER_VERSION, "extensions": EXTENSIONS,
+                  "server": "fleet"})
+
+
+async def model_metadata(request: Request) -> Response:
+    st = _state(request)
+    name = request.path_params["name"]
+    version = _version(request)
+    view = st.catalog.view(name)
+    if version is not None:
+        if int(version) not in view.entry.versions:
+            raise VersionNotFound(name, version)
+        versions = [version]
+    else:
+        ready = st.catalog.ready_versions(name) or list(view.entry.versions)
+        versions = [str(v) for v in ready]
+    return _json({
+        "name": name,
+        "versions": versions,
+        "platform": view.entry.spec.metadata_platform,
+        "inputs": view.metadata_inputs,
+        "outputs": view.metadata_outputs,
+    })
+
+
+async def model_ready(request: Request) -> Response:
+    st = _state(request)
+    try:
+        st.catalog.resolve(request.path_params["name"], _version(request))
+    except ModelNotReady:
+        return JSONResponse({"error": "Model version not ready"}, status_code=400)
+    return _json({"name": request.path_params["name"], "ready": True})
+
+
+async def model_config(request: Request) -> Response:
+    st = _state(request)
+    name = request.path_params["name"]
+    view = st.catalog.view(name)
+    version = _version(request)
+    if version is not None and int(version) not in view.entry.versions:
+        raise VersionNotFound(name, version)
+    return _json(view.config_json)
+
+
+async def model_stats(request: Request) -> Response:
+    st = _state(request)
+    name = request.path_params.get("name")
+    doc = await st.statistics(name, _version(request) if name else None)
+    return _json(doc)
+
+
+async def infer(request: Request) -> Response:
+    st = _state(request)
+    body = await request.body()
+    if len(body) > st.settings.max_input_bytes:
+        raise InvalidInput(f"request body of {len(body)} bytes exceeds the limit of {st.settings.max_input_bytes}")
+    body = decompress(body, request.headers.get("content-encoding"))
+    result = await st.dataplane.infer(
+        request.path_params["name"], _version(request), body,
+        request.headers.get("inference-header-content-length"),
+    )
+    if result.header_length is None:
+        return Response(result.body, media_type="application/json")
+    return Response(result.body, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(result.header_length)})
+
+
+async def repository_index(request: Request) -> Response:
+    st = _state(request)
+    body = await request.body()
+    only_ready = False
+    if body.strip():
+        try:
+            only_ready = bool(json.loads(body).get("ready", False))
+        except (ValueError, AttributeError) as exc:
+            raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from exc
+    items: list[dict[str, Any]] = []
+    for name in sorted(st.catalog.views):
+        versions = st.catalog.view(name).entry.versions
+        for v in versions:
+            is_ready = (name, v) in st.catalog.ready
+            if only_ready and not is_ready:
+                continue
+            item: dict[str, Any] = {"name": name, "version": str(v), "state": "READY" if is_ready else "UNAVAILABLE"}
+            reason = st.catalog.failures.get(name)
+            if not is_ready and reason:
+                item["reason"] = reason
+            items.append(item)
+    if not only_ready:
+        items.extend({"name": n, "state": "UNAVAILABLE", "reason": why}
+                     for n, why in sorted(st.catalog.repository.errors.items()))
+    return _json(items)
+
+
+async def repository_control(request: Request) -> Response:
+    raise Unsupported("explicit model control (load/unload) is not enabled on this server yet")
+
+
+def model_routes(suffix: str, endpoint: Any, methods: list[str]) -> list[Route]:
+    return [
+        Route(f"/v2/models/{{name}}{suffix}", endpoint, methods=methods),
+        Route(f"/v2/models/{{name}}/versions/{{version}}{suffix}", endpoint, methods=methods),
+    ]
+
+
+ROUTES: list[Route] = [
+    Route("/v2/health/live", live, methods=["GET"]),
+    Route("/v2/health/ready", ready, methods=["GET"]),
+    Route("/v2", server_metadata, methods=["GET"]),
+    Route("/v2/models/stats", model_stats, methods=["GET"]),
+    *model_routes("/infer", infer, ["POST"]),
+    *model_routes("/ready", model_ready, ["GET"]),
+    *model_routes("/config", model_config, ["GET"]),
+    *model_routes("/stats", model_stats, ["GET"]),
+    *model_routes("", model_metadata, ["GET"]),
+    Route("/v2/repository/index", repository_index, methods=["POST"]),
+    Route("/v2/repository/models/{name}/load", repository_control, methods=["POST"]),
+    Route("/v2/repository/models/{name}/unload", repository_control, methods=["POST"]),
+]

@@ -1,0 +1,79 @@
+"""Everything one gateway process holds: settings, catalog, broker, and the readiness refresher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fleet.keys import Keys
+from fleet.repository import scan
+from fleet.settings import Settings
+from gateway.broker import Broker
+from gateway.catalog import Catalog
+from gateway.dataplane import DataPlane, model_statistics
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_POLL_S = 0.5
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    # RESP2 explicitly: redis-py 8 defaults to RESP3, whose reply shapes differ.
+    return aioredis.Redis.from_url(url, protocol=2, decode_responses=False, health_check_interval=30)
+
+
+class GatewayState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        repository = scan(list(settings.model_repositories))
+        for name, why in repository.errors.items():
+            log.error("model '%s' cannot be served: %s", name, why)
+        self.catalog = Catalog.from_repository(repository)
+        url = settings.redis_url_or_default
+        self.client = redis_client(url)
+        gateway_id = settings.gateway_id or f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.broker = Broker(self.client, redis_client(url), self.keys, gateway_id,
+                             block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s)
+        self.dataplane = DataPlane(self.catalog, self.broker)
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.broker.start()
+        await self.refresh_readiness()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="readiness")
+        log.info("gateway %s serving %d models: %s", self.broker.gateway_id, len(self.catalog.views),
+                 ", ".join(sorted(self.catalog.views)))
+
+    async def stop(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        await self.broker.stop()
+
+    async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
+        return await model_statistics(self.catalog, self.client, self.keys.stats, name, version)
+
+    async def refresh_readiness(self) -> None:
+        """Read every live worker's heartbeat; an expired key means that worker is gone."""
+        keys = [k async for k in self.client.scan_iter(match=self.keys.worker_pattern(), count=1000)]
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        beats = [b for b in await pipe.execute() if b] if keys else []
+        self.catalog.update_from_heartbeats(beats)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_POLL_S)
+            try:
+                await self.refresh_readiness()
+            except (RedisError, OSError) as exc:
+                log.warning("cannot read worker heartbeats: %s", exc)
+                self.catalog.update_from_heartbeats([])

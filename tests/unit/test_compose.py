@@ -1,0 +1,343 @@
+"""compose.yaml and the Dockerfile, checked without a Docker engine.
+
+The file is validated by the `compose-spec` package (the compose specification's schema, offline), then
+checked for what the schema cannot know: every `depends_on` target exists, Redis persists with AOF, the
+published ports and mounts match the flags, and each service's command line is one that `fleet`'s own
+parser accepts, as the container would run it (ENTRYPOINT + command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from compose_spec import PyCompose
+
+from fleet.cli import build_parser, settings_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+
+# service -> the `fleet` subcommand its container must run
+FLEET_SERVICES = {"gateway": "gateway", "worker": "worker"}
+
+
+# ── helpers ──────────────────────────────────────────────────────────────────
+
+
+def load_compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict), "compose.yaml is not a mapping"
+    return data
+
+
+def validate_compose_text(text: str) -> None:
+    """Raise ValueError (with line/column) when `text` is not a valid compose file."""
+    compose = PyCompose.from_yaml(text)
+    compose.validate()
+    compose.validate_volumes()
+    compose.validate_networks()
+    compose.to_spec()  # the pydantic model of the full specification
+
+
+def missing_depends_on(services: dict[str, Any]) -> list[str]:
+    """`service -> target` for every depends_on entry naming no service in the file."""
+    missing = []
+    for name, service in services.items():
+        depends_on = service.get("depends_on") or {}
+        targets = list(depends_on) if isinstance(depends_on, (dict, list)) else []
+        missing += [f"{name} -> {target}" for target in targets if target not in services]
+    return missing
+
+
+def join_continuations(text: str) -> list[str]:
+    """Dockerfile instructions, one per entry, with `\\` continuations joined and comments dropped."""
+    instructions: list[str] = []
+    current = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        instructions.append(current)
+        current = ""
+    if current:
+        instructions.append(current)
+    return instructions
+
+
+def dockerfile_entrypoint(text: str) -> list[str]:
+    """The effective ENTRYPOINT (the last one) in exec form; fails on the shell form."""
+    entrypoints = [i for i in join_continuations(text) if re.match(r"(?i)^ENTRYPOINT\s", i)]
+    assert entrypoints, "Dockerfile has no ENTRYPOINT"
+    body = entrypoints[-1].split(None, 1)[1].strip()
+    try:
+        argv = json.loads(body)
+    except json.JSONDecodeError:
+        pytest.fail(f"ENTRYPOINT must use the exec (JSON) form so signals reach fleet, got: {body}")
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), body
+    return argv
+
+
+def container_argv(entrypoint: list[str], command: Any) -> list[str]:
+    """The arguments `fleet` receives: ENTRYPOINT ["fleet"] + the service's command list."""
+    assert entrypoint == ["fleet"], f"expected ENTRYPOINT [\"fleet\"], got {entrypoint}"
+    assert isinstance(command, list) and all(isinstance(a, str) for a in command), (
+        f"command must be a list of strings (exec form), got {command!r}"
+    )
+    return list(command)
+
+
+def parse_fleet_argv(argv: list[str], expected_subcommand: str) -> argparse.Namespace:
+    """Parse argv with the real `fleet` parser; AssertionError with argparse's message on failure."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        raise AssertionError(
+            f"`fleet {' '.join(argv)}` is rejected by fleet.cli.build_parser() "
+            f"(exit {exc.code}): {stderr.getvalue().strip()}"
+        ) from None
+    assert args.command == expected_subcommand, (
+        f"`fleet {' '.join(argv)}` runs subcommand {args.command!r}, expected {expected_subcommand!r}"
+    )
+    return args
+
+
+def published_ports(service: dict[str, Any]) -> set[tuple[int, int]]:
+    """(published, target) pairs from short ("[ip:]8000:8000[/tcp]") or long port syntax."""
+    pairs = set()
+    for port in service.get("ports") or []:
+        if isinstance(port, dict):
+            pairs.add((int(port["published"]), int(port["target"])))
+            continue
+        spec = str(port).split("/")[0]
+        parts = spec.split(":")
+        assert len(parts) >= 2, f"port {port!r} publishes no host port"
+        pairs.add((int(parts[-2]), int(parts[-1])))
+    return pairs
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """target -> (source, read_only) from short ("src:dst[:ro]") or long volume syntax."""
+    result = {}
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            result[volume["target"]] = (volume.get("source", ""), bool(volume.get("read_only")))
+            continue
+        parts = str(volume).split(":")
+        source, target = parts[0], parts[1]
+        options = parts[2].split(",") if len(parts) > 2 else []
+        result[target] = (source, "ro" in options)
+    return result
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+# ── fixtures ─────────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    services = compose.get("services")
+    assert isinstance(services, dict) and services, "compose.yaml defines no services"
+    return services
+
+
+@pytest.fixture(scope="module")
+def entrypoint() -> list[str]:
+    return dockerfile_entrypoint(DOCKERFILE.read_text())
+
+
+# ── the file as a whole ──────────────────────────────────────────────────────
+
+
+def test_compose_file_validates_against_the_compose_spec() -> None:
+    try:
+        validate_compose_text(COMPOSE_FILE.read_text())
+    except ValueError as exc:
+        pytest.fail(f"compose.yaml is not a valid compose file: {exc}")
+
+
+def test_the_validator_rejects_an_invalid_file() -> None:
+    broken = COMPOSE_FILE.read_text().replace("restart: unless-stopped", "restart: sometimes", 1)
+    with pytest.raises(ValueError, match="restart"):
+        validate_compose_text(broken)
+
+
+def test_project_is_named_fleet(compose: dict[str, Any]) -> None:
+    assert compose.get("name") == "fleet"
+
+
+def test_every_depends_on_target_is_a_service(services: dict[str, Any]) -> None:
+    assert missing_depends_on(services) == []
+
+
+def test_depends_on_check_catches_a_missing_service(services: dict[str, Any]) -> None:
+    broken = {**services, "gateway": {**services["gateway"], "depends_on": {"valkey": {}}}}
+    assert missing_depends_on(broken) == ["gateway -> valkey"]
+
+
+def test_named_volumes_are_declared(compose: dict[str, Any], services: dict[str, Any]) -> None:
+    declared = set(compose.get("volumes") or {})
+    for name, service in services.items():
+        for target, (source, _) in mounts(service).items():
+            if source and not source.startswith((".", "/", "~")):
+                assert source in declared, f"{name}: volume {source!r} for {target} is not declared"
+
+
+# ── redis ────────────────────────────────────────────────────────────────────
+
+
+def test_redis_persists_with_aof_and_is_healthchecked(services: dict[str, Any]) -> None:
+    redis = services["redis"]
+    assert re.match(r"(valkey/valkey|redis):", redis["image"]), redis["image"]
+    command = redis["command"]
+    argv = command if isinstance(command, list) else command.split()
+    assert argv[argv.index("--appendonly") + 1] == "yes"
+    assert argv[argv.index("--appendfsync") + 1] == "everysec"
+    assert "/data" in mounts(redis), "redis data (the AOF) must live on a volume at /data"
+    test = redis["healthcheck"]["test"]
+    assert any(cli in test for cli in ("valkey-cli", "redis-cli")) and "ping" in test, test
+
+
+def test_fleet_services_wait_for_a_healthy_redis(services: dict[str, Any]) -> None:
+    for name in FLEET_SERVICES:
+        depends_on = services[name]["depends_on"]
+        assert depends_on["redis"]["condition"] == "service_healthy", name
+        url = environment(services[name])["REDIS_URL"]
+        host = re.match(r"redis://([^:/]+)", url)
+        assert host and host.group(1) in services, f"{name}: REDIS_URL {url} names no service"
+
+
+# ── the Dockerfile and the command lines ─────────────────────────────────────
+
+
+def test_dockerfile_entrypoint_is_fleet(entrypoint: list[str]) -> None:
+    assert entrypoint == ["fleet"]
+
+
+def test_dockerfile_runs_as_non_root_on_python_slim() -> None:
+    instructions = join_continuations(DOCKERFILE.read_text())
+    froms = [i for i in instructions if re.match(r"(?i)^FROM\s", i)]
+    assert froms and froms[-1].split()[1] == "python:3.11-slim"
+    users = [i.split()[1] for i in instructions if re.match(r"(?i)^USER\s", i)]
+    assert users and users[-1] not in ("root", "0"), "the image must not run as root"
+
+
+def test_project_installs_the_fleet_script() -> None:
+    pyproject = ROOT / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("pyproject.toml not written yet; the image's ENTRYPOINT needs its `fleet` script")
+    scripts = tomllib.loads(pyproject.read_text()).get("project", {}).get("scripts", {})
+    assert scripts.get("fleet", "").startswith("fleet.cli:"), (
+        "pyproject.toml must declare [project.scripts] fleet = \"fleet.cli:main\" (ENTRYPOINT [\"fleet\"])"
+    )
+
+
+@pytest.mark.parametrize(("service", "subcommand"), sorted(FLEET_SERVICES.items()))
+def test_service_command_is_accepted_by_the_fleet_cli(
+    services: dict[str, Any], entrypoint: list[str], service: str, subcommand: str
+) -> None:
+    argv = container_argv(entrypoint, services[service]["command"])
+    args = parse_fleet_argv(argv, subcommand)
+    assert args.model_repository == [Path("/models")]
+
+
+def test_a_bogus_flag_fails_the_command_check(services: dict[str, Any], entrypoint: list[str]) -> None:
+    argv = container_argv(entrypoint, services["gateway"]["command"]) + ["--bogus-flag", "1"]
+    with pytest.raises(AssertionError, match="--bogus-flag"):
+        parse_fleet_argv(argv, "gateway")
+
+
+def test_a_wrong_subcommand_fails_the_command_check(services: dict[str, Any], entrypoint: list[str]) -> None:
+    argv = container_argv(entrypoint, services["worker"]["command"])
+    with pytest.raises(AssertionError, match="expected 'gateway'"):
+        parse_fleet_argv(argv, "gateway")
+
+
+def test_a_shell_form_command_fails_the_command_check(entrypoint: list[str]) -> None:
+    with pytest.raises(AssertionError, match="exec form"):
+        container_argv(entrypoint, "gateway --http-port 8000")
+
+
+@pytest.mark.parametrize("service", sorted(FLEET_SERVICES))
+def test_settings_resolve_as_in_the_container(
+    services: dict[str, Any], entrypoint: list[str], service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings built from the container's environment and flags point at the compose Redis."""
+    for key in list(os.environ):
+        if key.startswith("FLEET_") or key == "REDIS_URL":
+            monkeypatch.delenv(key)
+    for key, value in environment(services[service]).items():
+        monkeypatch.setenv(key, value)
+    args = parse_fleet_argv(container_argv(entrypoint, services[service]["command"]), FLEET_SERVICES[service])
+    settings = settings_from_args(args)
+    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.model_repositories == (Path("/models"),)
+
+
+# ── gateway ──────────────────────────────────────────────────────────────────
+
+
+def test_gateway_publishes_its_http_and_metrics_ports(services: dict[str, Any], entrypoint: list[str]) -> None:
+    gateway = services["gateway"]
+    args = parse_fleet_argv(container_argv(entrypoint, gateway["command"]), "gateway")
+    assert (args.http_port, args.metrics_port) == (8000, 8002)
+    assert {(8000, 8000), (8002, 8002)} <= published_ports(gateway)
+    # the default bind address (127.0.0.1) would be unreachable through a published port
+    assert args.http_address == "0.0.0.0"
+
+
+def test_gateway_mounts_the_repository_read_only_and_is_healthchecked(services: dict[str, Any]) -> None:
+    gateway = services["gateway"]
+    assert mounts(gateway)["/models"] == ("./model_repository", True)
+    test = " ".join(gateway["healthcheck"]["test"])
+    assert "/v2/health/live" in test and ":8000" in test and "curl" not in test
+    assert gateway["restart"] == "unless-stopped"
+    assert "stop_grace_period" in gateway
+
+
+# ── worker ───────────────────────────────────────────────────────────────────
+
+
+def test_worker_reserves_a_gpu_and_uses_it(services: dict[str, Any], entrypoint: list[str]) -> None:
+    worker = services["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), devices
+    assert worker["deploy"]["replicas"] >= 1
+    args = parse_fleet_argv(container_argv(entrypoint, worker["command"]), "worker")
+    assert args.device.startswith("cuda:")
+
+
+def test_worker_mounts_the_repository_and_drains_on_stop(services: dict[str, Any]) -> None:
+    worker = services["worker"]
+    source, _ = mounts(worker)["/models"]
+    assert source == "./model_repository"
+    assert worker["stop_grace_period"] == "30s"

@@ -1,0 +1,37 @@
+"""Length-prefixed msgpack frames over a pipe: the Python backend's worker <-> stub channel."""
+
+from __future__ import annotations
+
+import struct
+from typing import IO, Any
+
+import msgpack
+
+_LEN = struct.Struct("<I")
+
+
+class PipeClosed(EOFError):
+    pass
+
+
+def write_frame(out: IO[bytes], message: Any) -> None:
+    payload = msgpack.packb(message, use_bin_type=True)
+    out.write(_LEN.pack(len(payload)))
+    out.write(payload)
+    out.flush()
+
+
+def _read_exactly(inp: IO[bytes], n: int) -> bytes:
+    chunks: list[bytes] = []
+    while n:
+        chunk = inp.read(n)
+        if not chunk:
+            raise PipeClosed("the other end closed the pipe")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(inp: IO[bytes]) -> Any:
+    (n,) = _LEN.unpack(_read_exactly(inp, 4))
+    return msgpack.unpackb(_read_exactly(inp, n), raw=False)

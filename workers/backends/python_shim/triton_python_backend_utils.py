@@ -1,0 +1,603 @@
+"""fleet's stand-in for Triton's `triton_python_backend_utils` (imported by models as `pb_utils`).
+
+The Python backend worker puts this folder on `sys.path` in the model's subprocess, so a Triton
+Python-backend `model.py` runs unchanged. The surface follows protocol.md §5.2 and Triton's
+python_backend (`src/resources/triton_python_backend_utils.py` for the pure-Python helpers,
+`src/pb_stub.cc` for the pybind classes); argument names and defaults match Triton's.
+
+What the worker uses (underscore names are fleet-internal, not part of Triton's surface):
+    _incoming_request(inputs, ...) -> InferenceRequest   build what execute() receives
+    Tensor._datatype()                                    protocol name ("FP32", "BYTES", ...)
+    InferenceResponse.output_tensors()/.error()           read a returned response
+    TritonError.code().name                               "INTERNAL", "INVALID_ARG", ... (fleet ErrorCode)
+    request.get_response_sender().sent                    [(response | None, flags), ...] in send order
+    request._release_flags                                what the model passed to set_release_flags
+    _bls_executor / _bls_async_executor                   hooks that make BLS exec()/async_exec() work
+
+torch is never imported at module import time (only inside the DLPack helpers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fleet.tensors import deserialize_bytes, serialize_bytes
+
+log = logging.getLogger(__name__)
+
+# --- constants (TRITONSERVER_* values as pb_stub.cc exports them) --------------------------------
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+# PreferredMemory::MemoryType in the python backend (GPU=0, CPU=1, DEFAULT=2).
+TRITONSERVER_MEMORY_GPU = 0
+TRITONSERVER_MEMORY_CPU = 1
+_MEMORY_DEFAULT = 2
+
+_BLS_UNSUPPORTED = "BLS (calling another model from a Python model) is not supported yet"
+_MODEL_CONTROL_UNSUPPORTED = "Model control from a Python model is not supported yet"
+
+# Set by the worker to enable BLS: `_bls_executor(request, decoupled)` returns an InferenceResponse
+# (or an iterator of them when decoupled). `_bls_async_executor` is the awaitable twin; without it
+# async_exec() runs `_bls_executor` in a thread.
+_bls_executor: Callable[[InferenceRequest, bool], Any] | None = None
+_bls_async_executor: Callable[[InferenceRequest, bool], Any] | None = None
+
+
+class PreferredMemory:
+    def __init__(self, preferred_memory_type: int = _MEMORY_DEFAULT, preferred_device_id: int = 0):
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+# --- datatypes ----------------------------------------------------------------------------------
+# TRITONSERVER_DataType: (enum value, protocol name, numpy type). BF16 has no numpy type: fleet
+# widens it to float32 (fleet.datatypes), so that is what a BF16 tensor holds here.
+
+_DTYPES: list[tuple[int, str, Any]] = [
+    (1, "BOOL", np.bool_),
+    (2, "UINT8", np.uint8),
+    (3, "UINT16", np.uint16),
+    (4, "UINT32", np.uint32),
+    (5, "UINT64", np.uint64),
+    (6, "INT8", np.int8),
+    (7, "INT16", np.int16),
+    (8, "INT32", np.int32),
+    (9, "INT64", np.int64),
+    (10, "FP16", np.float16),
+    (11, "FP32", np.float32),
+    (12, "FP64", np.float64),
+    (13, "BYTES", np.object_),
+    (14, "BF16", np.float32),
+]
+TYPE_INVALID = 0
+_TO_NUMPY = {code: np_type for code, _, np_type in _DTYPES}
+_TO_NAME = {code: name for code, name, _ in _DTYPES}
+_FROM_NAME = {name: code for code, name, _ in _DTYPES}
+_FROM_NUMPY = {np.dtype(np_type): code for code, _, np_type in _DTYPES[:12]}
+
+# Same table as Triton's (TYPE_BOOL maps to Python's bool there too).
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    """numpy type for a config data_type such as "TYPE_FP32"; KeyError if unknown."""
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """numpy type for a TRITONSERVER_DataType value (None if unknown; BF16 -> float32)."""
+    return _TO_NUMPY.get(int(data_type))
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """TRITONSERVER_DataType value for a numpy dtype or type (object/bytes/str -> BYTES)."""
+    try:
+        dt = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dt.kind in ("O", "S", "U"):
+        return 13
+    return _FROM_NUMPY.get(dt)
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | None:
+    """Flatten a BYTES array (C order) to <u32 LE length><bytes> elements; None for other dtypes."""
+    if input_tensor.dtype.kind not in ("O", "S", "U"):
+        return None
+    return serialize_bytes(input_tensor)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
+    """Inverse of serialize_byte_tensor: a 1-D object array of bytes."""
+    return deserialize_bytes(encoded_tensor)
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class _ErrorCode(enum.IntEnum):
+    # TRITONSERVER_Error_Code; the names are fleet's ErrorCode values.
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+
+class TritonError:
+    """An error to put in an InferenceResponse; the code maps to an HTTP status (protocol §1.13)."""
+
+    UNKNOWN = _ErrorCode.UNKNOWN
+    INTERNAL = _ErrorCode.INTERNAL
+    NOT_FOUND = _ErrorCode.NOT_FOUND
+    INVALID_ARG = _ErrorCode.INVALID_ARG
+    UNAVAILABLE = _ErrorCode.UNAVAILABLE
+    UNSUPPORTED = _ErrorCode.UNSUPPORTED
+    ALREADY_EXISTS = _ErrorCode.ALREADY_EXISTS
+    CANCELLED = _ErrorCode.CANCELLED
+
+    def __init__(self, message: str, code: int = _ErrorCode.INTERNAL) -> None:
+        self._message = message
+        self._code = _ErrorCode(code)
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> _ErrorCode:
+        return self._code
+
+    def __str__(self) -> str:
+        return self._message
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, code=TritonError.{self._code.name})"
+
+
+class TritonModelException(Exception):
+    """Raised for fatal model errors and BLS failures."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self._message = message
+
+    def message(self) -> str:
+        return self._message
+
+
+# --- tensors ------------------------------------------------------------------------------------
+
+
+class Tensor:
+    """A named numpy array. BYTES tensors are object arrays of bytes.
+
+    `triton_dtype` (fleet extension, as in older Triton releases) pins the datatype when numpy
+    cannot express it, e.g. 14 (BF16) over a float32 array.
+    """
+
+    def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None) -> None:
+        array = np.asarray(numpy_array)
+        if array.dtype.kind in ("S", "U"):
+            array = _to_object_bytes(array)
+        code = numpy_to_triton_type(array.dtype) if triton_dtype is None else int(triton_dtype)
+        if code is None or code not in _TO_NAME:
+            raise TritonModelException(
+                f"Tensor '{name}': numpy dtype {array.dtype} is not supported by the Python backend"
+            )
+        self._name = name
+        self._array = array
+        self._triton_dtype = code
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def triton_dtype(self) -> int:
+        return self._triton_dtype
+
+    def _datatype(self) -> str:
+        return _TO_NAME[self._triton_dtype]
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule over the data (copied first if read-only or non-contiguous)."""
+        return _exportable(self)._array.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return _exportable(self)._array.__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU, device 0
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """A Tensor from a DLPack capsule or any object with __dlpack__ (GPU data is copied to CPU)."""
+        if hasattr(capsule, "__dlpack__"):
+            try:
+                return Tensor(name, np.from_dlpack(capsule))
+            except (BufferError, TypeError, RuntimeError, ValueError):
+                pass  # non-CPU device or a dtype numpy lacks (bf16): let torch convert it
+        import torch  # lazy: the shim must stay importable without paying for torch
+        import torch.utils.dlpack
+
+        t = torch.utils.dlpack.from_dlpack(capsule).detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return Tensor(name, t.float().numpy(), triton_dtype=_FROM_NAME["BF16"])
+        return Tensor(name, t.numpy())
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, {self._datatype()}, shape={self.shape()})"
+
+
+def _to_object_bytes(array: np.ndarray) -> np.ndarray:
+    out = np.empty(array.shape, dtype=np.object_)
+    flat = out.reshape(-1)
+    for i, item in enumerate(array.reshape(-1).tolist()):
+        flat[i] = item.encode() if isinstance(item, str) else bytes(item)
+    return out
+
+
+def _exportable(tensor: Tensor) -> Tensor:
+    array = tensor._array
+    if array.dtype == np.object_:
+        raise TritonModelException(f"Tensor '{tensor._name}': BYTES tensors cannot be shared via DLPack")
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        return Tensor(tensor._name, np.array(array, copy=True, order="C"), tensor._triton_dtype)
+    return tensor
+
+
+# --- requests, responses, response sender -------------------------------------------------------
+
+
+def _parameters_json(parameters: Any) -> str:
+    if parameters is None:
+        return "{}"
+    if isinstance(parameters, str):
+        json.loads(parameters)  # validate; keeps a JSON string the worker already has
+        return parameters
+    if not isinstance(parameters, Mapping):
+        raise TritonModelException("parameters must be a dict of str -> bool | int | str")
+    for key, value in parameters.items():
+        if not isinstance(key, str) or not isinstance(value, (bool, int, str)):
+            raise TritonModelException(
+                f"parameter '{key}' must have a str key and a bool, int or str value"
+            )
+    return json.dumps(dict(parameters))
+
+
+class InferenceResponse:
+    """One response: output tensors or an error, plus optional parameters (dict of bool/int/str)."""
+
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
+    ) -> None:
+        if output_tensors is None:
+            output_tensors = []
+        if not isinstance(output_tensors, (list, tuple)):
+            raise TritonModelException('"output_tensors" must be a list.')
+        for t in output_tensors:
+            if not isinstance(t, Tensor):
+                raise TritonModelException('"output_tensors" must contain pb_utils.Tensor objects.')
+        if error is not None and not isinstance(error, TritonError):
+            raise TritonModelException('"error" must be a pb_utils.TritonError or None.')
+        self._output_tensors = list(output_tensors)
+        self._error = error
+        self._parameters = _parameters_json(parameters)
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class InferenceResponseSender:
+    """Collects what a model sends for one request, in order, as (response | None, flags) in `sent`.
+
+    `on_send(response, flags)` (fleet extension) lets the worker stream each send as it happens.
+    Exactly one send carries TRITONSERVER_RESPONSE_COMPLETE_FINAL; later sends raise.
+    """
+
+    def __init__(self, on_send: Callable[[InferenceResponse | None, int], None] | None = None) -> None:
+        self.sent: list[tuple[InferenceResponse | None, int]] = []
+        self._on_send = on_send
+        self._closed = False
+        self._cancelled = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if response is None and flags != TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            raise TritonModelException(
+                "Inference Response object must be provided when the response flags is set to zero."
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException("send() expects a pb_utils.InferenceResponse")
+        if flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self._closed = True
+        self.sent.append((response, flags))
+        if self._on_send is not None:
+            self._on_send(response, flags)
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def closed(self) -> bool:
+        """True once the final flag has been sent."""
+        return self._closed
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+
+
+class InferenceRequest:
+    """A request: the one execute() receives, or (BLS) one a model builds to call another model.
+
+    The constructor is the BLS one (Triton's argument order and defaults). Incoming requests are
+    built by `_incoming_request`, which also attaches a response sender.
+    """
+
+    def __init__(
+        self,
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        inputs: Sequence[Tensor] | None = None,
+        requested_output_names: Sequence[str] | None = None,
+        model_name: str | None = None,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: PreferredMemory | None = None,
+        trace: Any = None,
+        parameters: Mapping[str, Any] | str | None = None,
+    ) -> None:
+        if inputs is None or requested_output_names is None or model_name is None:
+            raise TypeError(
+                "InferenceRequest() needs inputs, requested_output_names and model_name"
+            )
+        if not all(isinstance(t, Tensor) for t in inputs):
+            raise TritonModelException('"inputs" must contain pb_utils.Tensor objects.')
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
+        self._model_name = model_name
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
+        self._preferred_memory = preferred_memory or PreferredMemory()
+        self._trace = trace
+        self._parameters = _parameters_json(parameters)
+        self._response_sender: InferenceResponseSender | None = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        """Timeout in microseconds (0 = none)."""
+        return self._timeout
+
+    def parameters(self) -> str:
+        """The request parameters as a JSON string ("{}" when there are none)."""
+        return self._parameters
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested_output_names
+
+    def model_name(self) -> str:
+        return self._model_name or ""
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._response_sender is None:
+            raise TritonModelException("A BLS request has no response sender.")
+        return self._response_sender
+
+    def is_cancelled(self) -> bool:
+        return self._response_sender is not None and self._response_sender.is_cancelled()
+
+    def set_release_flags(self, flags: int) -> None:
+        self._release_flags = int(flags)
+
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on another model (BLS): an InferenceResponse, or an iterator of them."""
+        if _bls_executor is None:
+            raise TritonModelException(_BLS_UNSUPPORTED)
+        return _bls_executor(self, decoupled)
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        if _bls_async_executor is not None:
+            return await _bls_async_executor(self, decoupled)
+        if _bls_executor is None:
+            raise TritonModelException(_BLS_UNSUPPORTED)
+        result = await asyncio.to_thread(_bls_executor, self, decoupled)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+def _incoming_request(
+    inputs: Iterable[Tensor] | Mapping[str, np.ndarray],
+    request_id: str = "",
+    parameters: Mapping[str, Any] | str | None = None,
+    requested_output_names: Sequence[str] | None = None,
+    correlation_id: int | str = 0,
+    flags: int = 0,
+    timeout: int = 0,
+    model_name: str = "",
+    model_version: int = -1,
+    response_sender: InferenceResponseSender | None = None,
+) -> InferenceRequest:
+    """Build a request as execute() receives it (fleet-internal; the worker and tests use it).
+
+    `inputs` is a list of Tensor or a mapping name -> array. Read-only arrays are copied, because
+    Triton hands models writable inputs (and torch.from_numpy warns on read-only ones); pass
+    writable arrays (np.frombuffer over a bytearray) to avoid the copy. A sender is created when
+    none is given; read what the model sent from `request.get_response_sender().sent`.
+    """
+    if isinstance(inputs, Mapping):
+        tensors = [Tensor(name, array) for name, array in inputs.items()]
+    else:
+        tensors = list(inputs)
+    for i, t in enumerate(tensors):
+        if not t._array.flags.writeable:
+            tensors[i] = Tensor(t._name, t._array.copy(), t._triton_dtype)
+    request = InferenceRequest(
+        request_id=request_id,
+        correlation_id=correlation_id,
+        inputs=tensors,
+        requested_output_names=list(requested_output_names or []),
+        model_name=model_name,
+        model_version=model_version,
+        flags=flags,
+        timeout=timeout,
+        parameters=parameters,
+    )
+    request._response_sender = response_sender or InferenceResponseSender()
+    return request
+
+
+# --- helpers over requests, responses and the model config dict ---------------------------------
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_input_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    for properties in model_config.get("input", []):
+        if properties["name"] == name:
+            return properties  # type: ignore[no-any-return]
+    return None
+
+
+def get_output_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    for properties in model_config.get("output", []):
+        if properties["name"] == name:
+            return properties  # type: ignore[no-any-return]
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config: Mapping[str, Any]) -> bool:
+    policy = model_config.get("model_transaction_policy") or {}
+    return bool(policy.get("decoupled", False))
+
+
+def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None) -> None:
+    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
+
+
+# Logger, ModelConfig (auto_complete_config) and metrics live next door; models see them as
+# pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
+if __package__:
+    from ._pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig
+else:
+    from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig
+
+__all__ = [
+    "TRITONSERVER_MEMORY_CPU",
+    "TRITONSERVER_MEMORY_GPU",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
+    "TRITONSERVER_REQUEST_RELEASE_ALL",
+    "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "TRITON_STRING_TO_NUMPY",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InferenceResponseSender",
+    "Logger",
+    "LogLevel",
+    "Metric",
+    "MetricFamily",
+    "ModelConfig",
+    "PreferredMemory",
+    "Tensor",
+    "TritonError",
+    "TritonModelException",
+    "deserialize_bytes_tensor",
+    "get_input_config_by_name",
+    "get_input_tensor_by_name",
+    "get_output_config_by_name",
+    "get_output_tensor_by_name",
+    "is_model_ready",
+    "load_model",
+    "numpy_to_triton_type",
+    "serialize_byte_tensor",
+    "triton_string_to_numpy",
+    "triton_to_numpy_type",
+    "unload_model",
+    "using_decoupled_model_transaction_policy",
+]

@@ -1,0 +1,152 @@
+"""The Python-backend stub: one subprocess per model instance, like Triton's triton_python_backend_stub.
+
+It imports the model's model.py with fleet's `triton_python_backend_utils` on sys.path, then serves
+frames from the worker: init, execute (a list of requests -> one response per request), finalize.
+User code runs here, so its crash, leak or GIL use costs this instance, not the worker.
+
+    python -m workers.backends.python_stub FD_IN FD_OUT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet import tensors
+from fleet.datatypes import from_numpy
+from workers.backends.frames import PipeClosed, read_frame, write_frame
+
+SHIM_DIR = Path(__file__).parent / "python_shim"
+
+
+def _load_model(model_py: Path) -> Any:
+    sys.path.insert(0, str(model_py.parent))
+    spec = importlib.util.spec_from_file_location("model", model_py)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {model_py}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model"] = module
+    spec.loader.exec_module(module)
+    return module.TritonPythonModel()
+
+
+def _decode_inputs(raw: list[Any]) -> dict[str, np.ndarray]:
+    out = {}
+    for name, datatype, shape, data in raw:
+        dt = tensors.lookup(datatype)
+        if dt.name in ("BYTES", "BF16"):
+            out[name] = tensors.from_bytes(data, dt, shape)
+        else:
+            # bytearray: models get writable inputs, as in Triton.
+            out[name] = np.frombuffer(bytearray(data), dtype=dt.numpy).reshape(shape)
+    return out
+
+
+def _encode_response(pb: Any, response: Any) -> dict[str, Any]:
+    if response is None:
+        return {"e": ["INTERNAL", "the model returned None for a request (decoupled models are not "
+                      "supported on /infer)"]}
+    if response.has_error():
+        err = response.error()
+        return {"e": [err.code().name, err.message()]}
+    outputs = []
+    for t in response.output_tensors():
+        arr = np.asarray(t.as_numpy())
+        dt = from_numpy(arr.dtype)
+        outputs.append([t.name(), dt.name, list(arr.shape), tensors.to_bytes(arr, dt)])
+    params = json.loads(response.parameters() or "{}")
+    return {"o": outputs, "p": params} if params else {"o": outputs}
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.pb: Any = None
+        self.loop = asyncio.new_event_loop()
+
+    def init(self, msg: dict[str, Any]) -> None:
+        sys.path.insert(0, str(SHIM_DIR))
+        import triton_python_backend_utils as pb
+
+        self.pb = pb
+        self.model = _load_model(Path(msg["model_py"]))
+        if hasattr(self.model, "initialize"):
+            self._call(self.model.initialize, msg["args"])
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        result = fn(*args)
+        if inspect.isawaitable(result):
+            result = self.loop.run_until_complete(result)
+        return result
+
+    def execute(self, msg: dict[str, Any]) -> dict[str, Any]:
+        pb = self.pb
+        requests = [
+            pb._incoming_request(
+                _decode_inputs(r["i"]), request_id=r.get("id", ""), parameters=r.get("p") or {},
+                requested_output_names=r.get("o") or [],
+            )
+            for r in msg["requests"]
+        ]
+        try:
+            responses = self._call(self.model.execute, requests)
+        except Exception as exc:  # Triton: an exception fails every request of the call
+            return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        if responses is None:
+            # A model may answer through the response senders instead (one response each).
+            responses = [self._from_sender(r) for r in requests]
+        responses = list(responses)
+        if len(responses) != len(requests):
+            return {"error": f"execute() returned {len(responses)} responses for {len(requests)} requests"}
+        return {"responses": [_encode_response(pb, r) for r in responses]}
+
+    def _from_sender(self, request: Any) -> Any:
+        sent = [resp for resp, _flags in request.get_response_sender().sent if resp is not None]
+        if len(sent) != 1:
+            return self.pb.InferenceResponse(
+                error=self.pb.TritonError(f"expected a single response, got {len(sent)}"))
+        return sent[0]
+
+    def finalize(self) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            self._call(self.model.finalize)
+
+
+def main(argv: list[str]) -> int:
+    inp = os.fdopen(int(argv[1]), "rb", buffering=0)
+    out = os.fdopen(int(argv[2]), "wb")
+    stub = Stub()
+    while True:
+        try:
+            msg = read_frame(inp)
+        except PipeClosed:
+            stub.finalize()
+            return 0
+        op = msg.get("op")
+        try:
+            if op == "init":
+                stub.init(msg)
+                write_frame(out, {"ok": True})
+            elif op == "execute":
+                write_frame(out, stub.execute(msg))
+            elif op == "finalize":
+                stub.finalize()
+                write_frame(out, {"ok": True})
+                return 0
+            else:
+                write_frame(out, {"error": f"unknown op {op!r}"})
+        except Exception as exc:
+            write_frame(out, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

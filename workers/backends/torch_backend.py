@@ -1,0 +1,52 @@
+"""`pytorch_libtorch`: a TorchScript model.pt run in the worker process (torch releases the GIL).
+
+Inputs are fed positionally in config order; the output (tensor, tuple or list) maps to the config's
+outputs in order, as Triton's libtorch backend does without INPUT__i naming.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleet.errors import ConfigError
+from workers.backends.base import InferenceItem, ItemResult, LoadContext, int_parameter, run_merged
+
+
+class TorchBackend:
+    def __init__(self, ctx: LoadContext) -> None:
+        import torch
+
+        self._torch = torch
+        spec = ctx.spec
+        if any(t.datatype.name == "BYTES" for t in (*spec.inputs, *spec.outputs)):
+            raise ConfigError(f"{spec.name}: TorchScript models cannot take or return BYTES tensors")
+        # Process-wide in torch; Triton's pytorch backend reads the same parameter.
+        torch.set_num_threads(max(1, int_parameter(spec, "INTRA_OP_THREAD_COUNT", 1)))
+        self._device = torch.device(ctx.device)
+        path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
+        if not path.exists():
+            raise ConfigError(f"{spec.name}: model file {path} is missing (run `make models`?)")
+        self._module = torch.jit.load(str(path), map_location=self._device).eval()
+        self._spec = spec
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        args = []
+        for t in self._spec.inputs:
+            arr = inputs[t.name]
+            if not arr.flags.writeable:
+                arr = arr.copy()  # torch.from_numpy refuses read-only buffers (zero-copy decode)
+            args.append(torch.from_numpy(arr).to(self._device))
+        with torch.inference_mode():
+            out: Any = self._module(*args)
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        return {t.name: o.detach().cpu().numpy() for t, o in zip(self._spec.outputs, out, strict=False)}
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        return run_merged(self._spec, items, self._run)
+
+    def close(self) -> None:
+        self._module = None

@@ -1,0 +1,74 @@
+"""A worker's Redis I/O on one model's stream: join the consumer group, read, and finish a batch
+(replies + XACK + XDEL + statistics) in one pipelined round trip. Acknowledged only after the replies
+are written, so a worker that dies leaves its messages pending for another to claim."""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from fleet.envelope import ReplyEnvelope, encode_reply
+from fleet.keys import GROUP, Keys
+from fleet.stats import BatchSample, field, increments
+
+log = logging.getLogger(__name__)
+
+REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above any in-flight count
+
+
+class StreamConsumer:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str) -> None:
+        self._client = client
+        self._keys = keys
+        self.model = model
+        self.stream = keys.queue(model)
+        self.consumer = consumer
+
+    async def join(self) -> None:
+        try:
+            # From "0": requests accepted before any worker existed are served too.
+            await self._client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(self, count: int, block_ms: int) -> list[tuple[bytes, bytes | None]]:
+        """Up to `count` new messages as (entry id, payload)."""
+        result = await self._client.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=count,
+                                               block=block_ms)
+        out: list[tuple[bytes, bytes | None]] = []
+        for _, entries in result or []:
+            for entry_id, fields in entries:
+                out.append((entry_id, fields.get(b"d") if fields else None))
+        return out
+
+    async def finish(self, replies: list[tuple[str, ReplyEnvelope]], entry_ids: list[bytes],
+                     sample: BatchSample | None) -> None:
+        """Write every reply, then ack and delete the messages, and count the batch: one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for reply_to, reply in replies:
+            pipe.xadd(reply_to, {b"d": encode_reply(reply)}, maxlen=REPLY_MAXLEN, approximate=True)
+        if entry_ids:
+            pipe.xack(self.stream, GROUP, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+        if sample is not None:
+            stats_key = self._keys.stats(self.model)
+            for name, delta in increments(sample).items():
+                pipe.hincrby(stats_key, name, delta)
+            if sample.requests_ok:
+                pipe.hset(stats_key, field(sample.version, "last_inference"), sample.finished_ms)
+        await pipe.execute()
+
+    async def dead_letter(self, entry_id: bytes, reason: str) -> None:
+        """A message nobody can answer (no readable envelope): park it with the reason and ack it."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xadd(self._keys.dead(self.model), {b"id": entry_id, b"reason": reason.encode()}, maxlen=10_000,
+                  approximate=True)
+        pipe.xack(self.stream, GROUP, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self._client.aclose()
