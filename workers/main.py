@@ -54,7 +54,8 @@ def close_instances(instances: dict[int, list[Instance]]) -> None:
                 inst.executor.shutdown(wait=False)
 
 
-async def run_worker(settings: Settings, device: str) -> None:
+async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set, then drain: answer everything held, ack, remove the heartbeat."""
     keys = Keys(settings.key_prefix)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     url = settings.redis_url_or_default
@@ -66,9 +67,6 @@ async def run_worker(settings: Settings, device: str) -> None:
 
     loops: list[ModelLoop] = []
     tasks: list[asyncio.Task[None]] = []
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
     for name, entry in sorted(repository.models.items()):
         if stop.is_set():
             break
@@ -109,5 +107,11 @@ def serve(settings: Settings, device: str = "cpu") -> int:
     configure_logging(settings)
     import uvloop
 
-    uvloop.run(run_worker(settings, device))
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await run_worker(settings, device, stop)
+
+    uvloop.run(main())
     return 0

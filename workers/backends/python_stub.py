@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from fleet import tensors
-from fleet.datatypes import from_numpy
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 SHIM_DIR = Path(__file__).parent / "python_shim"
@@ -61,7 +60,7 @@ def _encode_response(pb: Any, response: Any) -> dict[str, Any]:
     outputs = []
     for t in response.output_tensors():
         arr = np.asarray(t.as_numpy())
-        dt = from_numpy(arr.dtype)
+        dt = tensors.lookup(t._datatype())  # the declared type: BF16 stays BF16
         outputs.append([t.name(), dt.name, list(arr.shape), tensors.to_bytes(arr, dt)])
     params = json.loads(response.parameters() or "{}")
     return {"o": outputs, "p": params} if params else {"o": outputs}

@@ -81,9 +81,7 @@ class TritonPythonModel:
         per_request = []
         for request in requests:
             rows = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().reshape(-1)
-            per_request.append(
-                [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else str(t) for t in rows]
-            )
+            per_request.append([t.decode("utf-8", errors="replace") if isinstance(t, bytes) else str(t) for t in rows])
         texts = [t for batch in per_request for t in batch]
         embeddings = self._embed(texts) if texts else np.zeros((0, self.model.config.hidden_size), dtype=np.float32)
 

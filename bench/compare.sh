@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Side by side, interleaved: real Triton in native mode, real Triton in PyTriton mode (both from the Triton
+# anchor kit) and fleet (bench/served.py), one server at a time on the same port, all measured by the same
+# perf_analyzer command (bench_pa.sh's) on the same two models, 'double' and 'mlp', at the same levels.
+#
+# Usage: bench/compare.sh OUTDIR
+#   env: PASSES=2            number of passes; each pass runs every system once, the order rotating per pass
+#        SYSTEMS="triton-native triton-pytriton fleet"   which systems (and the order of pass 1)
+#        CONC="1 8 32"       concurrency levels        INTERVAL_MS=3000   perf_analyzer --measurement-interval
+#        PORT=18000          HTTP port of whichever server runs (fleet's metrics on PORT+2; Triton's gRPC/metrics
+#                            ports PORT+1/PORT+2 are set but off)
+#        DIRECT=1            run bench/direct.py once first (the in-process compute limit); 0 skips it
+#        WAIT_LOAD=          e.g. 1.2: before each server start wait (at most WAIT_MAX_S=600 s) until the 1-minute
+#                            load average is at or below it (the anchor's README did that); empty: no wait
+#        K=/work/shared/anchors/triton   ANCHOR_VENV=bench/.anchor-triton (made by K/setup.sh when missing)
+# Writes OUTDIR/passN/{triton-native,triton-pytriton,fleet}/MODEL_cC.{txt,csv} (+ load.txt; fleet also
+# MODEL_cC.stats.json and fleet.log; Triton's server.log under .../run/), OUTDIR/direct.txt, and prints
+# every table, then the medians side by side (bench/summary.py --compare OUTDIR).
+set -uo pipefail
+BENCH=$(dirname "$(realpath "$0")"); ROOT=$(dirname "$BENCH")
+[ $# -eq 1 ] || { echo "usage: bench/compare.sh OUTDIR   (env: PASSES CONC INTERVAL_MS PORT SYSTEMS DIRECT WAIT_LOAD)" >&2; exit 2; }
+OUT=$(realpath -m "$1"); mkdir -p "$OUT"
+K=${K:-/work/shared/anchors/triton}
+export ANCHOR_VENV=${ANCHOR_VENV:-$BENCH/.anchor-triton}
+export CONC=${CONC:-1 8 32} INTERVAL_MS=${INTERVAL_MS:-3000}
+PORT=${PORT:-18000}; PASSES=${PASSES:-2}
+read -ra SYS <<< "${SYSTEMS:-triton-native triton-pytriton fleet}"
+PY=$ROOT/.venv/bin/python
+
+if [ ! -f "$ANCHOR_VENV/bin/activate" ]; then
+  echo "== no anchor venv at $ANCHOR_VENV: running $K/setup.sh (once)"
+  "$K/setup.sh" "$ANCHOR_VENV" || { echo "anchor setup failed" >&2; exit 1; }
+fi
+
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+wait_quiet() {
+  [ -n "${WAIT_LOAD:-}" ] || return 0
+  local t0=$SECONDS
+  while awk -v lim="$WAIT_LOAD" '{exit !($1 > lim)}' /proc/loadavg && (( SECONDS - t0 < ${WAIT_MAX_S:-600} )); do
+    sleep 10
+  done
+  echo "   load1 $(cut -d' ' -f1 /proc/loadavg) after waiting $((SECONDS - t0))s (limit $WAIT_LOAD)"
+}
+
+CURRENT_RUN=""   # ANCHOR_RUN of the Triton server this script started and has not stopped yet
+cleanup() { [ -n "$CURRENT_RUN" ] && ANCHOR_RUN=$CURRENT_RUN "$K/stop_server.sh"; CURRENT_RUN=""; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+run_triton() {   # run_triton MODE DIR   (MODE: native | pytriton)
+  local mode=$1 dir=$2
+  export ANCHOR_RUN=$dir/run; mkdir -p "$ANCHOR_RUN"
+  if [ "$mode" = native ]; then start=("$K/start_native.sh" "$PORT")
+  else start=("$K/start_server.sh" "$PORT" --delay-us 100 --torch-threads 1); fi
+  CURRENT_RUN=$ANCHOR_RUN
+  "${start[@]}" || { echo "   $mode: server did not start (see $ANCHOR_RUN/server.log)"; CURRENT_RUN=""; return 1; }
+  "$K/bench_pa.sh" "$PORT" "$dir" double mlp
+  "$K/stop_server.sh"; CURRENT_RUN=""
+}
+
+if [ "${DIRECT:-1}" != 0 ]; then
+  echo "== direct in-process compute (no server)"
+  "$PY" "$BENCH/direct.py" --csv "$OUT/direct.csv" | tee "$OUT/direct.txt"
+fi
+
+for ((p = 1; p <= PASSES; p++)); do
+  n=${#SYS[@]}; order=()
+  for ((i = 0; i < n; i++)); do order+=("${SYS[$(((i + p - 1) % n))]}"); done
+  for s in "${order[@]}"; do
+    dir=$OUT/pass$p/$s; mkdir -p "$dir"
+    if port_busy "$PORT" || port_busy $((PORT + 2)); then
+      echo "port $PORT or $((PORT + 2)) on 127.0.0.1 is in use: set PORT" >&2; exit 1
+    fi
+    echo; echo "== pass $p/$PASSES: $s on 127.0.0.1:$PORT ($(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg))"
+    wait_quiet
+    case $s in
+      triton-native)   run_triton native "$dir" ;;
+      triton-pytriton) run_triton pytriton "$dir" ;;
+      fleet)           "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
+                         --models "double mlp" --out "$dir" ;;
+      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet)" >&2; exit 2 ;;
+    esac
+  done
+done
+
+echo; echo "== all tables ($OUT)"
+[ -f "$OUT/direct.txt" ] && cat "$OUT/direct.txt"
+"$PY" "$BENCH/summary.py" --compare "$OUT"

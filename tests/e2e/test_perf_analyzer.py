@@ -1,0 +1,26 @@
+"""Triton's benchmark client runs against the gateway unchanged."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import RunningSystem
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+PERF_ANALYZER = ROOT / ".tools/perf_analyzer/perf_analyzer"
+
+
+def test_perf_analyzer_simple(system: RunningSystem) -> None:
+    exe = str(PERF_ANALYZER) if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
+    assert exe, "perf_analyzer is not installed: run `make perf-analyzer` (make test does)"
+    cmd = [exe, "-m", "simple", "-i", "http", "-u", system.url, "--concurrency-range", "1:8:4",
+           "--measurement-interval", "1000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Request concurrency: 5" in proc.stdout
+    assert "Server:" in proc.stdout  # it read our statistics extension

@@ -1,0 +1,176 @@
+"""Gateway -> Redis streams -> worker loop -> reply, in one process against a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from fleet.keys import Keys
+from fleet.redis_server import LocalServer
+from tests.support.model_repo import TRITON_EXAMPLES
+from tests.support.system import InProcessSystem, in_process_system
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(redis_server: LocalServer, key_prefix: str, body: Callable[[InProcessSystem], Awaitable[None]],
+        repos: list[Path] | None = None, worker: bool = True) -> None:
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, repos or [MODELS], worker=worker) as system:
+            await body(system)
+
+    asyncio.run(main())
+
+
+def fp32_request(values: list[list[float]]) -> dict[str, object]:
+    return {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [len(values), len(values[0])],
+                        "data": values}]}
+
+
+def test_json_inference_round_trip(redis_server: LocalServer, key_prefix: str) -> None:
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.post("/v2/models/doubler/infer", json={"id": "abc", **fp32_request([[1, 2, 3]])})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["id"] == "abc" and doc["model_name"] == "doubler" and doc["model_version"] == "1"
+        assert doc["outputs"] == [{"name": "OUT", "datatype": "FP32", "shape": [1, 3], "data": [2.0, 4.0, 6.0]}]
+
+    run(redis_server, key_prefix, body)
+
+
+def test_binary_inference_round_trip(redis_server: LocalServer, key_prefix: str) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    header = json.dumps({
+        "inputs": [{"name": "IN", "datatype": "FP32", "shape": [2, 4], "parameters": {"binary_data_size": 32}}],
+        "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}],
+    }).encode()
+
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.post("/v2/models/doubler/infer", content=header + x.tobytes(),
+                                headers={"Inference-Header-Content-Length": str(len(header))})
+        assert r.status_code == 200, r.text
+        n = int(r.headers["inference-header-content-length"])
+        doc = json.loads(r.content[:n])
+        assert doc["outputs"][0]["parameters"]["binary_data_size"] == 32
+        np.testing.assert_array_equal(np.frombuffer(r.content[n:], np.float32).reshape(2, 4), x * 2)
+
+    run(redis_server, key_prefix, body)
+
+
+def test_concurrent_requests_are_batched(redis_server: LocalServer, key_prefix: str) -> None:
+    async def body(s: InProcessSystem) -> None:
+        reqs = [s.client.post("/v2/models/doubler/infer", json=fp32_request([[float(i)] * 4])) for i in range(16)]
+        responses = await asyncio.gather(*reqs)
+        for i, r in enumerate(responses):
+            assert r.status_code == 200, r.text
+            assert r.json()["outputs"][0]["data"] == [2.0 * i] * 4
+        stats = (await s.client.get("/v2/models/doubler/stats")).json()["model_stats"][0]
+        assert stats["inference_count"] == 16
+        assert stats["execution_count"] < 16
+        assert stats["inference_stats"]["success"]["count"] == 16
+        assert all(b["batch_size"] <= 8 for b in stats["batch_stats"])
+
+    run(redis_server, key_prefix, body)
+
+
+def test_onnx_model_from_triton_repository(redis_server: LocalServer, key_prefix: str) -> None:
+    a = list(range(16))
+
+    async def body(s: InProcessSystem) -> None:
+        req = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": a},
+                          {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]}
+        r = await s.client.post("/v2/models/simple/infer", json=req)
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        assert out == {"OUTPUT0": [v + 1 for v in a], "OUTPUT1": [v - 1 for v in a]}
+
+    run(redis_server, key_prefix, body, repos=[TRITON_EXAMPLES])
+
+
+def test_model_errors_reach_only_their_request(redis_server: LocalServer, key_prefix: str) -> None:
+    def req(v: int) -> dict[str, object]:
+        return {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [v]}]}
+
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.post("/v2/models/faulty/infer", json=req(0))
+        assert r.status_code == 400 and r.json() == {"error": "zero is not allowed"}
+        r = await s.client.post("/v2/models/faulty/infer", json=req(-1))
+        assert r.status_code == 500 and "negative input" in r.json()["error"]
+        r = await s.client.post("/v2/models/faulty/infer", json=req(-1000))  # the stub process dies
+        assert r.status_code == 500 and "stopped" in r.json()["error"]
+        r = await s.client.post("/v2/models/faulty/infer", json=req(7))  # restarted instance answers
+        assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [7]
+
+    run(redis_server, key_prefix, body)
+
+
+def test_bad_request_never_reaches_a_worker(redis_server: LocalServer, key_prefix: str) -> None:
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    keys = Keys(key_prefix)
+
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.post("/v2/models/doubler/infer", json=fp32_request([[1.0] * 4] * 9))
+        assert r.status_code == 400 and "batch-size must be <= 8" in r.json()["error"]
+        r = await s.client.post("/v2/models/doubler/infer", content=b"{not json")
+        assert r.status_code == 400
+        assert client.xinfo_stream(keys.queue("doubler"))["entries-added"] == 0
+        assert client.hgetall(keys.stats("doubler")) == {}
+
+    run(redis_server, key_prefix, body)
+
+
+def test_no_ready_worker_is_503(redis_server: LocalServer, key_prefix: str) -> None:
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.post("/v2/models/doubler/infer", json=fp32_request([[1.0] * 4]))
+        assert r.status_code == 503
+        assert (await s.client.get("/v2/health/ready")).status_code == 400
+        assert (await s.client.get("/v2/health/live")).status_code == 200
+        assert (await s.client.get("/v2/models/doubler/ready")).status_code == 400
+
+    run(redis_server, key_prefix, body, worker=False)
+
+
+def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: LocalServer, key_prefix: str) -> None:
+    """The consumer group starts at the beginning of the stream, so nothing accepted is skipped."""
+    from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
+
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    keys = Keys(key_prefix)
+    env = RequestEnvelope(id="early-1", model="doubler", version=1,
+                          inputs=[WireTensor("IN", "FP32", (1, 2), struct.pack("<2f", 1.5, 2.5))],
+                          reply_to=keys.reply("test"), enqueued_at_us=0)
+    client.xadd(keys.queue("doubler"), {b"d": encode_request(env)})
+
+    async def body(s: InProcessSystem) -> None:
+        for _ in range(100):
+            entries = client.xrange(keys.reply("test"))
+            if entries:
+                break
+            await asyncio.sleep(0.05)
+        reply = decode_reply(entries[0][1][b"d"])
+        assert reply.id == "early-1" and reply.ok
+        assert struct.unpack("<2f", reply.outputs[0].data) == (3.0, 5.0)
+        assert client.xlen(keys.queue("doubler")) == 0  # acked and deleted
+
+    run(redis_server, key_prefix, body)
+
+
+@pytest.mark.parametrize("path,status", [
+    ("/v2/models/nope", 400), ("/v2/models/doubler/versions/7", 404), ("/v2/models/doubler/versions/x", 404),
+    ("/v2/nothing/here", 404),
+])
+def test_lookup_errors(redis_server: LocalServer, key_prefix: str, path: str, status: int) -> None:
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.get(path)
+        assert r.status_code == status
+        assert "error" in r.json()
+
+    run(redis_server, key_prefix, body, worker=False)

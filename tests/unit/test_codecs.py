@@ -1,0 +1,190 @@
+"""Codec round trips for every datatype: tensors <-> wire bytes, the msgpack envelope, and the HTTP
+codec (JSON data and the binary tensor extension) against a model config."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from fleet import tensors
+from fleet.datatypes import BY_NAME
+from fleet.envelope import (ReplyEnvelope, RequestEnvelope, WireTensor, decode_reply, decode_request,
+                            encode_reply, encode_request)
+from fleet.errors import ErrorCode, InvalidInput, Unsupported
+from fleet.model_config import parse_config
+from gateway.codec import parse_infer, render_infer
+from gateway.errors import STATUS
+
+FIXED = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
+shapes = hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=5)
+
+
+@pytest.mark.parametrize("name", FIXED)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_fixed_size_round_trip(name: str, data: st.DataObject) -> None:
+    dt = BY_NAME[name]
+    arr = data.draw(hnp.arrays(dt.numpy, shapes))
+    back = tensors.from_bytes(tensors.to_bytes(arr, dt), dt, arr.shape)
+    np.testing.assert_array_equal(back, arr)
+    assert back.dtype == dt.numpy
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=shapes, data=st.data())
+def test_bytes_round_trip(shape: tuple[int, ...], data: st.DataObject) -> None:
+    n = int(np.prod(shape))
+    items = data.draw(st.lists(st.binary(max_size=20), min_size=n, max_size=n))
+    arr = np.empty(n, dtype=np.object_)
+    arr[:] = items
+    arr = arr.reshape(shape)
+    back = tensors.from_bytes(tensors.to_bytes(arr, BY_NAME["BYTES"]), BY_NAME["BYTES"], shape)
+    assert back.shape == tuple(shape) and back.reshape(-1).tolist() == items
+
+
+def test_bf16_is_upper_half_of_fp32() -> None:
+    x = np.array([1.0, -2.5, 3.140625], dtype=np.float32)
+    raw = tensors.to_bytes(x, BY_NAME["BF16"])
+    assert raw == (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+    np.testing.assert_array_equal(tensors.from_bytes(raw, BY_NAME["BF16"], [3]), x)
+
+
+def test_bad_sizes_and_framing_are_invalid_input() -> None:
+    with pytest.raises(InvalidInput):
+        tensors.from_bytes(b"\x00" * 7, BY_NAME["FP32"], [2])
+    with pytest.raises(InvalidInput):
+        tensors.from_bytes(b"\x05\x00\x00\x00ab", BY_NAME["BYTES"], [1])
+    with pytest.raises(InvalidInput):
+        tensors.from_bytes(b"\x01\x00\x00\x00a", BY_NAME["BYTES"], [2])
+
+
+def test_envelope_round_trip() -> None:
+    env = RequestEnvelope(id="g:1", model="m", version=3, inputs=[WireTensor("A", "FP32", (2, 2), b"\x00" * 16)],
+                          reply_to="fleet:reply:g", enqueued_at_us=123, outputs=["B"], parameters={"k": 1.5},
+                          priority=2, deadline_us=999, client_id="cid")
+    back = decode_request(encode_request(env))
+    assert back == env
+    rep = ReplyEnvelope(id="g:1", model_version=3, outputs=[WireTensor("B", "INT8", (1,), b"\x07")],
+                        parameters={"p": "v"}, queue_us=5, compute_us=6)
+    assert decode_reply(encode_reply(rep)) == rep
+    err = ReplyEnvelope(id="g:2", error_code="INTERNAL", error_message="boom")
+    assert decode_reply(encode_reply(err)) == err
+    with pytest.raises(InvalidInput):
+        decode_request(b"\x93garbage")
+
+
+ALL_TYPES_CONFIG = "\n".join(
+    ['name: "all"', 'backend: "python"', "max_batch_size: 4"]
+    + [f'input {{ name: "I_{n}" data_type: {BY_NAME[n].config_name} dims: [ -1 ] optional: true }}'
+       for n in [*FIXED, "BF16", "BYTES"]]
+    + [f'output {{ name: "O_{n}" data_type: {BY_NAME[n].config_name} dims: [ -1 ] }}'
+       for n in [*FIXED, "BF16", "BYTES"]]
+)
+SPEC = parse_config(ALL_TYPES_CONFIG, source="all/config.pbtxt", model_name="all")
+
+
+def sample(name: str) -> np.ndarray:
+    if name == "BYTES":
+        return np.array([[b"a", b"", "é".encode()]], dtype=np.object_)
+    if name == "BOOL":
+        return np.array([[True, False, True]])
+    dt = np.float32 if name == "BF16" else BY_NAME[name].numpy
+    return np.array([[1, 0, 2]], dtype=dt)
+
+
+@pytest.mark.parametrize("name", [*FIXED, "BF16", "BYTES"])
+@pytest.mark.parametrize("binary", [True, False])
+def test_http_codec_every_datatype(name: str, binary: bool) -> None:
+    arr = sample(name)
+    dt = BY_NAME[name]
+    raw = tensors.to_bytes(arr, dt)
+    inp: dict[str, object] = {"name": f"I_{name}", "datatype": name, "shape": list(arr.shape)}
+    if binary:
+        inp["parameters"] = {"binary_data_size": len(raw)}
+    else:
+        inp["data"] = [v.decode() for v in arr.reshape(-1)] if name == "BYTES" else arr.reshape(-1).tolist()
+    header = json.dumps({"id": "x", "inputs": [inp], "outputs": [
+        {"name": f"O_{name}", "parameters": {"binary_data": binary}}]}).encode()
+    body = header + raw if binary else header
+    req = parse_infer(body, str(len(header)) if binary else None, SPEC)
+    assert bytes(req.inputs[0].data) == raw
+    out = WireTensor(f"O_{name}", name, arr.shape, raw)
+    rendered, hlen = render_infer("all", 1, req, [out], {})
+    if binary:
+        assert hlen is not None and rendered[hlen:] == raw
+        doc = json.loads(rendered[:hlen])
+        assert doc["outputs"][0]["parameters"] == {"binary_data_size": len(raw)}
+    else:
+        assert hlen is None
+        doc = json.loads(rendered)
+        expected = inp["data"]
+        assert doc["outputs"][0]["data"] == expected
+    assert doc["id"] == "x" and doc["model_version"] == "1"
+
+
+SIMPLE = parse_config(
+    'name: "s"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+    'input [ { name: "A" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "B" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+    'output [ { name: "C" data_type: TYPE_INT32 dims: [ 16 ] } ]',
+    source="s", model_name="s",
+)
+
+
+def good_inputs(batch: int = 1) -> list[dict[str, object]]:
+    return [{"name": n, "datatype": "INT32", "shape": [batch, 16], "data": [1] * 16 * batch} for n in "AB"]
+
+
+@pytest.mark.parametrize("doc,exc,msg", [
+    ({"inputs": good_inputs(9)}, InvalidInput, "batch-size must be <= 8"),
+    ({"inputs": good_inputs()[:1]}, InvalidInput, "missing"),
+    ({"inputs": [*good_inputs(), {"name": "Z", "datatype": "INT32", "shape": [1], "data": [1]}]}, InvalidInput,
+     "unexpected inference input 'Z'"),
+    ({"inputs": [{**good_inputs()[0], "datatype": "FP32"}, good_inputs()[1]]}, InvalidInput, "data-type"),
+    ({"inputs": [{**good_inputs()[0], "shape": [1, 15]}, good_inputs()[1]]}, InvalidInput, "unexpected shape"),
+    ({"inputs": [{**good_inputs()[0], "data": [1] * 15}, good_inputs()[1]]}, InvalidInput, "number of elements"),
+    ({"inputs": [{**good_inputs()[0], "data": ["x"] * 16}, good_inputs()[1]]}, InvalidInput, "JSON numbers"),
+    ({"inputs": good_inputs(), "outputs": [{"name": "nope"}]}, InvalidInput, "unexpected inference output"),
+    ({"inputs": good_inputs(), "parameters": {"triton_x": 1}}, InvalidInput, "reserved"),
+    ({"inputs": good_inputs(), "parameters": {"sequence_id": 5}}, InvalidInput, "sequence batching"),
+    ({"inputs": [{**good_inputs()[0], "parameters": {"shared_memory_region": "r"}}, good_inputs()[1]]},
+     Unsupported, "shared memory"),
+    ({"inputs": [{**good_inputs()[0], "parameters": {"binary_data_size": 64}}, good_inputs()[1]]}, InvalidInput,
+     "exactly one"),
+    ({}, InvalidInput, "inputs"),
+])
+def test_bad_requests(doc: dict[str, object], exc: type[Exception], msg: str) -> None:
+    with pytest.raises(exc, match=msg):
+        parse_infer(json.dumps(doc).encode(), None, SIMPLE)
+
+
+def test_binary_framing_errors() -> None:
+    ins = [{"name": n, "datatype": "INT32", "shape": [1, 16], "parameters": {"binary_data_size": 64}} for n in "AB"]
+    header = json.dumps({"inputs": ins}).encode()
+    with pytest.raises(InvalidInput, match="additional input data"):
+        parse_infer(header + b"\x00" * 129, str(len(header)), SIMPLE)
+    with pytest.raises(InvalidInput, match="end of binary data"):
+        parse_infer(header + b"\x00" * 100, str(len(header)), SIMPLE)
+    with pytest.raises(InvalidInput, match="outside the body"):
+        parse_infer(header, str(len(header) + 1), SIMPLE)
+    req = parse_infer(header + b"\x00" * 128, str(len(header)), SIMPLE)
+    assert [len(t.data) for t in req.inputs] == [64, 64]
+
+
+def test_binary_output_defaults() -> None:
+    req = parse_infer(json.dumps({"inputs": good_inputs(), "parameters": {"binary_data_output": True}}).encode(),
+                      None, SIMPLE)
+    assert req.is_binary("C")
+    req = parse_infer(json.dumps({"inputs": good_inputs(), "outputs": [{"name": "C"}],
+                                  "parameters": {"binary_data_output": True}}).encode(), None, SIMPLE)
+    assert not req.is_binary("C")  # listed without binary_data: Triton's code answers JSON
+
+
+def test_every_error_code_has_a_status() -> None:
+    assert set(STATUS) == set(ErrorCode)
+    assert STATUS[ErrorCode.INVALID_ARG] == 400 and STATUS[ErrorCode.NOT_FOUND] == 404
+    assert STATUS[ErrorCode.UNAVAILABLE] == 503 and STATUS[ErrorCode.INTERNAL] == 500
