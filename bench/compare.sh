@@ -9,6 +9,7 @@
 #        CONC="1 8 32"       concurrency levels        INTERVAL_MS=3000   perf_analyzer --measurement-interval
 #        PORT=18000          HTTP port of whichever server runs (fleet's metrics on PORT+2; Triton's gRPC/metrics
 #                            ports PORT+1/PORT+2 are set but off)
+#        CHECK=32            after each start, K/check_models.py PORT CHECK (answers right, also batched); 0 skips
 #        DIRECT=1            run bench/direct.py once first (the in-process compute limit); 0 skips it
 #        WAIT_LOAD=          e.g. 1.2: before each server start wait (at most WAIT_MAX_S=600 s) until the 1-minute
 #                            load average is at or below it (the anchor's README did that); empty: no wait
@@ -54,6 +55,9 @@ run_triton() {   # run_triton MODE DIR   (MODE: native | pytriton)
   else start=("$K/start_server.sh" "$PORT" --delay-us 100 --torch-threads 1); fi
   CURRENT_RUN=$ANCHOR_RUN
   "${start[@]}" || { echo "   $mode: server did not start (see $ANCHOR_RUN/server.log)"; CURRENT_RUN=""; return 1; }
+  if [ "${CHECK:-32}" != 0 ]; then
+    (source "$K/env.sh" && timeout 120 python "$K/check_models.py" "$PORT" "${CHECK:-32}") 2>&1 | tee "$dir/check.txt"
+  fi
   "$K/bench_pa.sh" "$PORT" "$dir" double mlp
   "$K/stop_server.sh"; CURRENT_RUN=""
 }
@@ -77,7 +81,7 @@ for ((p = 1; p <= PASSES; p++)); do
       triton-native)   run_triton native "$dir" ;;
       triton-pytriton) run_triton pytriton "$dir" ;;
       fleet)           "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
-                         --models "double mlp" --out "$dir" ;;
+                         --models "double mlp" --out "$dir" --check "${CHECK:-32}" ;;
       *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet)" >&2; exit 2 ;;
     esac
   done

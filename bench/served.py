@@ -8,6 +8,8 @@
            --http-port P --metrics-port P+2 --data-dir <fresh temp dir>
    in its own session (PID and log in OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until
    GET /v2/health/ready and GET /v2/models/M/ready answer 200 for every model measured.
+   With --check N: the anchor kit's check_models.py PORT N first (N simultaneous 1-item requests per model, each
+   answer compared with the locally computed reference; checks 'double' and 'mlp' both); stops on a wrong answer.
 2. For each model, each concurrency C: GET /v2/models/M/stats, then
        perf_analyzer -m M -i http -u 127.0.0.1:P -b 1 --concurrency-range C --measurement-interval MS
            --stability-percentage 20 --max-trials 12 -f OUT/M_cC.csv --verbose-csv      (> OUT/M_cC.txt)
@@ -43,6 +45,7 @@ from summary import print_levels, read_dir  # bench/summary.py
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PA = ROOT / ".tools" / "perf_analyzer" / "perf_analyzer"
+ANCHOR = Path(os.environ.get("K", "/work/shared/anchors/triton"))
 HOST = "127.0.0.1"
 
 
@@ -179,6 +182,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="output folder (default bench/out/served-YYYYmmdd-HHMMSS)")
     p.add_argument("--no-start", action="store_true", help="measure a server already running on --port")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
+    p.add_argument("--check", type=int, default=0, metavar="N",
+                   help="first run the anchor's check_models.py PORT N (answers right, also batched); 0 = skip")
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument("--stop-timeout", type=float, default=30.0)
     p.add_argument("--pa-timeout", type=float, default=300.0, help="kill one perf_analyzer run after this (300)")
@@ -199,6 +204,14 @@ def main() -> None:
             fleet.start()
         elif http_get(a.port, "/v2/health/ready")[0] != 200:
             raise SystemExit(f"nothing ready on {HOST}:{a.port} (--no-start)")
+        if a.check:
+            # the anchor's correctness check: N simultaneous 1-item requests per model, compared with the reference
+            cmd = [sys.executable, str(ANCHOR / "check_models.py"), str(a.port), str(a.check)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            (out / "check.txt").write_text(r.stdout + r.stderr)
+            print((r.stdout + r.stderr).strip() or f"check_models.py rc={r.returncode}", flush=True)
+            if r.returncode:
+                raise SystemExit(f"check_models.py failed (rc {r.returncode}): see {out / 'check.txt'}")
         for model in models:
             for c in concs:
                 run_level(a.perf_analyzer, a.port, model, c, a.interval_ms, out, a.pa_timeout)

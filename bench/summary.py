@@ -23,6 +23,7 @@ from pathlib import Path
 
 # compare.sh's system folders, in the order they are printed
 SYSTEMS = ("triton-native", "triton-pytriton", "fleet")
+SHORT = {"triton-native": "native", "triton-pytriton": "pytriton", "fleet": "fleet"}
 
 
 @dataclass
@@ -99,10 +100,11 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         return
     table = Table(title=title)
     for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i == 0 else "right")
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
     for r in rows:
         table.add_row(*r)
-    Console(width=max(120, sum(len(h) + 3 for h in header))).print(table)
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    Console(width=max(100, sum(w + 3 for w in widths) + 1)).print(table)
 
 
 def print_levels(title: str, levels: list[Level]) -> None:
@@ -133,9 +135,9 @@ def compare(outdir: Path) -> None:
                 cells.setdefault((system, lv.model, lv.conc), []).append(lv)
     keys = sorted({(m, c) for _, m, c in cells}, key=lambda k: (k[0], k[1]))
     systems = [s for s in SYSTEMS if any(k[0] == s for k in cells)]
-    header = ["model", "C"] + [f"{s} infer/s (p50 ms)" for s in systems]
+    header = ["model", "C"] + [f"{SHORT[s]} infer/s (p50 ms)" for s in systems]
     if "fleet" in systems:
-        header += [f"fleet / {s}" for s in systems if s != "fleet"]
+        header += [f"fleet/{SHORT[s]}" for s in systems if s != "fleet"]
     rows = []
     for model, conc in keys:
         med: dict[str, float | None] = {}

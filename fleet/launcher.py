@@ -89,7 +89,8 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for name, cmd in specs:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            # Own session: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             assert proc.stdout is not None
             threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
             children.append((name, proc))

@@ -80,7 +80,8 @@ def start_server(
     ]
     if log_file is not None:
         args += ["--logfile", str(log_file.resolve())]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server = LocalServer(proc, port)
     client = redis.Redis(host="127.0.0.1", port=port, protocol=2, socket_timeout=1)
     deadline = time.monotonic() + startup_timeout_s

@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -121,6 +122,8 @@ class Stub:
 
 
 def main(argv: list[str]) -> int:
+    # The worker decides when this instance stops (finalize or closing the pipe), not a terminal's Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp = os.fdopen(int(argv[1]), "rb", buffering=0)
     out = os.fdopen(int(argv[2]), "wb")
     stub = Stub()
