@@ -69,7 +69,7 @@ def _unpack_tensors(raw: Any) -> list[WireTensor]:
 
 
 def encode_request(env: RequestEnvelope) -> bytes:
-    return msgpack.packb(
+    payload: bytes = msgpack.packb(
         {
             "id": env.id,
             "m": env.model,
@@ -85,6 +85,7 @@ def encode_request(env: RequestEnvelope) -> bytes:
         },
         use_bin_type=True,
     )
+    return payload
 
 
 def decode_request(payload: bytes) -> RequestEnvelope:
@@ -116,7 +117,8 @@ def encode_reply(rep: ReplyEnvelope) -> bytes:
         m["o"] = _pack_tensors(rep.outputs or [])
     if rep.parameters:
         m["p"] = rep.parameters
-    return msgpack.packb(m, use_bin_type=True)
+    payload: bytes = msgpack.packb(m, use_bin_type=True)
+    return payload
 
 
 def decode_reply(payload: bytes) -> ReplyEnvelope:

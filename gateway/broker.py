@@ -133,14 +133,14 @@ class Broker:
             for _, entries in result or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._deliver(fields.get(b"d"))
+                    for name, payload in fields.items():  # a worker batches replies: d0, d1, ...
+                        if name[:1] == b"d":
+                            self._deliver(payload)
             if time.monotonic() > next_touch:
                 await self._touch_reply_stream()
                 next_touch = time.monotonic() + REPLY_TTL_S / 4
 
-    def _deliver(self, payload: bytes | None) -> None:
-        if payload is None:
-            return
+    def _deliver(self, payload: bytes) -> None:
         try:
             reply = decode_reply(payload)
         except Exception:  # a corrupt entry must not stop the reader

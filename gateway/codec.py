@@ -192,7 +192,7 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview) -> l
             data = json_to_bytes(raw["data"], ts.datatype, count, name)
         out.append(WireTensor(name, ts.datatype.name, tuple(shape), data))
     if offset != len(binary):
-        raise InvalidInput("unexpected additional input data for model '%s'" % spec.name)
+        raise InvalidInput(f"unexpected additional input data for model '{spec.name}'")
     given = {t.name for t in out}
     missing = [t.name for t in spec.inputs if not t.optional and t.name not in given]
     if missing:
@@ -275,7 +275,8 @@ def _json_data(t: WireTensor, dt: Datatype) -> list[Any]:
     arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
     if dt.name == "BYTES":
         return [bytes(v).decode("utf-8", errors="replace") for v in arr]
-    return arr.tolist()  # type: ignore[no-any-return]
+    values: list[Any] = arr.tolist()
+    return values
 
 
 def render_infer(

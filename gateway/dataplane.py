@@ -6,14 +6,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from fleet.envelope import RequestEnvelope, encode_request
 from fleet.errors import ModelNotReady, from_code
 from fleet.stats import render_model_stats
 from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.codec import parse_infer, render_infer
-
-import redis.asyncio as aioredis
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any
     for n, _ in targets:
         pipe.hgetall(key_of(n))
     raws = await pipe.execute()
-    out = []
+    out: list[dict[str, object]] = []
     for (n, versions), raw in zip(targets, raws, strict=True):
         decoded = {k.decode(): int(val) for k, val in raw.items()}
         out.extend(render_model_stats(n, v, decoded) for v in versions)

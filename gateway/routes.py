@@ -14,7 +14,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleet.errors import InvalidInput, ModelNotReady, Unsupported, VersionNotFound
-from gateway.codec import decompress
 from gateway.state import GatewayState
 
 SERVER_VERSION = "2.51.0"
@@ -107,19 +106,9 @@ async def model_stats(request: Request) -> Response:
 
 
 async def infer(request: Request) -> Response:
-    st = _state(request)
-    body = await request.body()
-    if len(body) > st.settings.max_input_bytes:
-        raise InvalidInput(f"request body of {len(body)} bytes exceeds the limit of {st.settings.max_input_bytes}")
-    body = decompress(body, request.headers.get("content-encoding"))
-    result = await st.dataplane.infer(
-        request.path_params["name"], _version(request), body,
-        request.headers.get("inference-header-content-length"),
-    )
-    if result.header_length is None:
-        return Response(result.body, media_type="application/json")
-    return Response(result.body, media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(result.header_length)})
+    """Never reached for POST: gateway.fastpath answers every infer request before routing. The route
+    exists so other methods on an infer URL get Triton's 405."""
+    raise InvalidInput("infer requests are served by the fast path")
 
 
 async def repository_index(request: Request) -> Response:

@@ -179,10 +179,16 @@ class ModelLoop:
 
     async def _execute(self, version: int, instance: Instance, batch: list[_Queued], started_us: int) -> None:
         envs = [q.env for q in batch]
+        released = False
         try:
             loop = asyncio.get_running_loop()
             outcome: BatchOutcome = await loop.run_in_executor(
                 instance.executor, run_batch, self.spec, instance.backend, envs)
+            # The instance is free as soon as it has computed: the next batch runs while this one's
+            # replies are written (acks still follow the replies, in the same pipeline).
+            self._free[version].append(instance)
+            released = True
+            self._wake.set()
             sample = self._sample(version, envs, outcome, started_us)
             await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, outcome.replies, strict=True)],
                                        [q.entry_id for q in batch], sample)
@@ -191,7 +197,8 @@ class ModelLoop:
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
             self._in_flight -= len(batch)
-            self._free[version].append(instance)
+            if not released:
+                self._free[version].append(instance)
             self._wake.set()
             self._room.set()
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis.asyncio as aioredis
 
 from fleet.clock import SystemClock
+from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.logs import configure_logging
 from fleet.repository import ModelEntry, scan
@@ -87,6 +88,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
         log.info("model '%s' ready: versions %s, %d instance(s) each", name, list(instances),
                  len(next(iter(instances.values()))))
     log.info("worker %s on %s serving %d models", worker_id, device, len(loops))
+    freeze_after_startup()
 
     await stop.wait()
     log.info("worker %s stopping: draining", worker_id)

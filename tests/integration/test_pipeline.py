@@ -155,7 +155,7 @@ def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: Local
             if entries:
                 break
             await asyncio.sleep(0.05)
-        reply = decode_reply(entries[0][1][b"d"])
+        reply = decode_reply(entries[0][1][b"d0"])
         assert reply.id == "early-1" and reply.ok
         assert struct.unpack("<2f", reply.outputs[0].data) == (3.0, 5.0)
         assert client.xlen(keys.queue("doubler")) == 0  # acked and deleted

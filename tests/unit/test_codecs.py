@@ -13,8 +13,15 @@ from hypothesis.extra import numpy as hnp
 
 from fleet import tensors
 from fleet.datatypes import BY_NAME
-from fleet.envelope import (ReplyEnvelope, RequestEnvelope, WireTensor, decode_reply, decode_request,
-                            encode_reply, encode_request)
+from fleet.envelope import (
+    ReplyEnvelope,
+    RequestEnvelope,
+    WireTensor,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
 from fleet.errors import ErrorCode, InvalidInput, Unsupported
 from fleet.model_config import parse_config
 from gateway.codec import parse_infer, render_infer
@@ -188,3 +195,19 @@ def test_every_error_code_has_a_status() -> None:
     assert set(STATUS) == set(ErrorCode)
     assert STATUS[ErrorCode.INVALID_ARG] == 400 and STATUS[ErrorCode.NOT_FOUND] == 404
     assert STATUS[ErrorCode.UNAVAILABLE] == 503 and STATUS[ErrorCode.INTERNAL] == 500
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", None])
+def test_compressed_request_bodies(encoding: str | None) -> None:
+    import gzip
+    import zlib
+
+    from gateway.codec import decompress
+
+    body = json.dumps({"inputs": good_inputs()}).encode()
+    packed = {"gzip": gzip.compress, "deflate": zlib.compress, None: lambda b: b}[encoding](body)
+    assert decompress(packed, encoding) == body
+    with pytest.raises(InvalidInput):
+        decompress(b"not compressed", "gzip")
+    with pytest.raises(InvalidInput, match="unsupported Content-Encoding"):
+        decompress(body, "br")

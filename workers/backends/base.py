@@ -7,9 +7,9 @@ the Python backend hands the list to `TritonPythonModel.execute` as Triton does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
