@@ -58,7 +58,7 @@ class StreamConsumer:
         pipe = self._client.pipeline(transaction=False)
         # One stream entry per gateway per batch, one field per reply: a batch costs one XADD per
         # gateway, not one per request.
-        by_stream: dict[str, dict[bytes, bytes]] = {}
+        by_stream: dict[str, dict[Any, Any]] = {}
         for reply_to, reply in replies:
             fields = by_stream.setdefault(reply_to, {})
             fields[b"d%d" % len(fields)] = encode_reply(reply)

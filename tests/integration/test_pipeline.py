@@ -174,3 +174,15 @@ def test_lookup_errors(redis_server: LocalServer, key_prefix: str, path: str, st
         assert "error" in r.json()
 
     run(redis_server, key_prefix, body, worker=False)
+
+
+def test_parameters_pass_through_both_ways(redis_server: LocalServer, key_prefix: str) -> None:
+    async def body(s: InProcessSystem) -> None:
+        req = {"parameters": {"temperature": 0.5, "mode": "fast", "flag": True, "n": 3},
+               "inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [4]}]}
+        r = await s.client.post("/v2/models/echo_params/infer", json=req)
+        assert r.status_code == 200, r.text
+        assert r.json()["parameters"] == {"temperature": "0.5", "mode": "fast", "flag": True, "n": 3}
+        assert r.json()["outputs"][0]["data"] == [4]
+
+    run(redis_server, key_prefix, body)

@@ -6,6 +6,7 @@ outputs in order, as Triton's libtorch backend does without INPUT__i naming.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,12 @@ class TorchBackend:
         spec = ctx.spec
         if any(t.datatype.name == "BYTES" for t in (*spec.inputs, *spec.outputs)):
             raise ConfigError(f"{spec.name}: TorchScript models cannot take or return BYTES tensors")
-        # Process-wide in torch; Triton's pytorch backend reads the same parameter.
-        torch.set_num_threads(max(1, int_parameter(spec, "INTRA_OP_THREAD_COUNT", 1)))
+        # Triton's pytorch backend reads the same parameter. It must be applied on the thread that
+        # runs the model: OpenMP keeps the team size per thread, and an instance thread left at the
+        # default gets a team of one thread per core whose idle member spin-waits (measured: 80% of a
+        # core burnt next to a 10% model, taking the CPU the gateway needs).
+        self._threads = max(1, int_parameter(spec, "INTRA_OP_THREAD_COUNT", 1))
+        self._configured = threading.local()
         self._device = torch.device(ctx.device)
         path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
         if not path.exists():
@@ -34,6 +39,9 @@ class TorchBackend:
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
+        if not getattr(self._configured, "done", False):
+            torch.set_num_threads(self._threads)
+            self._configured.done = True
         args = []
         for t in self._spec.inputs:
             arr = inputs[t.name]

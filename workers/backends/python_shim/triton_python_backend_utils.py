@@ -23,6 +23,8 @@ import asyncio
 import inspect
 import json
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,50 +54,36 @@ _bls_executor: Callable[[InferenceRequest, bool], Any] | None = None
 _bls_async_executor: Callable[[InferenceRequest, bool], Any] | None = None
 
 
+_SHIM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 class PreferredMemory:
     def __init__(self, preferred_memory_type: int = _MEMORY_DEFAULT, preferred_device_id: int = 0):
         self.preferred_memory_type = preferred_memory_type
         self.preferred_device_id = preferred_device_id
 
 
-# Datatypes and errors live next door (shim directory on sys.path, or imported as a package).
-if __package__:
-    from ._pb_utils_types import (  # noqa: F401
-        _DTYPES,
-        _FROM_NAME,
-        _FROM_NUMPY,
-        _TO_NAME,
-        _TO_NUMPY,
-        TRITON_STRING_TO_NUMPY,
-        TYPE_INVALID,
-        TritonError,
-        TritonModelException,
-        _ErrorCode,
-        deserialize_bytes_tensor,
-        numpy_to_triton_type,
-        serialize_byte_tensor,
-        triton_string_to_numpy,
-        triton_to_numpy_type,
-    )
-else:
-    from _pb_utils_types import (  # type: ignore[no-redef,unused-ignore]  # noqa: F401
-        _DTYPES,
-        _FROM_NAME,
-        _FROM_NUMPY,
-        _TO_NAME,
-        _TO_NUMPY,
-        TRITON_STRING_TO_NUMPY,
-        TYPE_INVALID,
-        TritonError,
-        TritonModelException,
-        _ErrorCode,
-        deserialize_bytes_tensor,
-        numpy_to_triton_type,
-        serialize_byte_tensor,
-        triton_string_to_numpy,
-        triton_to_numpy_type,
-    )
-
+# Datatypes and errors live next door. Models import this module as a top-level one (the shim
+# directory on sys.path); make sure the sibling resolves the same way when imported as a package.
+if _SHIM_DIR not in sys.path:
+    sys.path.append(_SHIM_DIR)
+from _pb_utils_types import (  # noqa: E402, F401
+    _DTYPES,
+    _FROM_NAME,
+    _FROM_NUMPY,
+    _TO_NAME,
+    _TO_NUMPY,
+    TRITON_STRING_TO_NUMPY,
+    TYPE_INVALID,
+    TritonError,
+    TritonModelException,
+    _ErrorCode,
+    deserialize_bytes_tensor,
+    numpy_to_triton_type,
+    serialize_byte_tensor,
+    triton_string_to_numpy,
+    triton_to_numpy_type,
+)
 
 # --- tensors ------------------------------------------------------------------------------------
 
@@ -133,7 +121,7 @@ class Tensor:
         return self._triton_dtype
 
     def _datatype(self) -> str:
-        return _TO_NAME[self._triton_dtype]
+        return str(_TO_NAME[self._triton_dtype])
 
     def is_cpu(self) -> bool:
         return True
@@ -461,10 +449,7 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
 
 # Logger, ModelConfig (auto_complete_config) and metrics live next door; models see them as
 # pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
-if __package__:
-    from ._pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig
-else:  # how the worker imports it: the shim directory is on sys.path
-    from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig  # type: ignore[no-redef,unused-ignore]
+from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig  # noqa: E402
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
