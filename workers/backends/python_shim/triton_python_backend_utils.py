@@ -393,8 +393,10 @@ def _incoming_request(
         model_version=model_version,
         flags=flags,
         timeout=timeout,
-        parameters=parameters,
+        parameters=None,
     )
+    # Incoming requests carry whatever the client sent (doubles included), unlike BLS requests.
+    request._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
     request._response_sender = response_sender or InferenceResponseSender()
     return request
 
