@@ -42,7 +42,8 @@ class Broker:
         self._block_ms = block_ms
         self._timeout_s = request_timeout_s
         self._waiters: dict[str, _Waiter] = {}
-        self._outbox: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self._outbox: list[tuple[str, bytes, asyncio.Future[ReplyEnvelope]]] = []
+        self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._seq = 0
@@ -74,24 +75,27 @@ class Broker:
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"Redis is not reachable: {exc}") from exc
 
-    def expect(self, request_id: str) -> asyncio.Future[ReplyEnvelope]:
-        """Register interest in a reply before enqueueing, so a fast reply is never missed."""
+    def submit(self, request_id: str, stream: str, payload: bytes) -> asyncio.Future[ReplyEnvelope]:
+        """Enqueue payload on stream and return the future of its reply.
+
+        The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
+        event-loop turn go out as one pipeline; if Redis cannot take them, their futures fail with
+        BrokerUnavailable. The caller must `forget(request_id)` when done (also on cancellation)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         self._waiters[request_id] = _Waiter(fut, loop.time() + self._timeout_s)
+        self._outbox.append((stream, payload, fut))
+        if len(self._outbox) == 1:
+            loop.call_soon(self._start_flush)
         return fut
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
 
-    async def enqueue(self, stream: str, payload: bytes) -> None:
-        """XADD payload to stream, coalesced with every other enqueue of this loop turn."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._outbox.append((stream, payload, fut))
-        if len(self._outbox) == 1:
-            loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
-        await fut
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush())
+        self._flushes.add(task)  # keep a reference until done (the loop holds tasks weakly)
+        task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
@@ -105,10 +109,6 @@ class Broker:
             for _, _, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
-            return
-        for _, _, fut in batch:
-            if not fut.done():
-                fut.set_result(None)
 
     async def _read_replies(self) -> None:
         last_id = b"$"

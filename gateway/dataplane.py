@@ -44,10 +44,8 @@ class DataPlane:
             priority=req.priority,
             client_id=req.client_id,
         )
-        fut = self.broker.expect(rid)
         try:
-            await self.broker.enqueue(self.broker.keys.queue(model), encode_request(env))
-            reply = await fut
+            reply = await self.broker.submit(rid, self.broker.keys.queue(model), encode_request(env))
         finally:
             self.broker.forget(rid)
         if not reply.ok:

@@ -29,6 +29,7 @@ def serve(settings: Settings) -> int:
     main = uvicorn.Server(uvicorn.Config(
         app, host=settings.http_host, port=settings.http_port, loop="uvloop", http="httptools",
         log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=30,
+        server_header=False, date_header=False,
     ))
     side = _QuietServer(uvicorn.Config(
         metrics_app, host=settings.http_host, port=settings.metrics_port, loop="uvloop", http="httptools",

@@ -186,3 +186,23 @@ def test_parameters_pass_through_both_ways(redis_server: LocalServer, key_prefix
         assert r.json()["outputs"][0]["data"] == [4]
 
     run(redis_server, key_prefix, body)
+
+
+def test_redis_down_is_503_not_a_hang(tmp_path: Path, key_prefix: str) -> None:
+    from fleet.redis_server import start_server
+
+    server = start_server(tmp_path, appendonly=False)
+
+    async def main() -> None:
+        async with in_process_system(server.url, key_prefix, [MODELS], worker=False) as s:
+            s.state.catalog.ready.add(("doubler", 1))  # as if a worker had reported it
+            server.stop()
+            r = await asyncio.wait_for(
+                s.client.post("/v2/models/doubler/infer", json=fp32_request([[1.0] * 4])), 10)
+            assert r.status_code == 503 and "Redis" in r.json()["error"]
+            assert (await s.client.get("/v2/health/ready")).status_code == 400
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
