@@ -211,3 +211,43 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
         decompress(b"not compressed", "gzip")
     with pytest.raises(InvalidInput, match="unsupported Content-Encoding"):
         decompress(body, "br")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+input_docs = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["A", "B", "Z", ""]) | json_values,
+    "datatype": st.sampled_from(["INT32", "FP32", "BYTES", "BOOL", "nope"]) | json_values,
+    "shape": st.lists(st.integers(-2, 40), max_size=3) | json_values,
+    "data": st.lists(st.integers(-5, 5), max_size=40) | json_values,
+    "parameters": st.fixed_dictionaries({}, optional={"binary_data_size": st.integers(-3, 200) | json_values,
+                                                      "shared_memory_region": st.text(max_size=3)}) | json_values,
+})
+request_docs = st.fixed_dictionaries({}, optional={
+    "id": st.text(max_size=4) | json_values,
+    "inputs": st.lists(input_docs, max_size=3) | json_values,
+    "outputs": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["C", "X"])}, optional={
+        "parameters": st.dictionaries(st.sampled_from(["binary_data", "classification"]), json_values)}),
+        max_size=2) | json_values,
+    "parameters": st.dictionaries(st.sampled_from(["priority", "timeout", "binary_data_output", "x", "triton_y"]),
+                                  json_values, max_size=3) | json_values,
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=request_docs, tail=st.binary(max_size=80), framed=st.booleans())
+def test_hostile_requests_only_raise_serving_errors(doc: dict[str, object], tail: bytes, framed: bool) -> None:
+    """Whatever a client sends, parsing answers with a ServingError (a 4xx/5xx), never a crash."""
+    from fleet.errors import ServingError
+
+    header = json.dumps(doc).encode()
+    try:
+        if framed:
+            parse_infer(header + tail, str(len(header)), SIMPLE)
+        else:
+            parse_infer(header, None, SIMPLE)
+    except ServingError:
+        pass
