@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     block_ms: int = 1000
     # A worker keeps at most this many batches per model read ahead of execution.
     read_ahead_batches: int = 2
+    # Messages a dead worker left pending are claimed by another after this much idle time; one
+    # delivered more than max_deliveries times goes to the dead-letter stream with an error reply.
+    claim_idle_ms: int = 30_000
+    claim_interval_s: float = 5.0
+    max_deliveries: int = 3
     worker_id: str = ""
     gateway_id: str = ""
 

@@ -76,6 +76,19 @@ class StreamConsumer:
             pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
         await pipe.execute()
 
+    async def claim(self, min_idle_ms: int, count: int) -> list[tuple[bytes, bytes | None, int]]:
+        """Take over messages other consumers left pending for min_idle_ms: (id, payload, deliveries)."""
+        result: Any = await self._client.xautoclaim(self.stream, GROUP, self.consumer, min_idle_ms,
+                                                     start_id="0-0", count=count)
+        entries = [(eid, fields.get(b"d") if fields else None) for eid, fields in result[1] if eid]
+        if not entries:
+            return []
+        pending: Any = await self._client.xpending_range(self.stream, GROUP, min=entries[0][0],
+                                                          max=entries[-1][0], count=len(entries) * 2,
+                                                          consumername=self.consumer)
+        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+        return [(eid, payload, deliveries.get(eid, 1)) for eid, payload in entries]
+
     async def dead_letter(self, entry_id: bytes, reason: str) -> None:
         """A message nobody can answer (no readable envelope): park it with the reason and ack it."""
         pipe = self._client.pipeline(transaction=False)

@@ -13,6 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
 from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
@@ -58,10 +60,15 @@ class ModelLoop:
     clock: Clock
     block_ms: int = 1000
     read_ahead_batches: int = 2
+    claim_idle_ms: int = 30_000
+    claim_interval_s: float = 5.0
+    max_deliveries: int = 3
     policy: BatchPolicy = field(init=False)
     _queued: dict[int, list[_Queued]] = field(init=False, default_factory=dict)
     _free: dict[int, list[Instance]] = field(init=False, default_factory=dict)
     _in_flight: int = field(init=False, default=0)
+    # Entry ids this worker holds (queued or executing): a claim must not admit them twice.
+    _holding: set[bytes] = field(init=False, default_factory=set)
     _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _stopping: bool = field(init=False, default=False)
@@ -84,6 +91,7 @@ class ModelLoop:
     async def run(self) -> None:
         await self.consumer.join()
         schedulers = [asyncio.create_task(self._schedule(v)) for v in self.instances]
+        schedulers.append(asyncio.create_task(self._claim_abandoned()))
         try:
             await self._read()
             # Stopping: nothing new is read; finish and answer what this worker holds.
@@ -109,7 +117,7 @@ class ModelLoop:
                 continue
             try:
                 messages = await self.consumer.read(room, self.block_ms)
-            except (OSError, ConnectionError) as exc:
+            except (RedisError, OSError) as exc:
                 log.warning("%s: read failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -117,6 +125,42 @@ class ModelLoop:
                 await self._admit(entry_id, payload)
             if messages:
                 self._wake.set()
+
+    async def _claim_abandoned(self) -> None:
+        """Serve what a dead worker left pending: XAUTOCLAIM after claim_idle_ms, on a timer."""
+        while True:
+            await asyncio.sleep(self.claim_interval_s)
+            room = self.capacity - self.held()
+            if room <= 0:
+                continue
+            try:
+                claimed = await self.consumer.claim(self.claim_idle_ms, room)
+                for entry_id, payload, deliveries in claimed:
+                    if entry_id in self._holding:
+                        continue  # our own read-ahead that waited long: already queued here
+                    if deliveries > self.max_deliveries:
+                        await self._give_up(entry_id, payload, deliveries)
+                    else:
+                        log.warning("%s: claimed %r after another worker left it (delivery %d)",
+                                    self.spec.name, entry_id, deliveries)
+                        await self._admit(entry_id, payload)
+                if claimed:
+                    self._wake.set()
+            except (RedisError, OSError) as exc:
+                log.warning("%s: claiming abandoned messages failed: %s", self.spec.name, exc)
+
+    async def _give_up(self, entry_id: bytes, payload: bytes | None, deliveries: int) -> None:
+        """A message that keeps killing its workers: dead-letter it and tell its caller."""
+        reason = f"the request was delivered {deliveries} times without completing; moved to the dead letters"
+        log.error("%s: %r: %s", self.spec.name, entry_id, reason)
+        try:
+            env = decode_request(payload) if payload else None
+        except InvalidInput:
+            env = None
+        if env is not None:
+            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=reason)
+            await self.consumer.finish([(env.reply_to, reply)], [], None)
+        await self.consumer.dead_letter(entry_id, reason)
 
     async def _admit(self, entry_id: bytes, payload: bytes | None) -> None:
         try:
@@ -136,6 +180,7 @@ class ModelLoop:
         rows = env.batch_rows(self.spec.max_batch_size > 0)
         key = tuple((t.name, t.shape[1:]) for t in env.inputs) if self.spec.needs_equal_shapes else \
             tuple(sorted(t.name for t in env.inputs))
+        self._holding.add(entry_id)
         queue.append(_Queued(entry_id, env, Pending(
             request_id=entry_id.decode(), lane=0, enqueued_at_us=env.enqueued_at_us,
             deadline_us=env.deadline_us, rows=rows, shape_key=key)))
@@ -175,6 +220,7 @@ class ModelLoop:
                                                   error_code=err.code.value, error_message=err.message))
                    for q in expired]
         await self.consumer.finish(replies, [q.entry_id for q in expired], None)
+        self._holding.difference_update(q.entry_id for q in expired)
         self._room.set()
 
     async def _execute(self, version: int, instance: Instance, batch: list[_Queued], started_us: int) -> None:
@@ -197,6 +243,7 @@ class ModelLoop:
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
             self._in_flight -= len(batch)
+            self._holding.difference_update(q.entry_id for q in batch)
             if not released:
                 self._free[version].append(instance)
             self._wake.set()

@@ -80,7 +80,9 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
         # Each model reads on its own connection: XREADGROUP blocks it.
         client = aioredis.Redis.from_url(url, protocol=2)
         loop = ModelLoop(entry.spec, instances, StreamConsumer(client, keys, name, worker_id), SystemClock(),
-                         block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches)
+                         block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
+                         claim_idle_ms=settings.claim_idle_ms, claim_interval_s=settings.claim_interval_s,
+                         max_deliveries=settings.max_deliveries)
         loops.append(loop)
         tasks.append(asyncio.create_task(loop.run(), name=f"model-{name}"))
         heartbeat.ready.extend((name, v) for v in instances)

@@ -206,3 +206,50 @@ def test_redis_down_is_503_not_a_hang(tmp_path: Path, key_prefix: str) -> None:
         asyncio.run(main())
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("max_deliveries", [3, 1])
+def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalServer, key_prefix: str,
+                                                            max_deliveries: int) -> None:
+    """A consumer that read a request and died never acks it; a live worker claims it after the idle time
+    and answers it, or, past max_deliveries, dead-letters it and answers with an error."""
+    from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
+    from fleet.keys import GROUP
+    from fleet.settings import Settings
+    from workers.main import run_worker
+
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    keys = Keys(key_prefix)
+    queue = keys.queue("doubler")
+    client.xgroup_create(queue, GROUP, id="0", mkstream=True)
+    env = RequestEnvelope(id="orphan-1", model="doubler", version=1,
+                          inputs=[WireTensor("IN", "FP32", (1, 1), struct.pack("<f", 4.0))],
+                          reply_to=keys.reply("test"), enqueued_at_us=0)
+    client.xadd(queue, {b"d": encode_request(env)})
+    assert client.xreadgroup(GROUP, "dead-worker", {queue: ">"}, count=1)  # read, then "crash"
+
+    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(MODELS,),
+                        block_ms=100, claim_idle_ms=200, claim_interval_s=0.1, max_deliveries=max_deliveries)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_worker(settings, "cpu", stop))
+        try:
+            for _ in range(300):
+                entries = client.xrange(keys.reply("test"))
+                if entries:
+                    break
+                await asyncio.sleep(0.05)
+            reply = decode_reply(entries[0][1][b"d0"])
+            assert reply.id == "orphan-1"
+            if max_deliveries > 1:
+                assert reply.ok and struct.unpack("<f", reply.outputs[0].data) == (8.0,)
+            else:
+                assert not reply.ok and "delivered 2 times" in reply.error_message
+                assert client.xlen(keys.dead("doubler")) == 1
+            assert client.xpending(queue, GROUP)["pending"] == 0
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
