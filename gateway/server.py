@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from fleet.logs import configure_logging
 from fleet.settings import Settings
 from gateway.app import create_app
+from gateway.http_protocol import CoalescingHttpToolsProtocol
 from gateway.metrics import metrics_route
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def serve(settings: Settings) -> int:
     metrics_app.state.fleet = app.state.fleet
     level = "info" if settings.log_verbose else "warning"
     main = uvicorn.Server(uvicorn.Config(
-        app, host=settings.http_host, port=settings.http_port, loop="uvloop", http="httptools",
+        app, host=settings.http_host, port=settings.http_port, loop="uvloop", http=CoalescingHttpToolsProtocol,
         log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=30,
         server_header=False, date_header=False,
     ))
