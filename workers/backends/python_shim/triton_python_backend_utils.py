@@ -45,7 +45,6 @@ TRITONSERVER_MEMORY_CPU = 1
 _MEMORY_DEFAULT = 2
 
 _BLS_UNSUPPORTED = "BLS (calling another model from a Python model) is not supported yet"
-_MODEL_CONTROL_UNSUPPORTED = "Model control from a Python model is not supported yet"
 
 # Set by the worker to enable BLS: `_bls_executor(request, decoupled)` returns an InferenceResponse
 # (or an iterator of them when decoupled). `_bls_async_executor` is the awaitable twin; without it
@@ -401,57 +400,19 @@ def _incoming_request(
     return request
 
 
-# --- helpers over requests, responses and the model config dict ---------------------------------
-
-
-def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
-    for tensor in inference_request.inputs():
-        if tensor.name() == name:
-            return tensor
-    return None
-
-
-def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
-    for tensor in inference_response.output_tensors():
-        if tensor.name() == name:
-            return tensor
-    return None
-
-
-def get_input_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
-    for properties in model_config.get("input", []):
-        if properties["name"] == name:
-            return properties  # type: ignore[no-any-return]
-    return None
-
-
-def get_output_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
-    for properties in model_config.get("output", []):
-        if properties["name"] == name:
-            return properties  # type: ignore[no-any-return]
-    return None
-
-
-def using_decoupled_model_transaction_policy(model_config: Mapping[str, Any]) -> bool:
-    policy = model_config.get("model_transaction_policy") or {}
-    return bool(policy.get("decoupled", False))
-
-
-def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None) -> None:
-    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
-
-
-def unload_model(model_name: str, unload_dependents: bool = False) -> None:
-    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
-
-
-def is_model_ready(model_name: str, model_version: str = "") -> bool:
-    raise TritonModelException(_MODEL_CONTROL_UNSUPPORTED)
-
-
 # Logger, ModelConfig (auto_complete_config) and metrics live next door; models see them as
 # pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
 from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig  # noqa: E402
+from _pb_utils_helpers import (  # noqa: E402
+    get_input_config_by_name,
+    get_input_tensor_by_name,
+    get_output_config_by_name,
+    get_output_tensor_by_name,
+    is_model_ready,
+    load_model,
+    unload_model,
+    using_decoupled_model_transaction_policy,
+)
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
