@@ -7,6 +7,7 @@ JSON `data` is packed once with numpy. `render_infer` does the reverse for the r
 
 from __future__ import annotations
 
+import gzip
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -52,6 +53,33 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     except zlib.error as exc:
         raise InvalidInput(f"failed to decompress request body ({encoding}): {exc}") from exc
     raise InvalidInput(f"unsupported Content-Encoding '{encoding}'")
+
+
+def response_encoding(accept_encoding: str | None) -> str | None:
+    """The compression to answer with, from Accept-Encoding: Triton picks the best q-value among
+    identity, gzip and deflate. None = identity (also when nothing acceptable is offered)."""
+    if not accept_encoding:
+        return None
+    best, best_q = None, 0.0
+    for item in accept_encoding.split(","):
+        token, _, params = item.strip().partition(";")
+        q = 1.0
+        params = params.strip()
+        if params.startswith("q="):
+            try:
+                q = float(params[2:])
+            except ValueError:
+                continue
+        token = token.strip().lower()
+        if token in ("gzip", "deflate", "identity") and q > best_q:
+            best, best_q = token, q
+    return None if best == "identity" else best
+
+
+def compress(body: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(body, compresslevel=6)
+    return zlib.compress(body)  # "deflate" means the zlib format, as Triton and tritonclient use it
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:

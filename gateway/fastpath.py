@@ -16,7 +16,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.errors import InvalidInput, ServingError, VersionNotFound
-from gateway.codec import decompress
+from gateway.codec import compress, decompress, response_encoding
 from gateway.errors import status_for
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,14 @@ class InferFastPath:
             if version is not None and not version.isdigit():
                 raise VersionNotFound(name, version)
             body = await _read_body(receive, state.settings.max_input_bytes)
-            header_length = encoding = None
+            header_length = encoding = accept = None
             for key, value in scope["headers"]:
                 if key == b"inference-header-content-length":
                     header_length = value.decode("latin-1")
                 elif key == b"content-encoding":
                     encoding = value.decode("latin-1").strip().lower()
+                elif key == b"accept-encoding":
+                    accept = value.decode("latin-1")
             if encoding:
                 body = decompress(body, encoding)
             result = await state.dataplane.infer(name, version or None, body, header_length)
@@ -82,8 +84,14 @@ class InferFastPath:
             log.exception("infer on '%s' failed", name)
             await _respond(send, 500, json.dumps({"error": f"internal error: {exc}"}).encode(), _JSON)
             return
-        if result.header_length is None:
-            await _respond(send, 200, result.body, _JSON)
-        else:
-            await _respond(send, 200, result.body, b"application/octet-stream",
-                           [(b"inference-header-content-length", b"%d" % result.header_length)])
+        extra: list[tuple[bytes, bytes]] = []
+        if result.header_length is not None:
+            # Refers to the uncompressed JSON, as in Triton.
+            extra.append((b"inference-header-content-length", b"%d" % result.header_length))
+        body = result.body
+        out_encoding = response_encoding(accept)
+        if out_encoding is not None:
+            body = compress(body, out_encoding)
+            extra.append((b"content-encoding", out_encoding.encode()))
+        await _respond(send, 200, body, _JSON if result.header_length is None else b"application/octet-stream",
+                       extra)

@@ -197,3 +197,28 @@ def test_metrics_use_triton_names(system: RunningSystem) -> None:
     assert 'nv_inference_request_success_total{model="simple",version="1"}' in text or \
         'nv_inference_request_success{model="simple",version="1"}' in text
     assert "nv_inference_exec_count" in text
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(client: http.InferenceServerClient, algorithm: str) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        i = http.InferInput(name, [1, 16], "INT32")
+        i.set_data_from_numpy(a)
+        inputs.append(i)
+    r = client.infer("simple", inputs, request_compression_algorithm=algorithm,
+                     response_compression_algorithm=algorithm)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + a)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - a)
+
+
+def test_response_is_compressed_when_asked(system: RunningSystem) -> None:
+    import gzip
+
+    req = urllib.request.Request(f"http://{system.url}/v2/models/simple/infer", data=simple_body(), method="POST",
+                                 headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        doc = json.loads(gzip.decompress(r.read()))
+    assert {o["name"]: o["data"] for o in doc["outputs"]}["OUTPUT0"] == [2] * 16

@@ -251,3 +251,14 @@ def test_hostile_requests_only_raise_serving_errors(doc: dict[str, object], tail
             parse_infer(header, None, SIMPLE)
     except ServingError:
         pass
+
+
+@pytest.mark.parametrize("header,expected", [
+    (None, None), ("", None), ("gzip", "gzip"), ("deflate", "deflate"), ("identity", None),
+    ("gzip;q=0.5, deflate;q=0.8", "deflate"), ("br", None), ("gzip;q=0, identity", None),
+    ("identity;q=0.1, gzip", "gzip"), ("gzip;q=abc, deflate", "deflate"),
+])
+def test_response_encoding_negotiation(header: str | None, expected: str | None) -> None:
+    from gateway.codec import response_encoding
+
+    assert response_encoding(header) == expected
