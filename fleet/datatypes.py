@@ -36,10 +36,6 @@ BY_NAME: dict[str, Datatype] = {d.name: d for d in _ALL}
 BY_CONFIG: dict[str, Datatype] = {d.config_name: d for d in _ALL}
 
 
-def from_name(name: str) -> Datatype | None:
-    return BY_NAME.get(name)
-
-
 def from_config(config_name: str) -> Datatype:
     return BY_CONFIG[config_name]
 

@@ -111,7 +111,6 @@ class Broker:
                     fut.set_exception(err)
 
     async def _read_replies(self) -> None:
-        last_id = b"$"
         # The stream must exist with its TTL before workers write to it.
         await self._touch_reply_stream()
         last_id = b"0-0"

@@ -23,10 +23,11 @@ class BatchOutcome:
     compute_output_ns: int
 
 
-def _decode(env: RequestEnvelope) -> InferenceItem:
-    inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in env.inputs}
+def _decode(env: RequestEnvelope, to_arrays: bool) -> InferenceItem:
+    inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in env.inputs} \
+        if to_arrays else {}
     return InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
-                         request_id=env.client_id)
+                         request_id=env.client_id, wire=env.inputs)
 
 
 def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyEnvelope:
@@ -34,11 +35,19 @@ def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyE
         return ReplyEnvelope(id=env.id, model_version=env.version, error_code=result.error.code.value,
                              error_message=result.error.message)
     produced = result.outputs or {}
-    wanted = env.outputs if env.outputs is not None else [n for n in produced if spec.output(n) is not None]
+    wire = result.wire_outputs or {}
+    names = list(wire) or list(produced)
+    wanted = env.outputs if env.outputs is not None else [n for n in names if spec.output(n) is not None]
     outputs: list[WireTensor] = []
     for name in wanted:
         ts = spec.output(name)
+        if ts is not None and name in wire and wire[name].datatype == ts.datatype.name:
+            outputs.append(wire[name])  # already the declared type: forward the bytes
+            continue
         arr = produced.get(name)
+        if arr is None and name in wire:  # another type than declared: decode, cast below
+            t = wire[name]
+            arr = tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape)
         if ts is None or arr is None:
             return ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL",
                                  error_message=f"model '{spec.name}' did not produce output '{name}'")
@@ -50,11 +59,12 @@ def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyE
 def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) -> BatchOutcome:
     """Never raises: every failure becomes an error reply for the requests it touched."""
     t0 = time.perf_counter_ns()
+    to_arrays = not getattr(backend, "takes_wire", False)
     items: list[InferenceItem] = []
     early: dict[int, ReplyEnvelope] = {}
     for i, env in enumerate(envs):
         try:
-            items.append(_decode(env))
+            items.append(_decode(env, to_arrays))
         except ServingError as exc:
             early[i] = ReplyEnvelope(id=env.id, model_version=env.version, error_code=exc.code.value,
                                      error_message=exc.message)
@@ -65,7 +75,8 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
         err = InferenceFailed(f"backend returned {len(results)} results for {len(items)} requests")
         results = [ItemResult(error=err) for _ in items]
     t2 = time.perf_counter_ns()
-    encoded = iter(_encode(spec, env, res) for env, res in zip(runnable, results, strict=True))
-    replies = [early[i] if i in early else next(encoded) for i in range(len(envs))]
+    encoded = [_encode(spec, env, res) for env, res in zip(runnable, results, strict=True)]
+    encoded.reverse()
+    replies = [early[i] if i in early else encoded.pop() for i in range(len(envs))]
     t3 = time.perf_counter_ns()
     return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import redis
 
+from fleet.envelope import ReplyEnvelope
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from tests.support.model_repo import TRITON_EXAMPLES
@@ -28,6 +29,28 @@ def run(redis_server: LocalServer, key_prefix: str, body: Callable[[InProcessSys
             await body(system)
 
     asyncio.run(main())
+
+
+def enqueue_directly(client: redis.Redis, keys: Keys, request_id: str, values: list[float]) -> None:
+    """Put a doubler request on its stream as a gateway would, replying to the stream reply:test."""
+    from fleet.envelope import RequestEnvelope, WireTensor, encode_request
+
+    env = RequestEnvelope(id=request_id, model="doubler", version=1,
+                          inputs=[WireTensor("IN", "FP32", (1, len(values)), struct.pack(f"<{len(values)}f", *values))],
+                          reply_to=keys.reply("test"), enqueued_at_us=0)
+    client.xadd(keys.queue("doubler"), {b"d": encode_request(env)})
+
+
+async def first_reply(client: redis.Redis, keys: Keys, timeout_s: float = 15.0) -> ReplyEnvelope:
+    """The first reply a worker wrote to reply:test (polled: tests only)."""
+    from fleet.envelope import decode_reply
+
+    for _ in range(int(timeout_s / 0.05)):
+        entries = client.xrange(keys.reply("test"))
+        if entries:
+            return decode_reply(entries[0][1][b"d0"])
+        await asyncio.sleep(0.05)
+    raise TimeoutError("no reply")
 
 
 def fp32_request(values: list[list[float]]) -> dict[str, object]:
@@ -140,22 +163,12 @@ def test_no_ready_worker_is_503(redis_server: LocalServer, key_prefix: str) -> N
 
 def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: LocalServer, key_prefix: str) -> None:
     """The consumer group starts at the beginning of the stream, so nothing accepted is skipped."""
-    from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
-
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     keys = Keys(key_prefix)
-    env = RequestEnvelope(id="early-1", model="doubler", version=1,
-                          inputs=[WireTensor("IN", "FP32", (1, 2), struct.pack("<2f", 1.5, 2.5))],
-                          reply_to=keys.reply("test"), enqueued_at_us=0)
-    client.xadd(keys.queue("doubler"), {b"d": encode_request(env)})
+    enqueue_directly(client, keys, "early-1", [1.5, 2.5])
 
     async def body(s: InProcessSystem) -> None:
-        for _ in range(100):
-            entries = client.xrange(keys.reply("test"))
-            if entries:
-                break
-            await asyncio.sleep(0.05)
-        reply = decode_reply(entries[0][1][b"d0"])
+        reply = await first_reply(client, keys)
         assert reply.id == "early-1" and reply.ok
         assert struct.unpack("<2f", reply.outputs[0].data) == (3.0, 5.0)
         assert client.xlen(keys.queue("doubler")) == 0  # acked and deleted
@@ -213,7 +226,6 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
                                                             max_deliveries: int) -> None:
     """A consumer that read a request and died never acks it; a live worker claims it after the idle time
     and answers it, or, past max_deliveries, dead-letters it and answers with an error."""
-    from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
     from fleet.keys import GROUP
     from fleet.settings import Settings
     from workers.main import run_worker
@@ -222,10 +234,7 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
     keys = Keys(key_prefix)
     queue = keys.queue("doubler")
     client.xgroup_create(queue, GROUP, id="0", mkstream=True)
-    env = RequestEnvelope(id="orphan-1", model="doubler", version=1,
-                          inputs=[WireTensor("IN", "FP32", (1, 1), struct.pack("<f", 4.0))],
-                          reply_to=keys.reply("test"), enqueued_at_us=0)
-    client.xadd(queue, {b"d": encode_request(env)})
+    enqueue_directly(client, keys, "orphan-1", [4.0])
     assert client.xreadgroup(GROUP, "dead-worker", {queue: ">"}, count=1)  # read, then "crash"
 
     settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(MODELS,),
@@ -235,12 +244,7 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
         stop = asyncio.Event()
         task = asyncio.create_task(run_worker(settings, "cpu", stop))
         try:
-            for _ in range(300):
-                entries = client.xrange(keys.reply("test"))
-                if entries:
-                    break
-                await asyncio.sleep(0.05)
-            reply = decode_reply(entries[0][1][b"d0"])
+            reply = await first_reply(client, keys)
             assert reply.id == "orphan-1"
             if max_deliveries > 1:
                 assert reply.ok and struct.unpack("<f", reply.outputs[0].data) == (8.0,)

@@ -15,16 +15,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from batching.merge import merge, split
+from fleet.envelope import WireTensor
 from fleet.errors import InferenceFailed, ServingError
 from fleet.model_config import ModelSpec
 
 
 @dataclass(slots=True)
 class InferenceItem:
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray]  # empty for backends that take wire tensors (takes_wire = True)
     requested_outputs: list[str] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
+    wire: list[WireTensor] = field(default_factory=list)  # the envelope's tensors, as received
 
 
 @dataclass(slots=True)
@@ -32,6 +34,8 @@ class ItemResult:
     outputs: dict[str, np.ndarray] | None = None  # in the order the model produced them
     error: ServingError | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Outputs already in wire form (the Python backend's stub encodes them): passed through as bytes.
+    wire_outputs: dict[str, WireTensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,9 @@ class LoadContext:
 
 
 class Backend(Protocol):
+    """`takes_wire` (class attribute, default False): the backend reads `InferenceItem.wire` instead of
+    decoded arrays, so a process hop forwards the envelope's bytes without decoding and re-encoding."""
+
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]: ...
 
     def close(self) -> None: ...

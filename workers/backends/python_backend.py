@@ -14,8 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
-from fleet import tensors
-from fleet.datatypes import from_numpy
+from fleet.envelope import WireTensor
 from fleet.errors import ConfigError, InferenceFailed, from_code
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, failed
 from workers.backends.frames import PipeClosed, read_frame, write_frame
@@ -24,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class PythonBackend:
+    takes_wire = True  # the stub gets the envelope's tensor bytes as they are
+
     def __init__(self, ctx: LoadContext) -> None:
         self._ctx = ctx
         self._model_py = ctx.model_dir / str(ctx.version) / ctx.spec.default_model_filename
@@ -68,14 +69,11 @@ class PythonBackend:
                                   f"(exit code {code})") from exc
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
-        requests = []
-        for item in items:
-            wire = []
-            for name, arr in item.inputs.items():
-                dt = self._ctx.spec.input(name)
-                datatype = dt.datatype if dt is not None else from_numpy(arr.dtype)
-                wire.append([name, datatype.name, list(arr.shape), tensors.to_bytes(arr, datatype)])
-            requests.append({"id": item.request_id, "i": wire, "o": item.requested_outputs, "p": item.parameters})
+        requests = [
+            {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire],
+             "o": item.requested_outputs, "p": item.parameters}
+            for item in items
+        ]
         try:
             reply = self._roundtrip({"op": "execute", "requests": requests})
         except InferenceFailed as exc:
@@ -92,10 +90,8 @@ class PythonBackend:
     def _result(raw: dict[str, Any]) -> ItemResult:
         if "e" in raw:
             return ItemResult(error=from_code(raw["e"][0], raw["e"][1]))
-        outputs = {}
-        for name, datatype, shape, data in raw["o"]:
-            outputs[name] = tensors.from_bytes(data, tensors.lookup(datatype), shape)
-        return ItemResult(outputs=outputs, parameters=raw.get("p") or {})
+        wire = {name: WireTensor(name, datatype, tuple(shape), data) for name, datatype, shape, data in raw["o"]}
+        return ItemResult(wire_outputs=wire, parameters=raw.get("p") or {})
 
     def _restart(self) -> None:
         self.close()

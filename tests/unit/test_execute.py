@@ -1,0 +1,51 @@
+"""run_batch with a fake Backend (our own seam): one reply per request, in order, declared types kept."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from fleet.envelope import RequestEnvelope, WireTensor
+from fleet.errors import InvalidInput
+from fleet.model_config import parse_config
+from workers.backends.base import InferenceItem, ItemResult
+from workers.execute import run_batch
+
+SPEC = parse_config('backend: "python"\nmax_batch_size: 4\n'
+                    'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+                    'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]', source="m", model_name="m")
+
+
+def env(rid: str, values: tuple[float, float], datatype: str = "FP32") -> RequestEnvelope:
+    return RequestEnvelope(id=rid, model="m", version=1, reply_to="r", enqueued_at_us=0,
+                           inputs=[WireTensor("IN", datatype, (1, 2), struct.pack("<2f", *values))])
+
+
+class WireEcho:
+    """Answers with float64 wire outputs (not the declared FP32), or an error for negative input."""
+
+    takes_wire = True
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        out = []
+        for item in items:
+            assert item.inputs == {} and item.wire  # nothing was decoded for a wire backend
+            x = np.frombuffer(item.wire[0].data, "<f4").astype("<f8") * 2
+            if x[0] < 0:
+                out.append(ItemResult(error=InvalidInput("negative")))
+            else:
+                out.append(ItemResult(wire_outputs={"OUT": WireTensor("OUT", "FP64", (1, 2), x.tobytes())}))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def test_wire_backend_outputs_are_cast_to_the_declared_type_and_kept_in_order() -> None:
+    outcome = run_batch(SPEC, WireEcho(), [env("a", (1, 2)), env("n", (-1, 0)), env("c", (3, 4))])
+    assert [r.id for r in outcome.replies] == ["a", "n", "c"]
+    a, n, c = outcome.replies
+    assert a.outputs is not None and a.outputs[0].datatype == "FP32"
+    assert struct.unpack("<2f", a.outputs[0].data) == (2.0, 4.0)
+    assert n.error_code == "INVALID_ARG" and c.ok
