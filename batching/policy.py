@@ -3,7 +3,8 @@
 The worker loop (``workers/loop.py``) turns its queue into ``Pending`` values, reads its clock once and
 asks ``decide(policy, pending, now_us)`` what to do. The answer is a value, never an effect:
 
-* ``Reject(items)``  - these requests expired while queued; answer them with a timeout, never run them.
+* ``Reject(items)``  - these requests expired while queued under REJECT; answer them with a timeout,
+                       never run them. (Expired requests under DELAY stay, behind the unexpired ones.)
 * ``Dispatch(items)`` - run exactly these requests, in this order, as one batch now.
 * ``Wait(until_us)`` - nothing is ready; call ``decide`` again at ``until_us`` or on a new arrival.
 * ``None``           - the queue is empty.
@@ -19,7 +20,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-__all__ = ["BatchPolicy", "Decision", "Dispatch", "Pending", "Reject", "Wait", "decide"]
+__all__ = ["BatchPolicy", "Decision", "Dispatch", "Pending", "Reject", "Wait", "decide", "effective_lane",
+           "order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,11 @@ class BatchPolicy:
     ``preferred_batch_sizes`` is already normalised by the config parser; sizes above
     ``max_batch_size`` are simply never reached. ``dynamic`` is False when the config has no
     ``dynamic_batching`` block: then requests run one per dispatch, in order.
+
+    ``aging_us`` keeps lower lanes from starving (Triton has no such rule; strict priority starves a
+    low level forever under sustained high-priority load): a request rises one lane for every
+    ``aging_us`` it has waited since ``Pending.aging_from_us``, so any request reaches lane 0 after
+    ``lane * aging_us`` and is then served in arrival order with everything else. 0 = strict priority.
     Raises ValueError on negative sizes or delays.
     """
 
@@ -37,12 +44,15 @@ class BatchPolicy:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_us: int = 0
     dynamic: bool = True
+    aging_us: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
             raise ValueError(f"max_batch_size must be >= 0, got {self.max_batch_size}")
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if self.aging_us < 0:
+            raise ValueError(f"aging_us must be >= 0, got {self.aging_us}")
         if any(size < 1 for size in self.preferred_batch_sizes):
             raise ValueError(f"preferred batch sizes must be >= 1, got {self.preferred_batch_sizes}")
 
@@ -52,9 +62,13 @@ class Pending:
     """One queued request, as the policy sees it.
 
     ``lane`` 0 is the highest priority. ``deadline_us`` is absolute (None = no queue timeout); a request
-    whose deadline is ``<= now_us`` has expired. ``rows`` is the request's size along the batch axis
-    (>= 1, else ValueError). Two requests may share a batch only if their ``shape_key`` values are
-    equal (protocol.md §3.6); the driver puts whatever must match (shapes, input names) into it.
+    whose deadline is ``<= now_us`` has expired: it is rejected, or with ``delay_on_timeout`` (Triton's
+    DELAY action) kept but served behind every unexpired request of its lane and the lanes above.
+    ``rows`` is the request's size along the batch axis (>= 1, else ValueError). Two requests may share
+    a batch only if their ``shape_key`` values are equal (protocol.md §3.6); the driver puts whatever
+    must match (shapes, input names) into it. ``aging_from_us`` is when the request started competing
+    for this worker's instances (None = ``enqueued_at_us``); lane aging counts from there, so a bulk
+    item that sat in Redis for a minute is not promoted the moment a worker reads it.
     """
 
     request_id: str
@@ -63,6 +77,8 @@ class Pending:
     deadline_us: int | None
     rows: int
     shape_key: Hashable = None
+    delay_on_timeout: bool = False
+    aging_from_us: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -108,11 +124,11 @@ def decide(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> Deci
 
     ``pending`` is the whole queue in arrival order. Returns None iff it is empty. Otherwise:
 
-    1. If any request has expired, ``Reject`` all expired requests (in arrival order) before anything
-       else, so an expired request is never dispatched.
-    2. Candidates are ordered by lane, FIFO within a lane. A ``Dispatch`` is always a non-empty prefix
-       of that order: a lower-priority request never overtakes a higher-priority one, and nothing
-       overtakes an earlier request of its own lane.
+    1. If any request has expired under REJECT, ``Reject`` all of them (in arrival order) before
+       anything else, so such a request is never dispatched.
+    2. Candidates are ranked by ``order``: effective lane (after aging), then unexpired before delayed,
+       then arrival. A ``Dispatch`` is always a non-empty prefix of that order: a lower-priority request
+       never overtakes a higher-priority one, and nothing overtakes an earlier request of its rank.
     3. Without dynamic batching (or with ``max_batch_size == 0``) the first candidate runs alone.
     4. Otherwise Triton's ``GetDynamicBatch`` (protocol.md §3.5): a dispatch holds at most
        ``max_batch_size`` rows, except that a lone oversize request still runs (so nothing deadlocks),
@@ -121,14 +137,31 @@ def decide(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> Deci
     """
     if not pending:
         return None
-    expired = tuple(p for p in pending if p.deadline_us is not None and p.deadline_us <= now_us)
+    expired = tuple(p for p in pending if not p.delay_on_timeout and _expired(p, now_us))
     if expired:
         return Reject(expired)
-    # sorted() is stable, so arrival order survives within each lane.
-    candidates = sorted(pending, key=lambda p: p.lane)
+    candidates = order(policy, pending, now_us)
     if not policy.dynamic or policy.max_batch_size == 0:
         return Dispatch((candidates[0],))
     return _dynamic_batch(policy, candidates, now_us)
+
+
+def effective_lane(policy: BatchPolicy, item: Pending, now_us: int) -> int:
+    """The lane ``item`` competes in at ``now_us``: its own, minus one per ``aging_us`` waited."""
+    if policy.aging_us == 0 or item.lane == 0:
+        return item.lane
+    since = item.enqueued_at_us if item.aging_from_us is None else item.aging_from_us
+    return max(0, item.lane - max(0, now_us - since) // policy.aging_us)
+
+
+def order(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> list[Pending]:
+    """The queue in service order: effective lane, then unexpired before delayed, then arrival."""
+    # sorted() is stable, so arrival order survives within each rank.
+    return sorted(pending, key=lambda p: (effective_lane(policy, p, now_us), _expired(p, now_us)))
+
+
+def _expired(item: Pending, now_us: int) -> bool:
+    return item.deadline_us is not None and item.deadline_us <= now_us
 
 
 def _dynamic_batch(policy: BatchPolicy, candidates: Sequence[Pending], now_us: int) -> Decision:
@@ -147,10 +180,11 @@ def _dynamic_batch(policy: BatchPolicy, candidates: Sequence[Pending], now_us: i
         return Dispatch(tuple(batch))
 
     # Only reached when the walk took every candidate, so oldest_us is the oldest in the queue and no
-    # request waits past its own delay. No request has expired (decide rejected those first), so every
-    # deadline is > now_us, and oldest_us + delay_us > now_us because the delay has not been exceeded.
+    # request waits past its own delay; oldest_us + delay_us > now_us because the delay has not been
+    # exceeded. REJECT deadlines are all > now_us (expired ones were rejected first); DELAY deadlines
+    # need no wake-up: passing one only reorders the queue, which the next decision sees anyway.
     until_us = oldest_us + delay_us
-    deadlines = [p.deadline_us for p in candidates if p.deadline_us is not None]
+    deadlines = [p.deadline_us for p in candidates if p.deadline_us is not None and not p.delay_on_timeout]
     if deadlines:
         # Wake at the nearest timeout so the expired request is answered promptly (Triton does too).
         until_us = min(until_us, min(deadlines))

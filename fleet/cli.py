@@ -3,6 +3,7 @@
     fleet up       embedded Redis (or --redis-url) + one gateway + one worker per device
     fleet gateway  the HTTP gateway alone (compose runs this)
     fleet worker   one worker process alone (compose runs this)
+    fleet submit | jobs | job | cancel   bulk jobs through a gateway's /v2/jobs (fleet/job_client.py)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fleet import job_client
 from fleet.settings import Settings
 
 
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(wk)
     wk.add_argument("--device", default="cpu", help="cpu or cuda:N")
     wk.add_argument("--worker-id", default=None)
+
+    job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
     return parser
 
 
@@ -72,6 +76,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in job_client.COMMANDS:
+        return job_client.run(args)
     settings = settings_from_args(args)
     if args.command == "up":
         from fleet.launcher import run_up

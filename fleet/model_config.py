@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -58,14 +58,35 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """`ModelQueuePolicy` (protocol.md §3.7): one priority level's timeout and size limits."""
+
+    delay_on_timeout: bool = False  # timeout_action DELAY (True) or REJECT (False, the default)
+    default_timeout_us: int = 0  # 0 = requests of this level never time out while queued
+    allow_timeout_override: bool = False  # a request's `timeout` may shorten the default
+    max_queue_size: int = 0  # 0 = unbounded
+
+    @classmethod
+    def from_proto(cls, qp: Any) -> QueuePolicy:
+        return cls(delay_on_timeout=qp.timeout_action == 1, default_timeout_us=qp.default_timeout_microseconds,
+                   allow_timeout_override=qp.allow_timeout_override, max_queue_size=qp.max_queue_size)
+
+
+@dataclass(frozen=True, slots=True)
 class DynamicBatching:
-    """The scheduling fields of `dynamic_batching`; queue policies are in `ModelSpec.proto`."""
+    """The scheduling fields of `dynamic_batching`."""
 
     preferred_batch_sizes: tuple[int, ...]  # normalised: (max_batch_size,) when none given
     max_queue_delay_us: int
     preserve_ordering: bool
     priority_levels: int
     default_priority_level: int
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policy: Mapping[int, QueuePolicy] = field(default_factory=lambda: MappingProxyType({}))
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        """The policy of priority `level` (1-based; any level when priorities are off)."""
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +220,9 @@ def _to_spec(cfg: Any) -> ModelSpec:
             preserve_ordering=db.preserve_ordering,
             priority_levels=db.priority_levels,
             default_priority_level=db.default_priority_level,
+            default_queue_policy=QueuePolicy.from_proto(db.default_queue_policy),
+            priority_queue_policy=MappingProxyType(
+                {int(level): QueuePolicy.from_proto(qp) for level, qp in db.priority_queue_policy.items()}),
         )
     groups = cfg.instance_group
     return ModelSpec(

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     claim_idle_ms: int = 30_000
     claim_interval_s: float = 5.0
     max_deliveries: int = 3
+    # Lane aging (batching.policy): a queued request rises one priority lane per this much waiting, so
+    # bulk work progresses (slowly) even under saturating online load. 0 = strict priority.
+    lane_aging_ms: int = 1000
     worker_id: str = ""
     gateway_id: str = ""
 

@@ -25,6 +25,7 @@ class BatchSample:
     compute_infer_ns: int
     compute_output_ns: int
     finished_ms: int
+    requests_rejected: int = 0  # of requests_failed: timed out in the queue, never executed (REJECT)
 
 
 def field(version: int, name: str) -> str:
@@ -52,6 +53,8 @@ def increments(s: BatchSample) -> dict[str, int]:
     if s.requests_failed:
         d[field(v, "fail:count")] = s.requests_failed
         d[field(v, "fail:ns")] = s.request_ns_failed
+    if s.requests_rejected:
+        d[field(v, "rejected:count")] = s.requests_rejected
     if ok:
         b = f"batch:{s.batch_size}"
         d[field(v, f"{b}:count")] = 1

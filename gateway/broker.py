@@ -17,12 +17,24 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.envelope import ReplyEnvelope, decode_reply
-from fleet.errors import BrokerUnavailable, DeadlineExceeded
-from fleet.keys import Keys
+from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
+from fleet.keys import GROUP, Keys
 
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after this
+
+# A bounded lane (max_queue_size): enqueue only while fewer than ARGV[1] requests wait for a worker, in
+# the same round trip as the other XADDs. "Waiting" = entries not yet delivered to a worker (the stream
+# length less the group's pending count): what a worker has read ahead or is executing is bounded by
+# the worker itself, as Triton's queue size excludes executing requests. Returns nil when full.
+_BOUNDED_XADD = f"""
+local waiting = redis.call('XLEN', KEYS[1])
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], '{GROUP}')
+if ok then waiting = waiting - pending[1] end
+if waiting >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
+"""
 
 
 @dataclass(slots=True)
@@ -42,7 +54,7 @@ class Broker:
         self._block_ms = block_ms
         self._timeout_s = request_timeout_s
         self._waiters: dict[str, _Waiter] = {}
-        self._outbox: list[tuple[str, bytes, asyncio.Future[ReplyEnvelope]]] = []
+        self._outbox: list[tuple[str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -75,16 +87,18 @@ class Broker:
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"Redis is not reachable: {exc}") from exc
 
-    def submit(self, request_id: str, stream: str, payload: bytes) -> asyncio.Future[ReplyEnvelope]:
+    def submit(self, request_id: str, stream: str, payload: bytes,
+               max_queue_size: int = 0) -> asyncio.Future[ReplyEnvelope]:
         """Enqueue payload on stream and return the future of its reply.
 
         The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
         event-loop turn go out as one pipeline; if Redis cannot take them, their futures fail with
-        BrokerUnavailable. The caller must `forget(request_id)` when done (also on cancellation)."""
+        BrokerUnavailable; past `max_queue_size` (> 0) waiting requests, with QueueFull at once.
+        The caller must `forget(request_id)` when done (also on cancellation)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         self._waiters[request_id] = _Waiter(fut, loop.time() + self._timeout_s)
-        self._outbox.append((stream, payload, fut))
+        self._outbox.append((stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
         return fut
@@ -101,14 +115,23 @@ class Broker:
         batch, self._outbox = self._outbox, []
         try:
             pipe = self._client.pipeline(transaction=False)
-            for stream, payload, _ in batch:
-                pipe.xadd(stream, {b"d": payload})
-            await pipe.execute()
+            for stream, payload, bound, _ in batch:
+                if bound > 0:
+                    # EVAL, not EVALSHA: a pipeline with registered scripts costs a SCRIPT EXISTS
+                    # round trip per execute; the server caches the compiled body anyway.
+                    pipe.eval(_BOUNDED_XADD, 1, stream, bound, payload)
+                else:
+                    pipe.xadd(stream, {b"d": payload})
+            results = await pipe.execute()
         except (RedisError, OSError) as exc:
             err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")
-            for _, _, fut in batch:
+            for _, _, _, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
+            return
+        for (_, _, bound, fut), result in zip(batch, results, strict=True):
+            if bound > 0 and result is None and not fut.done():
+                fut.set_exception(QueueFull())
 
     async def _read_replies(self) -> None:
         # The stream must exist with its TTL before workers write to it.

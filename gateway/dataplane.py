@@ -8,6 +8,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from fleet.admission import admit
 from fleet.envelope import RequestEnvelope, encode_request
 from fleet.errors import ModelNotReady, from_code
 from fleet.stats import render_model_stats
@@ -32,20 +33,24 @@ class DataPlane:
         spec = view.entry.spec
         req = parse_infer(body, header_length, spec)
         rid = self.broker.next_id()
+        now_us = time.time_ns() // 1000
+        admission = admit(spec, req.priority, req.timeout_us, now_us)
         env = RequestEnvelope(
             id=rid,
             model=model,
             version=v,
             inputs=req.inputs,
             reply_to=self.broker.reply_key,
-            enqueued_at_us=time.time_ns() // 1000,
+            enqueued_at_us=now_us,
             outputs=req.outputs,
             parameters=req.parameters,
             priority=req.priority,
+            deadline_us=admission.deadline_us,
             client_id=req.client_id,
         )
         try:
-            reply = await self.broker.submit(rid, self.broker.keys.queue(model), encode_request(env))
+            reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),
+                                             admission.max_queue_size)
         finally:
             self.broker.forget(rid)
         if not reply.ok:

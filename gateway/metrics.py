@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from fleet.admission import lane_count
 from fleet.stats import field
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,7 +52,9 @@ class _Snapshot(Collector):
                                     "Instantaneous number of pending requests awaiting execution per-model.",
                                     labels=labels)
         for model, version, raw, depth in self.rows:
-            fail.add_metric([model, str(version), "BACKEND"], raw.get(field(version, "fail:count"), 0))
+            rejected = raw.get(field(version, "rejected:count"), 0)
+            fail.add_metric([model, str(version), "REJECTED"], rejected)
+            fail.add_metric([model, str(version), "BACKEND"], raw.get(field(version, "fail:count"), 0) - rejected)
             pending.add_metric([model, str(version)], depth)
         yield fail
         yield pending
@@ -62,14 +65,16 @@ async def metrics(request: Request) -> Response:
     st = request.app.state.fleet
     names = sorted(st.catalog.views)
     pipe = st.client.pipeline(transaction=False)
+    lanes = {n: lane_count(st.catalog.view(n).entry.spec) for n in names}
     for n in names:
         pipe.hgetall(st.keys.stats(n))
-        pipe.xlen(st.keys.queue(n))
-    results = await pipe.execute()
+        for lane in range(lanes[n]):
+            pipe.xlen(st.keys.queue(n, lane))
+    results = iter(await pipe.execute())
     rows = []
-    for i, n in enumerate(names):
-        raw = {k.decode(): int(v) for k, v in results[2 * i].items()}
-        depth = int(results[2 * i + 1])
+    for n in names:
+        raw = {k.decode(): int(v) for k, v in next(results).items()}
+        depth = sum(int(next(results)) for _ in range(lanes[n]))
         for v in st.catalog.view(n).entry.versions:
             rows.append((n, v, raw, depth))
     registry = CollectorRegistry(auto_describe=False)

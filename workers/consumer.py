@@ -1,6 +1,8 @@
-"""A worker's Redis I/O on one model's stream: join the consumer group, read, and finish a batch
-(replies + XACK + XDEL + statistics) in one pipelined round trip. Acknowledged only after the replies
-are written, so a worker that dies leaves its messages pending for another to claim."""
+"""A worker's Redis I/O on one model's lane streams: join the consumer group on each, read, and finish
+a batch (replies + XACK + XDEL + statistics) in one pipelined round trip. Acknowledged only after the
+replies are written, so a worker that dies leaves its messages pending for another to claim.
+
+A message is named by (lane, entry id): entry ids are unique only within one stream."""
 
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ from fleet.stats import BatchSample, field, increments
 log = logging.getLogger(__name__)
 
 REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above any in-flight count
+# A reply stream nobody reads any more (its gateway or job is gone) disappears after this. NX: the
+# reader's own, shorter refresh cycle is never disturbed; this only covers a key the XADD recreated.
+ORPHAN_REPLY_TTL_S = 3600
+
+MessageId = tuple[int, bytes]  # (lane, stream entry id)
 
 # KEYS[1] = stats hash; ARGV = last_inference field ("" = leave), its value, then field/delta pairs.
 _COUNT_BATCH = """
@@ -27,33 +34,42 @@ return 0
 
 
 class StreamConsumer:
-    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str, lanes: int = 1) -> None:
         self._client = client
         self._keys = keys
         self.model = model
-        self.stream = keys.queue(model)
+        self.streams = [keys.queue(model, lane) for lane in range(lanes)]
+        self._lane_of = {stream.encode(): lane for lane, stream in enumerate(self.streams)}
         self.consumer = consumer
 
     async def join(self) -> None:
-        try:
-            # From "0": requests accepted before any worker existed are served too.
-            await self._client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.streams:
+            try:
+                # From "0": requests accepted before any worker existed are served too.
+                await self._client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    async def read(self, count: int, block_ms: int) -> list[tuple[bytes, bytes | None]]:
-        """Up to `count` new messages as (entry id, payload)."""
-        result: Any = await self._client.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=count,
-                                               block=block_ms)
-        out: list[tuple[bytes, bytes | None]] = []
-        for _, entries in result or []:
+    async def read(self, lanes: list[int], count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
+        """New messages of `lanes` as ((lane, entry id), payload): up to `count` from each lane."""
+        try:
+            result: Any = await self._client.xreadgroup(
+                GROUP, self.consumer, {self.streams[lane]: ">" for lane in lanes}, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.join()  # the streams were lost (Redis restarted without persistence)
+            return []
+        out: list[tuple[MessageId, bytes | None]] = []
+        for stream, entries in result or []:
+            lane = self._lane_of[stream if isinstance(stream, bytes) else stream.encode()]
             for entry_id, fields in entries:
-                out.append((entry_id, fields.get(b"d") if fields else None))
+                out.append(((lane, entry_id), fields.get(b"d") if fields else None))
         return out
 
-    async def finish(self, replies: list[tuple[str, ReplyEnvelope]], entry_ids: list[bytes],
-                     sample: BatchSample | None) -> None:
+    async def finish(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
+                     samples: list[BatchSample]) -> None:
         """Write every reply, then ack and delete the messages, and count the batch: one round trip."""
         pipe = self._client.pipeline(transaction=False)
         # One stream entry per gateway per batch, one field per reply: a batch costs one XADD per
@@ -64,10 +80,14 @@ class StreamConsumer:
             fields[b"d%d" % len(fields)] = encode_reply(reply)
         for reply_to, fields in by_stream.items():
             pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)
-        if entry_ids:
-            pipe.xack(self.stream, GROUP, *entry_ids)
-            pipe.xdel(self.stream, *entry_ids)
-        if sample is not None:
+            pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+        by_lane: dict[int, list[bytes]] = {}
+        for lane, entry_id in messages:
+            by_lane.setdefault(lane, []).append(entry_id)
+        for lane, ids in by_lane.items():
+            pipe.xack(self.streams[lane], GROUP, *ids)
+            pipe.xdel(self.streams[lane], *ids)
+        for sample in samples:
             # One server-side script call instead of ~17 HINCRBYs (all on the model's one hash key).
             args: list[bytes | str | int] = []
             for name, delta in increments(sample).items():
@@ -76,26 +96,34 @@ class StreamConsumer:
             pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
         await pipe.execute()
 
-    async def claim(self, min_idle_ms: int, count: int) -> list[tuple[bytes, bytes | None, int]]:
-        """Take over messages other consumers left pending for min_idle_ms: (id, payload, deliveries)."""
-        result: Any = await self._client.xautoclaim(self.stream, GROUP, self.consumer, min_idle_ms,
-                                                     start_id="0-0", count=count)
-        entries = [(eid, fields.get(b"d") if fields else None) for eid, fields in result[1] if eid]
-        if not entries:
-            return []
-        pending: Any = await self._client.xpending_range(self.stream, GROUP, min=entries[0][0],
-                                                          max=entries[-1][0], count=len(entries) * 2,
-                                                          consumername=self.consumer)
-        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-        return [(eid, payload, deliveries.get(eid, 1)) for eid, payload in entries]
+    async def claim(self, min_idle_ms: int, count: int) -> list[tuple[MessageId, bytes | None, int]]:
+        """Take over messages other consumers left pending for min_idle_ms, highest lane first:
+        (message, payload, deliveries)."""
+        out: list[tuple[MessageId, bytes | None, int]] = []
+        for lane, stream in enumerate(self.streams):
+            if len(out) >= count:
+                break
+            result: Any = await self._client.xautoclaim(stream, GROUP, self.consumer, min_idle_ms,
+                                                         start_id="0-0", count=count - len(out))
+            entries = [(eid, fields.get(b"d") if fields else None) for eid, fields in result[1] if eid]
+            if not entries:
+                continue
+            pending: Any = await self._client.xpending_range(stream, GROUP, min=entries[0][0],
+                                                              max=entries[-1][0], count=len(entries) * 2,
+                                                              consumername=self.consumer)
+            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            out.extend(((lane, eid), payload, deliveries.get(eid, 1)) for eid, payload in entries)
+        return out
 
-    async def dead_letter(self, entry_id: bytes, reason: str) -> None:
+    async def dead_letter(self, message: MessageId, reason: str) -> None:
         """A message nobody can answer (no readable envelope): park it with the reason and ack it."""
+        lane, entry_id = message
+        stream = self.streams[lane]
         pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._keys.dead(self.model), {b"id": entry_id, b"reason": reason.encode()}, maxlen=10_000,
-                  approximate=True)
-        pipe.xack(self.stream, GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
+        pipe.xadd(self._keys.dead(self.model), {b"id": entry_id, b"lane": lane, b"reason": reason.encode()},
+                  maxlen=10_000, approximate=True)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
         await pipe.execute()
 
     async def close(self) -> None:

@@ -3,6 +3,13 @@
 The only place in the worker that waits. The policy is asked what to do whenever something changes (an
 arrival, a freed instance, a timer); it answers Dispatch, Wait(until) or Reject, and this loop acts.
 A batch runs on a free instance's own thread, so `instance_group.count` instances run concurrently.
+
+One reader per lane feeds the queue, each blocked on its own stream. Read-ahead is bounded, and a
+lower lane may never fill the room a higher one needs: each lane above has one more batch of room
+than the lane below it (`_room`), so a saturating bulk job (or a flood of low-priority requests)
+delays a higher-priority request by at most the batches already executing. Every lower lane always
+keeps one batch in the queue (the floor in `_room`) so that lane aging (batching.policy) can promote
+it when higher-priority load saturates the model.
 """
 
 from __future__ import annotations
@@ -16,24 +23,25 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
+from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
 from fleet.stats import BatchSample
 from workers.backends.base import Backend
-from workers.consumer import StreamConsumer
+from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
 
 log = logging.getLogger(__name__)
 
 
-def policy_for(spec: ModelSpec) -> BatchPolicy:
+def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
     db = spec.dynamic_batching
     if db is None or spec.max_batch_size == 0:
-        return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False)
+        return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False, aging_us=aging_us)
     return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=db.preferred_batch_sizes,
-                       max_queue_delay_us=db.max_queue_delay_us)
+                       max_queue_delay_us=db.max_queue_delay_us, aging_us=aging_us)
 
 
 @dataclass(slots=True)
@@ -45,7 +53,7 @@ class Instance:
 
 @dataclass(slots=True)
 class _Queued:
-    entry_id: bytes
+    message: MessageId
     env: RequestEnvelope
     pending: Pending
 
@@ -63,37 +71,59 @@ class ModelLoop:
     claim_idle_ms: int = 30_000
     claim_interval_s: float = 5.0
     max_deliveries: int = 3
+    aging_us: int = 0
     policy: BatchPolicy = field(init=False)
     _queued: dict[int, list[_Queued]] = field(init=False, default_factory=dict)
     _free: dict[int, list[Instance]] = field(init=False, default_factory=dict)
-    _in_flight: int = field(init=False, default=0)
-    # Entry ids this worker holds (queued or executing): a claim must not admit them twice.
-    _holding: set[bytes] = field(init=False, default_factory=set)
+    # Messages this worker holds (queued or executing): a claim must not admit them twice.
+    _holding: set[MessageId] = field(init=False, default_factory=set)
     _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
-    _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # One per lane reader: a shared event could be cleared by one reader after it was set for another.
+    _room_events: list[asyncio.Event] = field(init=False, default_factory=list)
     _stopping: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self.policy = policy_for(self.spec)
+        self.policy = policy_for(self.spec, self.aging_us)
         self._queued = {v: [] for v in self.instances}
         self._free = {v: list(insts) for v, insts in self.instances.items()}
+        self.bulk_lane = bulk_lane(self.spec)
+        self._room_events = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
+        assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
+        lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
+        self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
+        # Whether any lane can time out: skips deadline scans on the hot path of models without.
+        self._timeouts = any(lp.default_timeout_us > 0 for lp in lane_policies)
+
+    @property
+    def per_batch(self) -> int:
+        return max(1, self.spec.max_batch_size) if self.policy.dynamic else 1
 
     @property
     def capacity(self) -> int:
-        """Requests this worker holds at most (queued + executing): enough to form the next batches."""
-        per_batch = max(1, self.spec.max_batch_size) if self.policy.dynamic else 1
+        """Requests the bulk lane may fill (queued + executing): enough to form the next batches."""
         n_instances = sum(len(i) for i in self.instances.values())
-        return per_batch * n_instances * self.read_ahead_batches
+        return self.per_batch * n_instances * self.read_ahead_batches
 
     def held(self) -> int:
-        return sum(len(q) for q in self._queued.values()) + self._in_flight
+        return len(self._holding)
+
+    def held_in(self, lane: int) -> int:
+        return sum(1 for held_lane, _ in self._holding if held_lane == lane)
+
+    def _room(self, lane: int) -> int:
+        """How many more messages `lane` may read now: up to its limit (one batch more per lane above
+        the bulk lane), and at least enough to keep one batch of its own queued."""
+        room = self.capacity + self.per_batch * (self.bulk_lane - lane) - self.held()
+        if lane > 0:
+            room = max(room, self.per_batch - self.held_in(lane))
+        return room
 
     async def run(self) -> None:
         await self.consumer.join()
         schedulers = [asyncio.create_task(self._schedule(v)) for v in self.instances]
         schedulers.append(asyncio.create_task(self._claim_abandoned()))
         try:
-            await self._read()
+            await asyncio.gather(*(self._read(lane) for lane in range(self.bulk_lane + 1)))
             # Stopping: nothing new is read; finish and answer what this worker holds.
             while self.held():
                 self._wake.set()
@@ -105,95 +135,111 @@ class ModelLoop:
 
     def stop(self) -> None:
         self._stopping = True
-        self._room.set()
+        self._freed()
         self._wake.set()
 
-    async def _read(self) -> None:
+    def _freed(self) -> None:
+        for event in self._room_events:
+            event.set()
+
+    async def _read(self, lane: int) -> None:
+        room_event = self._room_events[lane]
         while not self._stopping:
-            room = self.capacity - self.held()
+            room = self._room(lane)
             if room <= 0:
-                self._room.clear()
-                await self._room.wait()
+                room_event.clear()
+                await room_event.wait()
                 continue
             try:
-                messages = await self.consumer.read(room, self.block_ms)
+                messages = await self.consumer.read([lane], room, self.block_ms)
             except (RedisError, OSError) as exc:
                 log.warning("%s: read failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for entry_id, payload in messages:
-                await self._admit(entry_id, payload)
+            for message, payload in messages:
+                await self._admit(message, payload)
             if messages:
                 self._wake.set()
 
     async def _claim_abandoned(self) -> None:
         """Serve what a dead worker left pending: XAUTOCLAIM after claim_idle_ms, on a timer."""
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.claim_interval_s)
-            room = self.capacity - self.held()
-            if room <= 0:
+            room = self._room(0)
+            if room <= 0 or self._stopping:
                 continue
             try:
                 claimed = await self.consumer.claim(self.claim_idle_ms, room)
-                for entry_id, payload, deliveries in claimed:
-                    if entry_id in self._holding:
+                for message, payload, deliveries in claimed:
+                    if message in self._holding:
                         continue  # our own read-ahead that waited long: already queued here
                     if deliveries > self.max_deliveries:
-                        await self._give_up(entry_id, payload, deliveries)
+                        await self._give_up(message, payload, deliveries)
                     else:
                         log.warning("%s: claimed %r after another worker left it (delivery %d)",
-                                    self.spec.name, entry_id, deliveries)
-                        await self._admit(entry_id, payload)
+                                    self.spec.name, message, deliveries)
+                        await self._admit(message, payload)
                 if claimed:
                     self._wake.set()
             except (RedisError, OSError) as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # redis-py turned our cancellation into a connection error: stop anyway
                 log.warning("%s: claiming abandoned messages failed: %s", self.spec.name, exc)
 
-    async def _give_up(self, entry_id: bytes, payload: bytes | None, deliveries: int) -> None:
+    async def _give_up(self, message: MessageId, payload: bytes | None, deliveries: int) -> None:
         """A message that keeps killing its workers: dead-letter it and tell its caller."""
         reason = f"the request was delivered {deliveries} times without completing; moved to the dead letters"
-        log.error("%s: %r: %s", self.spec.name, entry_id, reason)
+        log.error("%s: %r: %s", self.spec.name, message, reason)
         try:
             env = decode_request(payload) if payload else None
         except InvalidInput:
             env = None
         if env is not None:
             reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=reason)
-            await self.consumer.finish([(env.reply_to, reply)], [], None)
-        await self.consumer.dead_letter(entry_id, reason)
+            await self.consumer.finish([(env.reply_to, reply)], [], [])
+        await self.consumer.dead_letter(message, reason)
 
-    async def _admit(self, entry_id: bytes, payload: bytes | None) -> None:
+    async def _admit(self, message: MessageId, payload: bytes | None) -> None:
         try:
             if payload is None:
                 raise InvalidInput("message without a payload")
             env = decode_request(payload)
         except InvalidInput as exc:
-            log.error("%s: unreadable message %r: %s", self.spec.name, entry_id, exc)
-            await self.consumer.dead_letter(entry_id, exc.message)
+            log.error("%s: unreadable message %r: %s", self.spec.name, message, exc)
+            await self.consumer.dead_letter(message, exc.message)
             return
         queue = self._queued.get(env.version)
         if queue is None:
             reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="NOT_FOUND",
                                   error_message=f"model '{env.model}' version {env.version} is not loaded here")
-            await self.consumer.finish([(env.reply_to, reply)], [entry_id], None)
+            await self.consumer.finish([(env.reply_to, reply)], [message], [])
             return
         rows = env.batch_rows(self.spec.max_batch_size > 0)
         key = tuple((t.name, t.shape[1:]) for t in env.inputs) if self.spec.needs_equal_shapes else \
             tuple(sorted(t.name for t in env.inputs))
-        self._holding.add(entry_id)
-        queue.append(_Queued(entry_id, env, Pending(
-            request_id=entry_id.decode(), lane=0, enqueued_at_us=env.enqueued_at_us,
-            deadline_us=env.deadline_us, rows=rows, shape_key=key)))
+        lane, entry_id = message
+        self._holding.add(message)
+        queue.append(_Queued(message, env, Pending(
+            request_id=f"{lane}/{entry_id.decode()}", lane=lane, enqueued_at_us=env.enqueued_at_us,
+            deadline_us=env.deadline_us, rows=rows, shape_key=key, delay_on_timeout=lane in self._delay_lanes,
+            aging_from_us=self.clock.now_us())))
 
     async def _schedule(self, version: int) -> None:
         queue = self._queued[version]
         free = self._free[version]
         while True:
-            if not queue or not free:
-                self._wake.clear()
-                await self._wake.wait()
+            if not queue:
+                await self._sleep(None)
                 continue
             now = self.clock.now_us()
+            if not free:
+                # Every instance is busy: nothing can run, but a timed-out request is still answered
+                # at its deadline, not when an instance frees up (REJECT never waits for compute).
+                nearest = self._nearest_reject_deadline(queue)
+                if nearest is None or nearest > now:
+                    await self._sleep(None if nearest is None else (nearest - now) / 1e6)
+                    continue
             decision = decide(self.policy, [q.pending for q in queue], now)
             if isinstance(decision, Reject):
                 await self._reject(queue, decision)
@@ -202,14 +248,27 @@ class ModelLoop:
                 batch = [q for q in queue if q.pending.request_id in chosen]
                 queue[:] = [q for q in queue if q.pending.request_id not in chosen]
                 instance = free.pop()
-                self._in_flight += len(batch)
                 asyncio.create_task(self._execute(version, instance, batch, now))
             elif isinstance(decision, Wait):
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), max(0.0, (decision.until_us - now) / 1e6))
-                except TimeoutError:
-                    pass
+                await self._sleep((decision.until_us - now) / 1e6)
+
+    def _nearest_reject_deadline(self, queue: list[_Queued]) -> int | None:
+        if not self._timeouts:
+            return None
+        deadlines = [q.pending.deadline_us for q in queue
+                     if q.pending.deadline_us is not None and not q.pending.delay_on_timeout]
+        return min(deadlines, default=None)
+
+    async def _sleep(self, timeout_s: float | None) -> None:
+        """Until something changes (arrival, freed instance) or `timeout_s` passes."""
+        self._wake.clear()
+        if timeout_s is None:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            pass
 
     async def _reject(self, queue: list[_Queued], decision: Reject) -> None:
         chosen = {p.request_id for p in decision.items}
@@ -219,9 +278,13 @@ class ModelLoop:
         replies = [(q.env.reply_to, ReplyEnvelope(id=q.env.id, model_version=q.env.version,
                                                   error_code=err.code.value, error_message=err.message))
                    for q in expired]
-        await self.consumer.finish(replies, [q.entry_id for q in expired], None)
-        self._holding.difference_update(q.entry_id for q in expired)
-        self._room.set()
+        now_us = self.clock.now_us()
+        samples = [_rejected_sample(v, group, now_us) for v, group in _by_version(expired).items()]
+        try:
+            await self.consumer.finish(replies, [q.message for q in expired], samples)
+        finally:
+            self._holding.difference_update(q.message for q in expired)
+            self._freed()
 
     async def _execute(self, version: int, instance: Instance, batch: list[_Queued], started_us: int) -> None:
         envs = [q.env for q in batch]
@@ -237,17 +300,16 @@ class ModelLoop:
             self._wake.set()
             sample = self._sample(version, envs, outcome, started_us)
             await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, outcome.replies, strict=True)],
-                                       [q.entry_id for q in batch], sample)
+                                       [q.message for q in batch], [sample])
         except Exception:
             # Redis trouble while finishing: the messages stay pending and will be claimed again.
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
-            self._in_flight -= len(batch)
-            self._holding.difference_update(q.entry_id for q in batch)
+            self._holding.difference_update(q.message for q in batch)
             if not released:
                 self._free[version].append(instance)
             self._wake.set()
-            self._room.set()
+            self._freed()
 
     def _sample(self, version: int, envs: list[RequestEnvelope], outcome: BatchOutcome,
                 started_us: int) -> BatchSample:
@@ -263,3 +325,18 @@ class ModelLoop:
             compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
             compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
         )
+
+
+def _rejected_sample(version: int, group: list[_Queued], now_us: int) -> BatchSample:
+    """Timed-out requests count as failures (reason REJECTED) and never as executions."""
+    return BatchSample(version=version, batch_size=0, requests_ok=0, requests_failed=len(group), request_ns_ok=0,
+                       request_ns_failed=sum(now_us - q.env.enqueued_at_us for q in group) * 1000, queue_ns=0,
+                       compute_input_ns=0, compute_infer_ns=0, compute_output_ns=0, finished_ms=now_us // 1000,
+                       requests_rejected=len(group))
+
+
+def _by_version(items: list[_Queued]) -> dict[int, list[_Queued]]:
+    out: dict[int, list[_Queued]] = {}
+    for q in items:
+        out.setdefault(q.env.version, []).append(q)
+    return out

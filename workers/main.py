@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
+from fleet.admission import lane_count
 from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
@@ -77,12 +78,13 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
             log.error("model '%s' failed to load: %s", name, exc)
             heartbeat.failed[name] = str(exc)
             continue
-        # Each model reads on its own connection: XREADGROUP blocks it.
+        # Each model reads on its own connections (a pool): its two readers block in XREADGROUP.
         client = aioredis.Redis.from_url(url, protocol=2)
-        loop = ModelLoop(entry.spec, instances, StreamConsumer(client, keys, name, worker_id), SystemClock(),
+        consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec))
+        loop = ModelLoop(entry.spec, instances, consumer, SystemClock(),
                          block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
                          claim_idle_ms=settings.claim_idle_ms, claim_interval_s=settings.claim_interval_s,
-                         max_deliveries=settings.max_deliveries)
+                         max_deliveries=settings.max_deliveries, aging_us=settings.lane_aging_ms * 1000)
         loops.append(loop)
         tasks.append(asyncio.create_task(loop.run(), name=f"model-{name}"))
         heartbeat.ready.extend((name, v) for v in instances)

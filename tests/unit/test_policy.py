@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
+from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide, effective_lane, order
 
 EXAMPLES = settings(max_examples=200, deadline=None)
 
@@ -25,8 +25,10 @@ def req(
     lane: int = 0,
     deadline: int | None = None,
     key: Hashable = None,
+    delay: bool = False,
+    aging_from: int | None = None,
 ) -> Pending:
-    return Pending(request_id, lane, at, deadline, rows, key)
+    return Pending(request_id, lane, at, deadline, rows, key, delay, aging_from)
 
 
 # ---------------------------------------------------------------- worked examples
@@ -140,6 +142,43 @@ def test_wait_wakes_at_the_nearest_deadline_then_rejects() -> None:
     assert decide(policy, [a, b], now_us=3_000) == Reject((b,))
 
 
+def test_delay_keeps_an_expired_request_behind_the_unexpired_of_its_lane_and_above() -> None:
+    """protocol.md §3.7: DELAY moves it behind unexpired requests of its level and higher, not lower."""
+    policy = BatchPolicy(max_batch_size=8)
+    late = req("late", deadline=500, delay=True)
+    fresh0, fresh1 = req("fresh0", at=100), req("fresh1", at=100, lane=1)
+    assert decide(policy, [late, fresh1, fresh0], now_us=1_000) == Dispatch((fresh0, late, fresh1))
+    # Not expired yet: it keeps its place.
+    assert decide(policy, [late, fresh0], now_us=400) == Dispatch((late, fresh0))
+    # Alone, a delayed request still runs: DELAY never drops anything.
+    assert decide(policy, [late], now_us=10_000) == Dispatch((late,))
+
+
+def test_delayed_requests_need_no_wakeup() -> None:
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_us=5_000)
+    late, fresh = req("late", deadline=500, delay=True), req("fresh", at=900)
+    assert decide(policy, [late, fresh], now_us=1_000) == Wait(5_000)
+
+
+def test_aging_lifts_a_waiting_request_one_lane_per_interval() -> None:
+    policy = BatchPolicy(max_batch_size=1, aging_us=1_000)
+    bulk = req("bulk", lane=2, aging_from=10_000)
+    assert effective_lane(policy, bulk, 10_999) == 2
+    assert effective_lane(policy, bulk, 11_000) == 1
+    assert effective_lane(policy, bulk, 12_000) == 0
+    assert effective_lane(policy, bulk, 99_000) == 0
+    online = req("online", at=11_500)
+    # At lane 0 after 2 intervals, it is first by arrival (it was admitted before the online one).
+    assert decide(policy, [bulk, online], now_us=11_999) == Dispatch((online,))
+    assert decide(policy, [bulk, online], now_us=12_000) == Dispatch((bulk,))
+
+
+def test_without_aging_priority_is_strict() -> None:
+    policy = BatchPolicy(max_batch_size=1)
+    bulk, online = req("bulk", lane=1), req("online", at=10**9)
+    assert order(policy, [bulk, online], now_us=10**12) == [online, bulk]
+
+
 def test_invalid_values_are_refused() -> None:
     with pytest.raises(ValueError):
         req("a", rows=0)
@@ -149,6 +188,8 @@ def test_invalid_values_are_refused() -> None:
         BatchPolicy(max_batch_size=4, max_queue_delay_us=-1)
     with pytest.raises(ValueError):
         BatchPolicy(max_batch_size=4, preferred_batch_sizes=(0,))
+    with pytest.raises(ValueError):
+        BatchPolicy(max_batch_size=4, aging_us=-1)
 
 
 # ---------------------------------------------------------------- properties
@@ -165,6 +206,7 @@ def policies(draw: st.DrawFn) -> BatchPolicy:
         preferred_batch_sizes=tuple(sorted(preferred)),
         max_queue_delay_us=draw(st.sampled_from([0, 1, 100, 5_000])),
         dynamic=draw(st.booleans()),
+        aging_us=draw(st.sampled_from([0, 0, 1_000, 7_000])),
     )
 
 
@@ -178,7 +220,8 @@ def queues(draw: st.DrawFn) -> tuple[list[Pending], int]:
         timeout = draw(st.none() | st.integers(1, 10_000))
         deadline = None if timeout is None else at + timeout
         rows = draw(st.integers(1, 10))
-        items.append(Pending(f"r{i}", draw(st.integers(0, 2)), at, deadline, rows, draw(SHAPE_KEYS)))
+        items.append(Pending(f"r{i}", draw(st.integers(0, 2)), at, deadline, rows, draw(SHAPE_KEYS),
+                             draw(st.booleans()), at + draw(st.integers(0, 2_000))))
     return items, at + draw(st.integers(0, 10_000))
 
 
@@ -186,7 +229,15 @@ def expired(item: Pending, now_us: int) -> bool:
     return item.deadline_us is not None and item.deadline_us <= now_us
 
 
-def check_dispatch(policy: BatchPolicy, queue: Sequence[Pending], batch: Dispatch) -> None:
+def rejectable(item: Pending, now_us: int) -> bool:
+    return expired(item, now_us) and not item.delay_on_timeout
+
+
+def rank(policy: BatchPolicy, item: Pending, now_us: int) -> tuple[int, bool]:
+    return effective_lane(policy, item, now_us), expired(item, now_us)
+
+
+def check_dispatch(policy: BatchPolicy, queue: Sequence[Pending], batch: Dispatch, now_us: int) -> None:
     """Every Dispatch invariant that can be checked against the queue it was drawn from."""
     items = batch.items
     assert items, "a dispatch is never empty"
@@ -197,17 +248,18 @@ def check_dispatch(policy: BatchPolicy, queue: Sequence[Pending], batch: Dispatc
     if not policy.dynamic or policy.max_batch_size == 0:
         assert len(items) == 1
     assert len({p.shape_key for p in items}) == 1, "mismatched shapes share a batch"
-    # Priority and FIFO: nothing left behind outranks, or arrived before (same lane), a dispatched one.
+    # Priority and FIFO: nothing left behind outranks, or arrived before (same rank), a dispatched one.
+    # Rank = (lane after aging, delayed after unexpired); with aging off and no timeouts, it is the lane.
     position = {p.request_id: i for i, p in enumerate(queue)}
     left = [p for p in queue if p not in items]
     for d in items:
         for q in left:
-            assert q.lane >= d.lane, "a lower-priority request overtook a higher-priority one"
-            if q.lane == d.lane:
-                assert position[q.request_id] > position[d.request_id], "FIFO broken within a lane"
-    # Within the batch: lanes ascending, arrival order within a lane.
-    order = [(p.lane, position[p.request_id]) for p in items]
-    assert order == sorted(order)
+            assert rank(policy, q, now_us) >= rank(policy, d, now_us), "a lower rank overtook a higher one"
+            if rank(policy, q, now_us) == rank(policy, d, now_us):
+                assert position[q.request_id] > position[d.request_id], "FIFO broken within a rank"
+    # Within the batch: ranks ascending, arrival order within a rank.
+    ranks = [(rank(policy, p, now_us), position[p.request_id]) for p in items]
+    assert ranks == sorted(ranks)
 
 
 @EXAMPLES
@@ -215,18 +267,18 @@ def check_dispatch(policy: BatchPolicy, queue: Sequence[Pending], batch: Dispatc
 def test_decision_properties(policy: BatchPolicy, queue_now: tuple[list[Pending], int]) -> None:
     queue, now_us = queue_now
     decision = decide(policy, queue, now_us)
-    overdue = tuple(p for p in queue if expired(p, now_us))
+    overdue = tuple(p for p in queue if rejectable(p, now_us))
     if overdue:
         assert decision == Reject(overdue)
         return
     if isinstance(decision, Dispatch):
-        check_dispatch(policy, queue, decision)
+        check_dispatch(policy, queue, decision, now_us)
     else:
         assert isinstance(decision, Wait)
         assert decision.until_us > now_us
         for p in queue:
             assert decision.until_us <= p.enqueued_at_us + policy.max_queue_delay_us
-            assert p.deadline_us is None or decision.until_us <= p.deadline_us
+            assert p.delay_on_timeout or p.deadline_us is None or decision.until_us <= p.deadline_us
 
 
 @EXAMPLES
@@ -263,11 +315,12 @@ class QueueMachine(RuleBasedStateMachine):
         rows=st.integers(1, 10),
         key=SHAPE_KEYS,
         timeout=st.none() | st.integers(1, 10_000),
+        delay=st.booleans(),
     )
-    def arrive(self, lane: int, rows: int, key: Hashable, timeout: int | None) -> None:
+    def arrive(self, lane: int, rows: int, key: Hashable, timeout: int | None, delay: bool) -> None:
         request_id = f"r{len(self.arrived)}"
         deadline = None if timeout is None else self.now_us + timeout
-        self.queue.append(Pending(request_id, lane, self.now_us, deadline, rows, key))
+        self.queue.append(Pending(request_id, lane, self.now_us, deadline, rows, key, delay))
         self.arrived.add(request_id)
 
     @rule(delta=st.integers(0, 6_000))
@@ -303,11 +356,11 @@ class QueueMachine(RuleBasedStateMachine):
         for p in decision.items:
             assert p.request_id not in self.done, f"{p.request_id} left the queue twice"
         if isinstance(decision, Reject):
-            assert all(expired(p, self.now_us) for p in decision.items)
-            assert not any(expired(p, self.now_us) for p in self.queue if p not in decision.items)
+            assert all(rejectable(p, self.now_us) for p in decision.items)
+            assert not any(rejectable(p, self.now_us) for p in self.queue if p not in decision.items)
         else:
-            assert not any(expired(p, self.now_us) for p in self.queue), "expired request survived"
-            check_dispatch(self.policy, self.queue, decision)
+            assert not any(rejectable(p, self.now_us) for p in self.queue), "expired request survived"
+            check_dispatch(self.policy, self.queue, decision, self.now_us)
         outcome = "rejected" if isinstance(decision, Reject) else "dispatched"
         for p in decision.items:
             self.done[p.request_id] = outcome
@@ -326,3 +379,29 @@ class QueueMachine(RuleBasedStateMachine):
 
 TestQueueMachine = QueueMachine.TestCase
 TestQueueMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+@EXAMPLES
+@given(lane=st.integers(1, 3), aging_us=st.integers(1, 50_000), batch_us=st.integers(1, 5_000),
+       max_batch=st.integers(1, 8))
+def test_aging_bounds_how_long_a_low_lane_waits_under_saturation(
+    lane: int, aging_us: int, batch_us: int, max_batch: int
+) -> None:
+    """A lane-0 flood that fills every batch cannot hold a low-lane request past lane * aging_us plus
+    one batch: the bound `say how` in the issue, checked for any rates."""
+    policy = BatchPolicy(max_batch_size=max_batch, aging_us=aging_us)
+    now, seq = 0, 0
+    low = Pending("low", lane, 0, None, 1, aging_from_us=0)
+    queue = [low]
+    while True:
+        # Saturation: a full batch of fresh lane-0 work arrives before every decision.
+        for _ in range(max_batch):
+            queue.append(Pending(f"o{seq}", 0, now, None, 1))
+            seq += 1
+        decision = decide(policy, queue, now)
+        assert isinstance(decision, Dispatch)
+        if low in decision.items:
+            break
+        queue = [p for p in queue if p not in decision.items]
+        now += batch_us
+        assert now <= lane * aging_us + 2 * batch_us, "the low lane starved"

@@ -1,0 +1,429 @@
+"""Client side of bulk jobs: `fleet submit | jobs | job | cancel` over the gateway's /v2/jobs API.
+
+Three layers, so each can be tested alone:
+
+    JobsClient         the HTTP calls (httpx); every failure becomes JobsClientError(message, status)
+    format_* / job_*   pure rendering of job records (dicts as the gateway sends them)
+    run(args)          the CLI driver: rich progress, polling, exit codes
+
+Exit codes: 0 job completed (or command done), 1 job failed/cancelled, 2 usage or HTTP error, 130 Ctrl-C.
+These commands need no Settings: they only talk HTTP to a gateway (`--url`, env FLEET_URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime, tzinfo
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+JobRecord = dict[str, Any]
+JobList = list[JobRecord]
+OnChunk = Callable[[int], None]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+COMMANDS = frozenset({"submit", "jobs", "job", "cancel"})
+POLL_INTERVAL_S = 0.5
+TABLE_COLUMNS = ("id", "model", "state", "done/total", "failed", "items/s", "created")
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+
+
+class JobsClientError(Exception):
+    """A gateway error (`status` is the HTTP status) or an unreachable gateway (`status` is None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.message if self.status is None else f"{self.message} (HTTP {self.status})"
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    """Map a 4xx/5xx response to JobsClientError carrying the gateway's `{"error": ...}` message."""
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+        message = str(body["error"]) if isinstance(body, dict) and "error" in body else response.text
+    except ValueError:
+        message = response.text
+    raise JobsClientError(message.strip() or response.reason_phrase, response.status_code)
+
+
+class JobsClient:
+    """Synchronous client of the gateway's /v2/jobs endpoints.
+
+    `client` is injectable (tests pass one with httpx.MockTransport); when omitted the JobsClient owns one
+    and `close()` closes it. All methods raise JobsClientError, never httpx exceptions.
+    """
+
+    def __init__(self, base_url: str, client: httpx.Client | None = None, *, timeout_s: float = 30.0,
+                 chunk_bytes: int = 1 << 20) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._owned = client is None
+        self._client = client if client is not None else httpx.Client(timeout=httpx.Timeout(timeout_s))
+        self._timeout_s = timeout_s
+        self._chunk_bytes = chunk_bytes
+
+    def __enter__(self) -> JobsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owned:
+            self._client.close()
+
+    def _url(self, *parts: str) -> str:
+        return "/".join([self.base_url, "v2", "jobs", *(quote(p, safe="") for p in parts)])
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        try:
+            response = self._client.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise JobsClientError(f"cannot reach the gateway at {self.base_url}: {exc}") from exc
+        _raise_for_error(response)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise JobsClientError(f"the gateway answered {method} {url} with non-JSON", response.status_code) from exc
+
+    def upload(self, path: Path, on_chunk: OnChunk | None = None) -> str:
+        """Stream the file at `path` (never read whole into memory) and return the upload token."""
+        size = path.stat().st_size
+
+        def chunks() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while chunk := f.read(self._chunk_bytes):
+                    if on_chunk is not None:
+                        on_chunk(len(chunk))
+                    yield chunk
+
+        # An explicit Content-Length keeps httpx from switching to chunked transfer encoding.
+        # The gateway may scan the whole file before answering, hence no read timeout.
+        body = self._request("POST", self._url("uploads"), params={"name": path.name}, content=chunks(),
+                             headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+                             timeout=httpx.Timeout(self._timeout_s, read=None))
+        return str(body["upload"])
+
+    def create(self, spec: Mapping[str, Any]) -> JobRecord:
+        """POST /v2/jobs; an existing `id` returns that job's record (idempotent resubmission)."""
+        record: JobRecord = self._request("POST", self._url(), json=dict(spec))
+        return record
+
+    def get(self, job_id: str) -> JobRecord:
+        record: JobRecord = self._request("GET", self._url(job_id))
+        return record
+
+    def list(self) -> JobList:
+        """All jobs, newest first."""
+        jobs: JobList = self._request("GET", self._url())["jobs"]
+        return jobs
+
+    def cancel(self, job_id: str) -> JobRecord:
+        record: JobRecord = self._request("DELETE", self._url(job_id))
+        return record
+
+    def download(self, job_id: str, dest: Path, on_chunk: OnChunk | None = None) -> int:
+        """Stream the results to `dest` (via `dest.part`, renamed when complete); return the bytes written."""
+        part = dest.with_name(dest.name + ".part")
+        written = 0
+        try:
+            with self._client.stream("GET", self._url(job_id, "results")) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for_error(response)
+                with part.open("wb") as f:
+                    for chunk in response.iter_bytes(self._chunk_bytes):
+                        f.write(chunk)
+                        written += len(chunk)
+                        if on_chunk is not None:
+                            on_chunk(len(chunk))
+        except httpx.HTTPError as exc:
+            part.unlink(missing_ok=True)
+            raise JobsClientError(f"download of job {job_id} failed: {exc}") from exc
+        except BaseException:  # JobsClientError, a full disk, Ctrl-C: leave no half-written file behind
+            part.unlink(missing_ok=True)
+            raise
+        part.replace(dest)
+        return written
+
+
+# ---------------------------------------------------------------- pure rendering
+
+
+def format_duration_s(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "--"
+    total = round(seconds)
+    return f"{total // 3600}:{total // 60 % 60:02d}:{total % 60:02d}"
+
+
+def format_epoch(ts: float | None, tz: tzinfo | None = None) -> str:
+    """Epoch seconds as `YYYY-MM-DD HH:MM:SS` in `tz` (local time when None); "-" when unset."""
+    return "-" if ts is None else datetime.fromtimestamp(ts, tz).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_progress(record: Mapping[str, Any]) -> str:
+    total = record.get("total")
+    return f"{record.get('done', 0)}/{'?' if total is None else total}"
+
+
+def job_row(record: Mapping[str, Any], tz: tzinfo | None = None) -> tuple[str, ...]:
+    """One row of `fleet jobs`, in TABLE_COLUMNS order."""
+    return (str(record.get("id", "")), str(record.get("model", "")), str(record.get("state", "")),
+            format_progress(record), str(record.get("failed", 0)), f"{float(record.get('throughput') or 0):.1f}",
+            format_epoch(record.get("created_at"), tz))
+
+
+def format_record(record: Mapping[str, Any], tz: tzinfo | None = None) -> str:
+    """`fleet job ID`: the record as aligned `label: value` lines, then the error samples."""
+    version = record.get("version")
+    model = str(record.get("model", "")) + (f" (version {version})" if version else "")
+    lines = [
+        ("id", str(record.get("id", ""))),
+        ("model", model),
+        ("state", str(record.get("state", ""))),
+        ("priority", str(record.get("priority", 0))),
+        ("progress", f"{format_progress(record)} done, {record.get('failed', 0)} failed, "
+                     f"{record.get('written', 0)} written"),
+        ("throughput", f"{float(record.get('throughput') or 0):.1f} items/s, ETA "
+                       f"{format_duration_s(record.get('eta_s'))}"),
+        ("output", str((record.get("output") or {}).get("format", ""))),
+        ("created", format_epoch(record.get("created_at"), tz)),
+        ("started", format_epoch(record.get("started_at"), tz)),
+        ("finished", format_epoch(record.get("finished_at"), tz)),
+    ]
+    if record.get("error"):
+        lines.append(("error", str(record["error"])))
+    text = [f"{label + ':':<12}{value}" for label, value in lines]
+    samples = record.get("errors") or []
+    if samples:
+        text.append(f"errors ({len(samples)} samples):")
+        text.extend(f"  line {s.get('line', '?')}: {s.get('error', '')}" for s in samples)
+    return "\n".join(text)
+
+
+def progress_fields(record: Mapping[str, Any]) -> dict[str, str]:
+    """The text columns of the live progress bar: rate, ETA and failed count."""
+    return {"rate": f"{float(record.get('throughput') or 0):.1f} items/s",
+            "eta": f"ETA {format_duration_s(record.get('eta_s'))}",
+            "failed": f"{record.get('failed', 0)} failed"}
+
+
+def summary_line(record: Mapping[str, Any], dest: Path | None = None) -> str:
+    """The one line `fleet submit` ends with."""
+    started, finished = record.get("started_at"), record.get("finished_at")
+    took = f" in {format_duration_s(finished - started)}" if started is not None and finished is not None else ""
+    line = (f"job {record.get('id')} {record.get('state')}: {record.get('done', 0)} done, "
+            f"{record.get('failed', 0)} failed{took}, {float(record.get('throughput') or 0):.1f} items/s")
+    if record.get("error"):
+        line += f"; {record['error']}"
+    return line + (f" -> {dest}" if dest is not None else "")
+
+
+def default_output_path(input_path: str, fmt: str, *, server_path: bool = False) -> Path:
+    """INPUT stem + `.out.<fmt>`: next to a local input, in the working directory for a server-side path."""
+    src = Path(input_path)
+    name = f"{src.stem}.out.{fmt}"
+    return Path(name) if server_path else src.with_name(name)
+
+
+def exit_code_for(state: str) -> int:
+    return 0 if state == JobState.COMPLETED else 1
+
+
+def resolve_url(flag: str | None, environ: Mapping[str, str]) -> str:
+    return flag or environ.get("FLEET_URL") or DEFAULT_URL
+
+
+def job_spec(args: argparse.Namespace, job_input: str | dict[str, str]) -> dict[str, Any]:
+    """The POST /v2/jobs body from `fleet submit` arguments; unset options are left to the gateway."""
+    spec: dict[str, Any] = {"model": args.model, "input": job_input}
+    optional = {"version": args.model_version, "priority": args.priority, "id": args.job_id,
+                "max_failures": args.max_failures}
+    spec.update({k: v for k, v in optional.items() if v is not None})
+    if args.format:
+        spec["output"] = {"format": args.format}
+    return spec
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add submit, jobs, job and cancel to the `fleet` subparsers (`sub` is argparse's _SubParsersAction)."""
+    def url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
+        return p
+
+    s = url(sub.add_parser("submit", help="run a bulk job and fetch its results"))
+    s.add_argument("input", help="JSONL or array file to upload (a server-side path with --server-path)")
+    s.add_argument("--model", required=True)
+    s.add_argument("--model-version", default=None)
+    s.add_argument("-o", "--output", type=Path, default=None, help="results file (default INPUT stem + .out.FMT)")
+    s.add_argument("--priority", type=int, default=None, help="scheduling lane (default 0 = bulk)")
+    s.add_argument("--id", dest="job_id", default=None, help="job id; resubmitting an id returns that job")
+    s.add_argument("--max-failures", type=int, default=None, help="fail the job after more failed items")
+    s.add_argument("--format", choices=("jsonl", "npy", "npz"), default=None, help="output format")
+    s.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    s.add_argument("--server-path", action="store_true", help="INPUT is a path on the gateway; do not upload")
+    url(sub.add_parser("jobs", help="list bulk jobs"))
+    j = url(sub.add_parser("job", help="show one bulk job"))
+    j.add_argument("job_id", metavar="ID")
+    j.add_argument("--json", action="store_true", help="print the raw JSON record")
+    c = url(sub.add_parser("cancel", help="cancel a bulk job"))
+    c.add_argument("job_id", metavar="ID")
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def wait_for_job(client: JobsClient, job_id: str, on_update: Callable[[JobRecord], None], *,
+                 sleep: Callable[[float], None] = time.sleep, interval_s: float = POLL_INTERVAL_S,
+                 max_transient_errors: int = 20) -> JobRecord:
+    """Poll until the job is terminal; ride out up to `max_transient_errors` consecutive 5xx/unreachable polls."""
+    errors = 0
+    while True:
+        try:
+            record = client.get(job_id)
+            errors = 0
+        except JobsClientError as exc:
+            errors += 1
+            if (exc.status is not None and exc.status < 500) or errors > max_transient_errors:
+                raise
+            sleep(interval_s)
+            continue
+        on_update(record)
+        if record.get("state") in TERMINAL_STATES:
+            return record
+        sleep(interval_s)
+
+
+def _bytes_progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=console, transient=True)
+
+
+def _submit(args: argparse.Namespace, client: JobsClient, out: Console, err: Console,
+            sleep: Callable[[float], None]) -> int:
+    if args.server_path:
+        job_input: str | dict[str, str] = args.input
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            err.print(f"error: no such file: {path}")
+            return 2
+        try:
+            with _bytes_progress(err) as bar:
+                task = bar.add_task(f"upload {path.name}", total=path.stat().st_size)
+                job_input = {"upload": client.upload(path, lambda n: bar.advance(task, n))}
+        except KeyboardInterrupt:
+            err.print("\ninterrupted: upload stopped, no job was created")
+            return 130
+    record = client.create(job_spec(args, job_input))
+    job_id = str(record["id"])
+    out.print(job_id)
+    if args.no_wait:
+        return 0
+    try:
+        with Progress(TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
+                      TextColumn("{task.fields[failed]}"), console=err) as bar:
+            task = bar.add_task("", total=None, rate="", eta="", failed="")
+
+            def show(r: JobRecord) -> None:
+                f = progress_fields(r)
+                bar.update(task, description=str(r.get("state", "")), total=r.get("total"),
+                           completed=r.get("done", 0), rate=f["rate"], eta=f["eta"], failed=f["failed"])
+
+            show(record)
+
+            record = wait_for_job(client, job_id, show, sleep=sleep)
+    except KeyboardInterrupt:
+        url = "" if client.base_url == DEFAULT_URL else f" --url {client.base_url}"
+        err.print(f"\ninterrupted: job {job_id} keeps running on the server; cancel it with: "
+                  f"fleet cancel {job_id}{url}")
+        return 130
+    dest = None
+    if record.get("state") == JobState.COMPLETED:
+        fmt = str((record.get("output") or {}).get("format") or args.format or "jsonl")
+        dest = args.output or default_output_path(args.input, fmt, server_path=args.server_path)
+        with _bytes_progress(err) as bar:
+            task = bar.add_task(f"download {dest.name}", total=None)
+            client.download(job_id, dest, lambda n: bar.advance(task, n))
+    out.print(summary_line(record, dest))
+    return exit_code_for(str(record.get("state")))
+
+
+def _dispatch(args: argparse.Namespace, client: JobsClient, out: Console, err: Console,
+              sleep: Callable[[float], None]) -> int:
+    if args.command == "submit":
+        return _submit(args, client, out, err, sleep)
+    if args.command == "jobs":
+        table = Table(*TABLE_COLUMNS)
+        for record in client.list():
+            table.add_row(*(Text(cell) for cell in job_row(record)))
+        out.print(table)
+    elif args.command == "job":
+        record = client.get(args.job_id)
+        out.print(json.dumps(record, indent=2) if args.json else format_record(record))
+    else:
+        record = client.cancel(args.job_id)
+        out.print(f"job {record.get('id', args.job_id)} {record.get('state')}")
+    return 0
+
+
+def run(args: argparse.Namespace, *, client: JobsClient | None = None, environ: Mapping[str, str] = os.environ,
+        sleep: Callable[[float], None] = time.sleep) -> int:
+    """Run one of COMMANDS parsed by fleet.cli.build_parser(); returns the process exit code."""
+    out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
+    err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
+    jobs = client if client is not None else JobsClient(resolve_url(args.url, environ))
+    try:
+        return _dispatch(args, jobs, out, err, sleep)
+    except JobsClientError as exc:
+        err.print(f"error: {exc}")
+        return 2
+    except OSError as exc:
+        err.print(f"error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        err.print("\ninterrupted")
+        return 130
+    finally:
+        if client is None:
+            jobs.close()

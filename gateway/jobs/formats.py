@@ -1,0 +1,30 @@
+"""The file-format layer of bulk jobs, in one import: readers, packing, writers.
+
+Pure file I/O and tensor bytes, no Redis and no asyncio: the job runner drives these. The code lives
+in `inputs` (JSONL/.npy/.npz readers), `packing` (multi-row requests and reply splitting) and
+`outputs` (JSONL/.npy/.npz writers); this module is the interface the runner imports.
+"""
+
+from __future__ import annotations
+
+from gateway.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
+from gateway.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output
+from gateway.jobs.packing import group_items, pack, unpack
+
+__all__ = [
+    "InputItem",
+    "JobInput",
+    "JobOutput",
+    "JsonlInput",
+    "JsonlOutput",
+    "NpyInput",
+    "NpyOutput",
+    "NpzInput",
+    "NpzOutput",
+    "count_lines",
+    "group_items",
+    "open_input",
+    "open_output",
+    "pack",
+    "unpack",
+]

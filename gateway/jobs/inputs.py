@@ -1,0 +1,357 @@
+"""Bulk-job input files: JSONL requests or .npy/.npz arrays, streamed as validated items.
+
+Every reader yields `InputItem`s in file order from a resume cursor (the index and offset of the next
+unread item), so an interrupted job restarts where it stopped without rereading what it sent. Nothing
+here loads a whole file: JSONL is read line by line, .npy is memory-mapped, and .npz members are read
+row by row from the zip stream. A line that cannot be sent becomes an item with `error` set, so the
+runner records it as failed in order; a file that cannot be read at all raises InvalidInput at open.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import numpy as np
+
+from fleet import tensors
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput, ServingError
+from fleet.model_config import ModelSpec, TensorSpec
+from gateway.codec import parse_infer
+
+CHUNK_BYTES = 1 << 20  # count() and the resume line count read the file this much at a time
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
+ARRAY_SUFFIXES = frozenset({".npy", ".npz"})
+
+
+@dataclass(slots=True)
+class InputItem:
+    """One inference request of a job, or the reason it cannot be sent (`error`)."""
+
+    index: int  # 0-based item counter (blank lines not counted)
+    line: int  # JSONL: 1-based line number in the file; arrays: 0-based row number
+    end_offset: int  # resume cursor just past this item: JSONL byte offset after its line; arrays: row + 1
+    inputs: list[WireTensor] | None  # validated tensors, None when error is set
+    outputs: list[str] | None = None  # requested output names, None = all
+    client_id: str = ""  # the request "id" field (JSONL)
+    parameters: dict[str, Any] = field(default_factory=dict)  # ParsedInfer.parameters (passthrough)
+    error: str | None = None  # why this item cannot be sent; recorded as failed
+    rows: int = 1  # rows along the batch axis (1 for a non-batching model)
+
+
+class JobInput(Protocol):
+    """What the runner reads: a count for progress, then items from a resume cursor."""
+
+    kind: str  # "jsonl" or "array"
+
+    def count(self) -> int: ...
+
+    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]: ...
+
+    def close(self) -> None: ...
+
+
+def open_input(path: Path, spec: ModelSpec) -> JobInput:
+    """Pick the reader by suffix; raises InvalidInput for a missing file or an unknown format."""
+    suffix = path.suffix.lower()
+    if suffix not in JSONL_SUFFIXES | ARRAY_SUFFIXES:
+        raise InvalidInput(
+            f"unsupported job input '{path.name}': expected .jsonl/.ndjson/.json requests or .npy/.npz arrays"
+        )
+    if not path.is_file():
+        raise InvalidInput(f"job input '{path}' does not exist or is not a file")
+    if suffix == ".npy":
+        return NpyInput(path, spec)
+    if suffix == ".npz":
+        return NpzInput(path, spec)
+    return JsonlInput(path, spec)
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def count_lines(path: Path) -> int:
+    """Non-blank lines, counted in CHUNK_BYTES pieces so a huge file never sits in memory."""
+    total, pending = 0, False  # pending: the unfinished line so far has non-blank content
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            pieces = chunk.split(b"\n")
+            for piece in pieces[:-1]:
+                if pending or piece.strip():
+                    total += 1
+                pending = False
+            pending = pending or bool(pieces[-1].strip())
+    return total + (1 if pending else 0)
+
+
+def _newlines_before(f: IO[bytes], offset: int) -> int:
+    """Line breaks in the first `offset` bytes: the line number a resumed read continues from."""
+    f.seek(0)
+    seen, left = 0, offset
+    while left > 0 and (chunk := f.read(min(CHUNK_BYTES, left))):
+        seen += chunk.count(b"\n")
+        left -= len(chunk)
+    return seen
+
+
+class JsonlInput:
+    """One KServe v2 infer request body per non-blank line, parsed exactly as POST /infer does."""
+
+    kind = "jsonl"
+
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        self.path = path
+        self._spec = spec
+
+    def count(self) -> int:
+        return count_lines(self.path)
+
+    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+        with self.path.open("rb") as f:
+            line = _newlines_before(f, start_offset)
+            if start_offset > 0:
+                f.seek(start_offset - 1)
+                if f.read(1) != b"\n":
+                    raise InvalidInput(f"resume offset {start_offset} is not at a line start of '{self.path.name}'")
+            f.seek(start_offset)
+            index, offset = start_index, start_offset
+            for raw in f:
+                offset += len(raw)
+                line += 1
+                body = raw.strip()
+                if body:
+                    yield self._item(index, line, offset, body)
+                    index += 1
+
+    def close(self) -> None:
+        """Nothing held open: each read() owns its file handle."""
+
+    def _item(self, index: int, line: int, end_offset: int, body: bytes) -> InputItem:
+        try:
+            parsed = parse_infer(body, None, self._spec)
+        except ServingError as exc:
+            return InputItem(index, line, end_offset, None, error=exc.message)
+        except RecursionError:
+            return InputItem(index, line, end_offset, None, error="failed to parse the request JSON: nested too deeply")
+        first = parsed.inputs[0].shape
+        rows = max(1, first[0]) if self._spec.max_batch_size > 0 and first else 1
+        return InputItem(
+            index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters, rows=rows
+        )
+
+
+# ---------------------------------------------------------------- arrays
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """A model input fed from one array: the on-disk layout and how a row becomes a tensor."""
+
+    spec: TensorSpec
+    shape: tuple[int, ...]  # the whole array: items first
+    dtype: np.dtype  # on disk
+
+    @property
+    def row_bytes(self) -> int:
+        return prod(self.shape[1:]) * self.dtype.itemsize
+
+    def tensor(self, row: np.ndarray, batched: bool, raw: bytes | None = None) -> WireTensor:
+        """The wire tensor of one row; `raw` (the row's bytes on disk) is reused when no cast is needed."""
+        dt = self.spec.datatype
+        if raw is not None and self.dtype == dt.numpy and dt.name != "BF16":
+            data = raw
+        else:
+            data = tensors.to_bytes(row, dt)
+        shape = (1, *self.shape[1:]) if batched else self.shape[1:]
+        return WireTensor(self.spec.name, dt.name, shape, data)
+
+
+def _column(spec: ModelSpec, ts: TensorSpec, shape: tuple[int, ...], dtype: np.dtype, source: str) -> _Column:
+    """Check an array against its config input at open, so a bad file fails before anything is sent."""
+    if ts.datatype.name == "BYTES":
+        raise InvalidInput(f"{source}: input '{ts.name}' is BYTES; array files do not carry strings, use JSONL")
+    if dtype.hasobject or dtype.kind in "SUVM" or dtype.fields is not None:
+        raise InvalidInput(f"{source}: array dtype {dtype} is not a numeric type")
+    dims = ts.dims
+    ok = len(shape) == len(dims) + 1 and all(d == -1 or d == s for d, s in zip(dims, shape[1:], strict=True))
+    if not ok:
+        raise InvalidInput(
+            f"{source}: array shape {list(shape)} does not match input '{ts.name}' of model '{spec.name}': "
+            f"expected [{', '.join(['N', *map(str, dims)])}]"
+        )
+    target = ts.datatype.numpy
+    if dtype != target and not np.can_cast(dtype, target, "same_kind"):
+        raise InvalidInput(
+            f"{source}: array dtype {dtype} cannot be cast to {ts.datatype.name} for input '{ts.name}'"
+        )
+    return _Column(ts, shape, dtype)
+
+
+def _array_rows(start_index: int, start_offset: int) -> int:
+    """The first row to read: array cursors carry the row in both fields (offset may be 0)."""
+    if start_offset not in (0, start_index):
+        raise ValueError(f"array resume cursor mismatch: index {start_index}, offset {start_offset}")
+    return start_index
+
+
+class NpyInput:
+    """A single-input model fed from one memory-mapped .npy; row i is item i."""
+
+    kind = "array"
+
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        self.path = path
+        self._batched = spec.max_batch_size > 0
+        ts = _single_input(spec, path.name)
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise InvalidInput(f"cannot read '{path.name}' as a .npy array: {exc}") from exc
+        if not isinstance(array, np.ndarray):
+            raise InvalidInput(f"'{path.name}' is not a .npy array")
+        if array.ndim == 0:
+            raise InvalidInput(f"'{path.name}' holds a scalar; its first axis must index the items")
+        self._column = _column(spec, ts, tuple(array.shape), array.dtype, path.name)
+        self._array: np.ndarray | None = array
+
+    def count(self) -> int:
+        return self._column.shape[0]
+
+    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+        array = self._array
+        if array is None:
+            raise ValueError("read() after close()")
+        for row in range(_array_rows(start_index, start_offset), self.count()):
+            yield InputItem(row, row, row + 1, [self._column.tensor(array[row], self._batched)])
+
+    def close(self) -> None:
+        self._array = None  # drops the memory map
+
+
+def _single_input(spec: ModelSpec, source: str) -> TensorSpec:
+    """The input a .npy feeds: the only input, or the only required one."""
+    if len(spec.inputs) == 1:
+        return spec.inputs[0]
+    required = [t for t in spec.inputs if not t.optional]
+    if len(required) == 1:
+        return required[0]
+    names = [t.name for t in spec.inputs]
+    raise InvalidInput(f"{source}: a .npy feeds one input, model '{spec.name}' has inputs {names}; use .npz")
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """One .npz member: where its rows start in the (decompressed) member stream."""
+
+    zip_name: str
+    data_start: int
+    column: _Column
+
+
+def _read_member_header(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, source: str
+) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, data start) from the .npy header, checked against the member's size."""
+    with zf.open(info) as fp:
+        try:
+            version = np.lib.format.read_magic(fp)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+            else:
+                raise InvalidInput(f"{source}: member '{info.filename}' has unsupported .npy version {version}")
+        except ValueError as exc:
+            raise InvalidInput(f"{source}: member '{info.filename}' is not a .npy array: {exc}") from exc
+        data_start = fp.tell()
+    if fortran:
+        raise InvalidInput(f"{source}: member '{info.filename}' is Fortran-ordered; save it C-ordered")
+    if dtype.hasobject:
+        raise InvalidInput(f"{source}: member '{info.filename}' holds Python objects")
+    if len(shape) == 0:
+        raise InvalidInput(f"{source}: member '{info.filename}' is a scalar; its first axis must index the items")
+    if info.file_size != data_start + prod(shape) * dtype.itemsize:
+        raise InvalidInput(f"{source}: member '{info.filename}' is truncated or has trailing data")
+    return shape, dtype, data_start
+
+
+class NpzInput:
+    """Named arrays, one per model input, streamed row by row from the zip (stored or deflated)."""
+
+    kind = "array"
+
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        self.path = path
+        self._batched = spec.max_batch_size > 0
+        try:
+            with zipfile.ZipFile(path) as zf:
+                found = self._scan(zf, spec)
+        except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise InvalidInput(f"cannot read '{path.name}' as a .npz archive: {exc}") from exc
+        self._members = [found[t.name] for t in spec.inputs if t.name in found]  # config order
+        counts = {m.column.shape[0] for m in self._members}
+        if len(counts) != 1:
+            sizes = {m.column.spec.name: m.column.shape[0] for m in self._members}
+            raise InvalidInput(f"{path.name}: arrays must all have the same first dimension, got {sizes}")
+        self._count = counts.pop()
+
+    def _scan(self, zf: zipfile.ZipFile, spec: ModelSpec) -> dict[str, _Member]:
+        source = self.path.name
+        found: dict[str, _Member] = {}
+        for info in zf.infolist():
+            key = info.filename.removesuffix(".npy")
+            ts = spec.input(key)
+            if ts is None or key == info.filename:
+                names = [t.name for t in spec.inputs]
+                raise InvalidInput(f"{source}: '{info.filename}' is not an input of model '{spec.name}' {names}")
+            shape, dtype, data_start = _read_member_header(zf, info, source)
+            found[key] = _Member(info.filename, data_start, _column(spec, ts, shape, dtype, source))
+        missing = [t.name for t in spec.inputs if not t.optional and t.name not in found]
+        if missing:
+            raise InvalidInput(f"{source}: missing arrays for inputs {missing} of model '{spec.name}'")
+        if not found:
+            raise InvalidInput(f"{source}: the archive holds no arrays")
+        return found
+
+    def count(self) -> int:
+        return self._count
+
+    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+        start = _array_rows(start_index, start_offset)
+        with zipfile.ZipFile(self.path) as zf, ExitStack() as stack:
+            streams: list[IO[bytes]] = []
+            for m in self._members:
+                fp = stack.enter_context(zf.open(m.zip_name))
+                fp.seek(m.data_start + start * m.column.row_bytes)  # deflated members: read and discard
+                streams.append(fp)
+            for row in range(start, self._count):
+                inputs = [self._row(m, fp) for m, fp in zip(self._members, streams, strict=True)]
+                yield InputItem(row, row, row + 1, inputs)
+
+    def _row(self, member: _Member, fp: IO[bytes]) -> WireTensor:
+        col = member.column
+        raw = _read_exact(fp, col.row_bytes, self.path.name)
+        row = np.frombuffer(raw, dtype=col.dtype).reshape(col.shape[1:])
+        return col.tensor(row, self._batched, raw)
+
+    def close(self) -> None:
+        """Nothing held open: each read() owns its zip handle."""
+
+
+def _read_exact(fp: IO[bytes], n: int, source: str) -> bytes:
+    """Exactly n bytes from a member stream (a stream may return short reads)."""
+    parts: list[bytes] = []
+    left = n
+    while left > 0:
+        chunk = fp.read(left)
+        if not chunk:
+            raise InvalidInput(f"{source}: unexpected end of array data")
+        parts.append(chunk)
+        left -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -1,0 +1,253 @@
+"""Bulk-job output files: JSONL responses, or arrays (.npy / .npz) with a failure mask.
+
+Writers receive items in input order, exactly once each, and `flush()` returns the resume offset the
+runner stores with its cursor: reopening with that offset drops whatever was written after it, so a
+resumed job produces the same file as an uninterrupted one. JSONL lines are the online /infer JSON
+response (same `data` rendering) plus the item's `line`; array writers fill preallocated memmaps,
+so memory stays flat whatever the job size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import numpy as np
+
+from fleet import tensors
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput
+from fleet.model_config import ModelSpec, TensorSpec
+from gateway.codec import _json_data
+from gateway.jobs.inputs import InputItem
+
+OUTPUT_KINDS = ("jsonl", "npy", "npz")
+FAILED = "failed"  # the mask's name in an .npz, and its file in the parts directory
+
+
+class JobOutput(Protocol):
+    """Where results go, written in input order; `flush()` returns the resume offset."""
+
+    path: Path
+
+    def write(
+        self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
+    ) -> None: ...
+
+    def flush(self) -> int: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_output(path: Path, kind: str, spec: ModelSpec, total: int, resume_offset: int = 0) -> JobOutput:
+    """A writer of `kind` for `total` items, positioned at `resume_offset` (0 = start afresh)."""
+    if resume_offset < 0:
+        raise InvalidInput(f"negative resume offset {resume_offset}")
+    try:
+        if kind == "jsonl":
+            return JsonlOutput(path, resume_offset)
+        if kind == "npy":
+            return NpyOutput(path, spec, total, resume_offset)
+        if kind == "npz":
+            return NpzOutput(path, spec, total, resume_offset)
+    except OSError as exc:
+        raise InvalidInput(f"cannot open job output '{path}': {exc}") from exc
+    raise InvalidInput(f"unknown job output kind '{kind}', expected one of {list(OUTPUT_KINDS)}")
+
+
+class JsonlOutput:
+    """One compact JSON line per item: the /infer response with `line`, or `{"line", "error"}`."""
+
+    def __init__(self, path: Path, resume_offset: int) -> None:
+        self.path = path
+        if resume_offset > 0:
+            size = path.stat().st_size if path.exists() else -1
+            if size < resume_offset:
+                raise InvalidInput(f"cannot resume '{path.name}' at byte {resume_offset}: the file has {size} bytes")
+            os.truncate(path, resume_offset)  # drop what was written after the last flush
+            self._file: IO[bytes] = path.open("ab")
+        else:
+            self._file = path.open("wb")
+        self._offset = resume_offset
+
+    def write(
+        self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
+    ) -> None:
+        doc: dict[str, Any] = {"line": item.line}
+        if error is not None:
+            doc["error"] = error
+        else:
+            if item.client_id:
+                doc["id"] = item.client_id
+            doc["model_name"] = model
+            doc["model_version"] = str(version)
+            doc["outputs"] = [
+                {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+                 "data": _json_data(t, tensors.lookup(t.datatype))}
+                for t in outputs or ()
+            ]
+        line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+        self._file.write(line)
+        self._offset += len(line)
+
+    def flush(self) -> int:
+        self._file.flush()
+        return self._offset
+
+    def finish(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()
+
+
+def _array_output(spec: ModelSpec, ts: TensorSpec) -> tuple[int, ...]:
+    """The per-row shape of an output stored in an array; it must be fixed and numeric."""
+    if ts.datatype.name == "BYTES":
+        raise InvalidInput(f"output '{ts.name}' of model '{spec.name}' is BYTES; write the job as JSONL")
+    if any(d < 0 for d in ts.dims):
+        raise InvalidInput(
+            f"output '{ts.name}' of model '{spec.name}' has variable dims {list(ts.dims)}; write the job as JSONL"
+        )
+    if "/" in ts.name or ts.name in ("", ".", "..", FAILED):
+        raise InvalidInput(f"output name '{ts.name}' cannot be stored as an array file")
+    return ts.dims
+
+
+def _memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...], resume: bool) -> np.memmap:
+    """A fresh zero-filled .npy memmap, or the existing one (checked) when resuming."""
+    if not resume:
+        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    try:
+        mm = np.lib.format.open_memmap(path, mode="r+")
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"cannot resume '{path.name}': {exc}") from exc
+    if mm.shape != shape or mm.dtype != dtype:
+        raise InvalidInput(
+            f"cannot resume '{path.name}': it holds {mm.dtype}{list(mm.shape)}, expected {dtype}{list(shape)}"
+        )
+    return mm
+
+
+class _ArrayOutput:
+    """Preallocated [total, *dims] memmaps, one per stored output, plus a bool failure mask.
+
+    Row `item.index` is written (for array inputs it equals the row, `item.line`); a failed row is
+    zeroed and flagged, so rewriting after a resume leaves no stale data.
+    """
+
+    def __init__(self, path: Path, spec: ModelSpec, total: int, resume_offset: int, outputs: Sequence[TensorSpec],
+                 files: Sequence[Path], failed_file: Path) -> None:
+        if resume_offset > total:
+            raise InvalidInput(f"cannot resume '{path.name}' at row {resume_offset} of {total}")
+        self.path = path
+        self._total = total
+        self._batched = spec.max_batch_size > 0
+        resume = resume_offset > 0
+        self._specs = list(outputs)
+        self._arrays: dict[str, np.memmap] = {
+            ts.name: _memmap(f, ts.datatype.numpy, (total, *_array_output(spec, ts)), resume)
+            for ts, f in zip(self._specs, files, strict=True)
+        }
+        self._failed: np.memmap | None = _memmap(failed_file, np.dtype(np.bool_), (total,), resume)
+        self._rows = resume_offset
+
+    def _mask(self) -> np.memmap:
+        if self._failed is None:
+            raise ValueError(f"'{self.path.name}' is closed")
+        return self._failed
+
+    def write(
+        self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
+    ) -> None:
+        """Store the item's row; raises InvalidInput (after flagging the row) if the outputs do not fit."""
+        row = item.index
+        if not 0 <= row < self._total:
+            raise InvalidInput(f"item {row} is outside the {self._total} rows of '{self.path.name}'")
+        failed = self._mask()
+        self._rows += 1
+        if error is not None:
+            self._fail(row)
+            return
+        given = {t.name: t for t in outputs or ()}
+        try:
+            values = [self._row_value(ts, given.get(ts.name)) for ts in self._specs]
+        except InvalidInput:
+            self._fail(row)
+            raise
+        for ts, value in zip(self._specs, values, strict=True):
+            self._arrays[ts.name][row] = value
+        failed[row] = False
+
+    def _row_value(self, ts: TensorSpec, t: WireTensor | None) -> np.ndarray:
+        if t is None:
+            raise InvalidInput(f"the reply has no output '{ts.name}'")
+        want = (1, *ts.dims) if self._batched else ts.dims
+        if tuple(t.shape) != want:
+            raise InvalidInput(f"output '{ts.name}' has shape {list(t.shape)}, one row needs {list(want)}")
+        return tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape).reshape(ts.dims)
+
+    def _fail(self, row: int) -> None:
+        for array in self._arrays.values():
+            array[row] = 0
+        self._mask()[row] = True
+
+    def flush(self) -> int:
+        for array in self._arrays.values():
+            array.flush()
+        self._mask().flush()
+        return self._rows
+
+    def finish(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush and drop the maps; the files stay, ready for a resume."""
+        if self._failed is not None:
+            self.flush()
+        self._arrays = {}
+        self._failed = None
+
+
+class NpyOutput(_ArrayOutput):
+    """A single-output model's results as one [total, *dims] .npy, plus `<path>.failed.npy`."""
+
+    def __init__(self, path: Path, spec: ModelSpec, total: int, resume_offset: int) -> None:
+        if len(spec.outputs) != 1:
+            names = [t.name for t in spec.outputs]
+            raise InvalidInput(f"a .npy output holds one output, model '{spec.name}' has {names}; use .npz")
+        super().__init__(path, spec, total, resume_offset, spec.outputs, [path], Path(f"{path}.failed.npy"))
+
+
+class NpzOutput(_ArrayOutput):
+    """Every output as a memmap under `<path>.parts/`; finish() assembles the .npz (with `failed`)."""
+
+    def __init__(self, path: Path, spec: ModelSpec, total: int, resume_offset: int) -> None:
+        self.parts = Path(f"{path}.parts")
+        for ts in spec.outputs:
+            _array_output(spec, ts)  # reject before creating anything
+        if resume_offset == 0:
+            self.parts.mkdir(exist_ok=True)
+        elif not self.parts.is_dir():
+            raise InvalidInput(f"cannot resume '{path.name}': '{self.parts.name}' is missing")
+        files = [self.parts / f"{ts.name}.npy" for ts in spec.outputs]
+        super().__init__(path, spec, total, resume_offset, spec.outputs, files, self.parts / f"{FAILED}.npy")
+
+    def finish(self) -> None:
+        """Write `<path>` atomically from the parts, then remove the parts directory."""
+        self.flush()
+        arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
+        tmp = Path(f"{self.path}.tmp")
+        with tmp.open("wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, self.path)
+        self.close()
+        shutil.rmtree(self.parts)

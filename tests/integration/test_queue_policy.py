@@ -1,0 +1,138 @@
+"""Queue policy end to end (protocol.md §3.7) with a real Redis, the gateway app and a real worker:
+max_queue_size at admission, REJECT and DELAY timeouts, priority levels, the request `timeout` override."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleet.redis_server import LocalServer
+from tests.support.queue_models import sleeper_repository
+from tests.support.system import InProcessSystem, in_process_system
+
+
+def run(redis_server: LocalServer, key_prefix: str, repo: Path,
+        body: Callable[[InProcessSystem], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo]) as system:
+            await body(system)
+
+    asyncio.run(main())
+
+
+def request(value: float, **parameters: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+    if parameters:
+        body["parameters"] = parameters
+    return body
+
+
+async def timed_post(client: httpx.AsyncClient, model: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    start = time.perf_counter()
+    response = await client.post(f"/v2/models/{model}/infer", json=body)
+    return response, time.perf_counter() - start
+
+
+async def stats(client: httpx.AsyncClient, model: str) -> dict[str, Any]:
+    doc = (await client.get(f"/v2/models/{model}/stats")).json()
+    return doc["model_stats"][0]  # type: ignore[no-any-return]
+
+
+def test_max_queue_size_rejects_at_once_with_503(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "bounded", sleep_ms=300,
+                              dynamic_batching="default_queue_policy { max_queue_size: 2 }")
+
+    async def body(s: InProcessSystem) -> None:
+        results = await asyncio.gather(*(timed_post(s.client, "bounded", request(i)) for i in range(12)))
+        codes = [r.status_code for r, _ in results]
+        assert set(codes) <= {200, 503}, codes
+        full = [(r, t) for r, t in results if r.status_code == 503]
+        # Whatever the worker read ahead (at most 3) plus 2 waiting in Redis were admitted; no more.
+        assert 2 <= codes.count(200) <= 5 and len(full) >= 7, codes
+        assert all(r.json()["error"] == "Exceeds maximum queue size" for r, _ in full)
+        # Refused at admission, not after waiting: well under one 300 ms execution.
+        assert max(t for _, t in full) < 0.25, [round(t, 3) for _, t in full]
+
+    run(redis_server, key_prefix, repo, body)
+
+
+def test_reject_timeouts_never_reach_the_model(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=400,
+                              dynamic_batching="default_queue_policy { default_timeout_microseconds: 150000 }")
+
+    async def body(s: InProcessSystem) -> None:
+        first = asyncio.create_task(timed_post(s.client, "rejecting", request(0)))
+        await asyncio.sleep(0.1)  # the first one is executing; the rest queue behind it
+        late = await asyncio.gather(*(timed_post(s.client, "rejecting", request(i)) for i in range(1, 4)))
+        response, _ = await first
+        assert response.status_code == 200
+        for r, elapsed in late:
+            assert r.status_code == 503 and r.json()["error"] == "Request timeout expired", r.text
+            # Answered at the deadline, not when the busy instance frees up 300 ms later.
+            assert elapsed < 0.3, elapsed
+        st = await stats(s.client, "rejecting")
+        assert st["execution_count"] == 1 and st["inference_stats"]["success"]["count"] == 1
+        assert st["inference_stats"]["fail"]["count"] == 3
+        text = (await s.client.get("/metrics")).text  # REJECTED is counted apart from backend failures
+        assert 'nv_inference_request_failure_total{model="rejecting",reason="REJECTED",version="1"} 3.0' in text
+        assert 'nv_inference_request_failure_total{model="rejecting",reason="BACKEND",version="1"} 0.0' in text
+
+    run(redis_server, key_prefix, repo, body)
+
+
+def test_delay_timeouts_still_run(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "delaying", sleep_ms=150, dynamic_batching="""
+        default_queue_policy { default_timeout_microseconds: 50000 timeout_action: DELAY }""")
+
+    async def body(s: InProcessSystem) -> None:
+        results = await asyncio.gather(*(timed_post(s.client, "delaying", request(i)) for i in range(4)))
+        assert [r.status_code for r, _ in results] == [200] * 4
+        assert [r.json()["outputs"][0]["data"] for r, _ in results] == [[0.0], [1.0], [2.0], [3.0]]
+        assert (await stats(s.client, "delaying"))["execution_count"] == 4
+
+    run(redis_server, key_prefix, repo, body)
+
+
+def test_request_timeout_may_only_shorten_the_default(redis_server: LocalServer, key_prefix: str,
+                                                      tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "override", sleep_ms=300, dynamic_batching="""
+        default_queue_policy { default_timeout_microseconds: 1000000 allow_timeout_override: true }""")
+
+    async def body(s: InProcessSystem) -> None:
+        first = asyncio.create_task(timed_post(s.client, "override", request(0)))
+        await asyncio.sleep(0.1)
+        short, long = await asyncio.gather(timed_post(s.client, "override", request(1, timeout=50_000)),
+                                           timed_post(s.client, "override", request(2, timeout=5_000_000)))
+        assert (await first)[0].status_code == 200
+        assert short[0].status_code == 503 and short[1] < 0.25  # 50 ms < the 1 s default: honoured
+        assert long[0].status_code == 200  # 5 s > the default: ignored, and 1 s is plenty here
+
+    run(redis_server, key_prefix, repo, body)
+
+
+def test_higher_priority_level_overtakes_queued_lower_ones(redis_server: LocalServer, key_prefix: str,
+                                                           tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "prioritized", sleep_ms=150,
+                              dynamic_batching="priority_levels: 2 default_priority_level: 2")
+
+    async def body(s: InProcessSystem) -> None:
+        done: list[str] = []
+
+        async def post(tag: str, priority: int) -> None:
+            r, _ = await timed_post(s.client, "prioritized", request(1, priority=priority))
+            assert r.status_code == 200, r.text
+            done.append(tag)
+
+        low = [asyncio.create_task(post(f"low{i}", 0)) for i in range(3)]  # 0 = the default level, 2
+        await asyncio.sleep(0.05)
+        high = asyncio.create_task(post("high", 1))
+        await asyncio.gather(*low, high)
+        # low0 was already executing; "high" went before the two low ones still queued.
+        assert done.index("high") == 1, done
+
+    run(redis_server, key_prefix, repo, body)

@@ -1,0 +1,400 @@
+"""Bulk-job file formats: JSONL/.npy/.npz readers with resume cursors, packing, and the writers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet import tensors
+from fleet.datatypes import BY_NAME
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput
+from fleet.model_config import ModelSpec, parse_config
+from gateway.jobs import inputs as inputs_module
+from gateway.jobs.formats import InputItem, group_items, open_input, open_output, pack, unpack
+from tests.support.model_repo import python_config
+
+MULTI = """backend: "python"
+max_batch_size: 8
+input [ { name: "A", data_type: TYPE_INT64, dims: [ 2 ] },
+        { name: "B", data_type: TYPE_FP32, dims: [ -1 ] },
+        { name: "C", data_type: TYPE_FP32, dims: [ 1 ], optional: true } ]
+output [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] },
+         { name: "Y", data_type: TYPE_INT32, dims: [ 3 ] } ]
+"""
+TEXT = """backend: "python"
+max_batch_size: 8
+input [ { name: "S", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [ { name: "T", data_type: TYPE_STRING, dims: [ 1 ] } ]
+"""
+
+
+def spec_of(text: str, name: str = "m") -> ModelSpec:
+    return parse_config(text, source="cfg.pbtxt", model_name=name)
+
+
+BATCHED = spec_of(python_config())  # IN/OUT FP32 [4], max_batch_size 8
+FLAT = spec_of(python_config(max_batch_size=0))
+
+
+def request(rows: int = 1, value: float = 1.0, **extra: Any) -> dict[str, Any]:
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [rows, 4], "data": [value] * (4 * rows)}]}
+    return {**body, **extra}
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_bytes("".join(line + "\n" for line in lines).encode())
+    return path
+
+
+def fp32(name: str, rows: list[list[float]]) -> WireTensor:
+    arr = np.array(rows, dtype="<f4")
+    return WireTensor(name, "FP32", arr.shape, arr.tobytes())
+
+
+def item(index: int, tensors_: list[WireTensor] | None, **kw: Any) -> InputItem:
+    rows = tensors_[0].shape[0] if tensors_ else 1
+    return InputItem(index, index, index + 1, tensors_, **{"rows": rows, **kw})
+
+
+# ---------------------------------------------------------------- JSONL input
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "in.jsonl", [
+        json.dumps(request(id="a")),
+        "",
+        "   ",
+        "{not json",
+        json.dumps(request(2, 2.0, outputs=[{"name": "OUT"}], parameters={"k": 1})),
+        json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}),
+        json.dumps({"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}),
+        json.dumps(request(value=7.0)),
+    ])
+
+
+def test_jsonl_items_errors_and_positions(jsonl: Path) -> None:
+    src = open_input(jsonl, BATCHED)
+    assert src.kind == "jsonl" and src.count() == 6
+    items = list(src.read())
+    assert [i.index for i in items] == [0, 1, 2, 3, 4, 5]
+    assert [i.line for i in items] == [1, 4, 5, 6, 7, 8]
+    raw = jsonl.read_bytes()
+    assert [i.end_offset for i in items] == [len(b"".join(raw.splitlines(keepends=True)[: i.line])) for i in items]
+    first, bad_json, batch, bad_shape, bad_type, last = items
+    assert first.client_id == "a" and first.error is None and first.rows == 1
+    assert first.inputs == [WireTensor("IN", "FP32", (1, 4), np.ones(4, "<f4").tobytes())]
+    assert bad_json.inputs is None and bad_json.error is not None and "JSON" in bad_json.error
+    assert batch.rows == 2 and batch.outputs == ["OUT"] and batch.parameters == {"k": 1}
+    assert bad_shape.error is not None and "unexpected shape" in bad_shape.error
+    assert bad_type.error is not None and "data-type" in bad_type.error
+    assert last.end_offset == len(raw)
+    src.close()
+
+
+def test_jsonl_resume_matches_full_read(jsonl: Path) -> None:
+    src = open_input(jsonl, BATCHED)
+    items = list(src.read())
+    for k in range(1, len(items) + 1):
+        assert list(src.read(k, items[k - 1].end_offset)) == items[k:]
+    with pytest.raises(InvalidInput, match="line start"):
+        next(src.read(1, items[0].end_offset - 1))
+
+
+def test_jsonl_invalid_utf8_and_non_batching(tmp_path: Path) -> None:
+    body = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [4], "data": [1, 2, 3, 4]}]}
+    path = tmp_path / "in.ndjson"
+    path.write_bytes(b'{"id": "\xff"}\n' + json.dumps(body).encode())
+    bad, good = open_input(path, FLAT).read()
+    assert bad.error is not None and good.error is None and good.rows == 1 and good.inputs is not None
+    assert good.inputs[0].shape == (4,)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "a", "a\n", "\na\n\n b \n\n", "x\r\n  \ny", "ab\ncd\n" * 9])
+def test_count_lines_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setattr(inputs_module, "CHUNK_BYTES", 3)
+    path = tmp_path / "c.jsonl"
+    path.write_text(text)
+    assert inputs_module.count_lines(path) == sum(1 for line in text.split("\n") if line.strip())
+
+
+def test_open_input_rejects_unknown_or_missing(tmp_path: Path) -> None:
+    (tmp_path / "x.csv").write_text("1,2")
+    with pytest.raises(InvalidInput, match="unsupported job input"):
+        open_input(tmp_path / "x.csv", BATCHED)
+    with pytest.raises(InvalidInput, match="does not exist"):
+        open_input(tmp_path / "nope.jsonl", BATCHED)
+
+
+# ---------------------------------------------------------------- arrays
+
+
+def test_npy_rows_cast_and_resume(tmp_path: Path) -> None:
+    data = np.arange(20, dtype=np.float64).reshape(5, 4)  # float64 -> FP32 is a same-kind cast
+    np.save(tmp_path / "x.npy", data)
+    src = open_input(tmp_path / "x.npy", BATCHED)
+    assert src.kind == "array" and src.count() == 5
+    items = list(src.read())
+    assert [(i.index, i.line, i.end_offset, i.rows) for i in items] == [(r, r, r + 1, 1) for r in range(5)]
+    assert items[2].inputs == [WireTensor("IN", "FP32", (1, 4), data[2].astype("<f4").tobytes())]
+    assert list(src.read(3, 3)) == items[3:] == list(src.read(3))
+    src.close()
+    np.save(tmp_path / "flat.npy", data.astype(np.float32))
+    (row,) = open_input(tmp_path / "flat.npy", FLAT).read(4)
+    assert row.inputs is not None and row.inputs[0].shape == (4,)
+
+
+@pytest.mark.parametrize(
+    ("array", "match"),
+    [
+        (np.zeros((3, 4), np.complex64), "cannot be cast"),
+        (np.zeros((3, 5), np.float32), "does not match"),
+        (np.zeros(4, np.float32), "does not match"),
+        (np.array(["a", "b"]), "not a numeric"),
+    ],
+)
+def test_npy_rejections(tmp_path: Path, array: np.ndarray, match: str) -> None:
+    np.save(tmp_path / "x.npy", array)
+    with pytest.raises(InvalidInput, match=match):
+        open_input(tmp_path / "x.npy", BATCHED)
+
+
+def test_npy_float_to_int_rejected(tmp_path: Path) -> None:
+    ints = spec_of(python_config().replace('name: "IN", data_type: TYPE_FP32', 'name: "IN", data_type: TYPE_INT32'))
+    np.save(tmp_path / "x.npy", np.zeros((3, 4), np.float32))
+    with pytest.raises(InvalidInput, match="cannot be cast to INT32"):
+        open_input(tmp_path / "x.npy", ints)
+    np.save(tmp_path / "x.npy", np.full((3, 4), 7, ">i8"))  # big-endian int64 -> INT32: same kind
+    (row,) = open_input(tmp_path / "x.npy", ints).read(2)
+    assert row.inputs == [WireTensor("IN", "INT32", (1, 4), np.full(4, 7, "<i4").tobytes())]
+
+
+def test_npy_needs_single_input_and_no_strings(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((2, 2), np.int64))
+    with pytest.raises(InvalidInput, match="use .npz"):
+        open_input(tmp_path / "x.npy", spec_of(MULTI.replace(", optional: true", "")))
+    with pytest.raises(InvalidInput, match="BYTES"):
+        open_input(tmp_path / "x.npy", spec_of(TEXT))
+
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_npz_streams_rows_and_resumes(tmp_path: Path, save: Any) -> None:
+    a = np.arange(12, dtype=np.int32).reshape(6, 2)  # INT32 -> INT64 cast
+    b = np.linspace(0, 1, 18, dtype=np.float32).reshape(6, 3)
+    save(tmp_path / "x.npz", B=b, A=a)
+    src = open_input(tmp_path / "x.npz", spec_of(MULTI))
+    assert src.count() == 6
+    items = list(src.read())
+    assert items[4].inputs == [
+        WireTensor("A", "INT64", (1, 2), a[4].astype("<i8").tobytes()),
+        WireTensor("B", "FP32", (1, 3), b[4].tobytes()),
+    ]
+    for k in range(6):
+        assert list(src.read(k, k)) == items[k:]
+    src.close()
+
+
+@pytest.mark.parametrize(
+    ("arrays", "match"),
+    [
+        ({"A": np.zeros((2, 2), np.int64)}, "missing arrays"),
+        ({"A": np.zeros((2, 2), np.int64), "B": np.zeros((3, 1), np.float32)}, "same first dimension"),
+        ({"A": np.zeros((2, 2), np.int64), "B": np.zeros((2, 1), np.float32), "Z": np.zeros(2)}, "not an input"),
+        ({"A": np.asfortranarray(np.zeros((2, 2), np.int64)), "B": np.zeros((2, 1), np.float32)}, "Fortran"),
+        ({"A": np.zeros((2, 2), np.float32), "B": np.zeros((2, 1), np.float32)}, "cannot be cast"),
+    ],
+)
+def test_npz_rejections(tmp_path: Path, arrays: dict[str, np.ndarray], match: str) -> None:
+    np.savez(tmp_path / "x.npz", **arrays)
+    with pytest.raises(InvalidInput, match=match):
+        open_input(tmp_path / "x.npz", spec_of(MULTI))
+
+
+def test_npz_optional_input_and_bad_archive(tmp_path: Path) -> None:
+    np.savez(tmp_path / "x.npz", A=np.ones((2, 2), np.int64), B=np.ones((2, 1), np.float32),
+             C=np.ones((2, 1), np.float32))
+    first = next(open_input(tmp_path / "x.npz", spec_of(MULTI)).read())
+    assert first.inputs is not None and [t.name for t in first.inputs] == ["A", "B", "C"]
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(InvalidInput, match="npz"):
+        open_input(tmp_path / "bad.npz", spec_of(MULTI))
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_group_items_compatibility_rows_and_errors() -> None:
+    one = [fp32("IN", [[1, 2, 3, 4]])]
+    two = [fp32("IN", [[1, 2, 3, 4], [5, 6, 7, 8]])]
+    other = [fp32("IN", [[1, 2, 3]])]
+    items = [
+        item(0, one), item(1, two), item(2, one),  # 4 rows: full at max_rows 4
+        item(3, one), item(4, None, error="bad"), item(5, one),
+        item(6, one, outputs=["OUT"]), item(7, one, outputs=["OUT"]),
+        item(8, one, parameters={"p": 1}), item(9, one, parameters={"p": True}),
+        item(10, other), item(11, [fp32("IN", [[0, 0, 0, 0]] * 5)]), item(12, one),
+    ]
+    groups = [[i.index for i in g] for g in group_items(items, 4)]
+    assert groups == [[0, 1, 2], [3], [4], [5], [6, 7], [8], [9], [10], [11], [12]]
+    assert [[i.index for i in g] for g in group_items(items[:3], 1)] == [[0], [1], [2]]
+
+
+def test_group_items_is_lazy() -> None:
+    pulled: list[int] = []
+
+    def source() -> Iterator[InputItem]:
+        for k in range(100):
+            pulled.append(k)
+            yield item(k, [fp32("IN", [[k, k, k, k]])])
+
+    groups = group_items(source(), 2)
+    assert [i.index for i in next(groups)] == [0, 1]
+    assert pulled == [0, 1]
+
+
+def test_pack_unpack_fixed_and_bytes() -> None:
+    a, b = item(0, [fp32("IN", [[1, 2, 3, 4]])]), item(1, [fp32("IN", [[5, 6, 7, 8], [9, 10, 11, 12]])])
+    (packed,) = pack([a, b])
+    assert packed.shape == (3, 4)
+    assert tensors.from_bytes(packed.data, BY_NAME["FP32"], packed.shape)[2, 3] == 12
+    assert pack([a]) is a.inputs
+    strings = np.array([[b"x"], [b""], [b"long string"]], dtype=object)
+    reply = [packed, WireTensor("S", "BYTES", (3, 1), tensors.serialize_bytes(strings))]
+    first, second = unpack(reply, [1, 2])
+    assert a.inputs is not None and first[0] == a.inputs[0]
+    assert second[1] == WireTensor("S", "BYTES", (2, 1), tensors.serialize_bytes(strings[1:]))
+    assert unpack(reply, [3]) == [reply]
+    flat = [WireTensor("OUT", "FP32", (4,), b"\0" * 16)]
+    assert unpack(flat, [1]) == [flat]
+    with pytest.raises(InvalidInput, match="expected 4 rows"):
+        unpack(reply, [2, 2])
+    with pytest.raises(InvalidInput, match="BYTES"):
+        unpack([WireTensor("S", "BYTES", (2, 1), b"\1\0\0\0x")], [1, 1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    datatype=st.sampled_from(["FP32", "INT64", "BYTES"]),
+    rows=st.lists(st.integers(1, 3), min_size=1, max_size=5),
+    width=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_unpack_round_trip(datatype: str, rows: list[int], width: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dt = BY_NAME[datatype]
+    group = []
+    for k, r in enumerate(rows):
+        if datatype == "BYTES":
+            arr = np.array([bytes(rng.integers(0, 256, rng.integers(0, 6))) for _ in range(r * width)],
+                           dtype=object).reshape(r, width)
+        else:
+            arr = rng.integers(-1000, 1000, (r, width)).astype(dt.numpy)
+        group.append(item(k, [WireTensor("T", datatype, (r, width), tensors.to_bytes(arr, dt))]))
+    packed = pack(group)
+    back = unpack(packed, rows)
+    assert back == [[WireTensor(t.name, t.datatype, t.shape, bytes(t.data)) for t in g.inputs or []] for g in group]
+
+
+# ---------------------------------------------------------------- writers
+
+
+def results(k: int) -> list[WireTensor]:
+    return [fp32("OUT", [[k, k + 0.5, 0, -1]])]
+
+
+def write_jsonl_items(out: Any, ks: range) -> None:
+    for k in ks:
+        it = InputItem(k, k + 1, 0, [], client_id="c" if k % 2 else "")
+        out.write(it, None if k == 3 else results(k), "boom" if k == 3 else None, "m", 2)
+
+
+def test_jsonl_output_lines(tmp_path: Path) -> None:
+    out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 5)
+    write_jsonl_items(out, range(5))
+    assert out.flush() == (tmp_path / "o.jsonl").stat().st_size
+    out.finish()
+    lines = (tmp_path / "o.jsonl").read_text().splitlines()
+    assert lines[0] == ('{"line":1,"model_name":"m","model_version":"2","outputs":[{"name":"OUT",'
+                        '"datatype":"FP32","shape":[1,4],"data":[0.0,0.5,0.0,-1.0]}]}')
+    assert json.loads(lines[1])["id"] == "c"
+    assert json.loads(lines[3]) == {"line": 4, "error": "boom"}
+
+
+def test_jsonl_output_resume_truncates(tmp_path: Path) -> None:
+    straight = open_output(tmp_path / "a.jsonl", "jsonl", BATCHED, 9)
+    write_jsonl_items(straight, range(9))
+    straight.finish()
+    out = open_output(tmp_path / "b.jsonl", "jsonl", BATCHED, 9)
+    write_jsonl_items(out, range(5))
+    offset = out.flush()
+    write_jsonl_items(out, range(40, 42))  # written after the last flush: must vanish
+    out.close()
+    resumed = open_output(tmp_path / "b.jsonl", "jsonl", BATCHED, 9, resume_offset=offset)
+    write_jsonl_items(resumed, range(5, 9))
+    resumed.finish()
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "a.jsonl").read_bytes()
+    with pytest.raises(InvalidInput, match="cannot resume"):
+        open_output(tmp_path / "c.jsonl", "jsonl", BATCHED, 9, resume_offset=10)
+
+
+def array_item(k: int) -> InputItem:
+    return InputItem(k, k, k + 1, [])
+
+
+def test_npy_output_with_failed_mask_and_resume(tmp_path: Path) -> None:
+    path = tmp_path / "o.npy"
+    out = open_output(path, "npy", BATCHED, 4)
+    out.write(array_item(0), results(0), None, "m", 1)
+    out.write(array_item(1), None, "failed", "m", 1)
+    assert out.flush() == 2
+    out.write(array_item(2), results(99), None, "m", 1)  # lost: resumed from row 2
+    out.close()
+    out = open_output(path, "npy", BATCHED, 4, resume_offset=2)
+    out.write(array_item(2), None, "failed", "m", 1)
+    with pytest.raises(InvalidInput, match="one row needs"):
+        out.write(array_item(3), [fp32("OUT", [[1, 2, 3, 4]] * 2)], None, "m", 1)
+    assert out.flush() == 4
+    out.finish()
+    np.testing.assert_array_equal(np.load(path), [[0, 0.5, 0, -1], [0] * 4, [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(np.load(f"{path}.failed.npy"), [False, True, True, True])
+    flat = open_output(tmp_path / "f.npy", "npy", FLAT, 1)
+    flat.write(array_item(0), [WireTensor("OUT", "FP32", (4,), np.arange(4, dtype="<f4").tobytes())], None, "m", 1)
+    flat.finish()
+    np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), [[0, 1, 2, 3]])
+
+
+def test_npz_output_assembles_and_cleans_up(tmp_path: Path) -> None:
+    path = tmp_path / "o.npz"
+    out = open_output(path, "npz", spec_of(MULTI), 3)
+    for k in range(3):
+        x = fp32("X", [[k, k]])
+        y = WireTensor("Y", "INT32", (1, 3), np.array([[k, k, k]], "<i4").tobytes())
+        out.write(array_item(k), [y, x], "no" if k == 1 else None, "m", 1)
+    out.finish()
+    assert not (tmp_path / "o.npz.parts").exists()
+    with np.load(path) as z:
+        assert sorted(z.files) == ["X", "Y", "failed"]
+        np.testing.assert_array_equal(z["X"], [[0, 0], [0, 0], [2, 2]])
+        np.testing.assert_array_equal(z["Y"], [[0, 0, 0], [0, 0, 0], [2, 2, 2]])
+        np.testing.assert_array_equal(z["failed"], [False, True, False])
+
+
+def test_array_outputs_reject_unfit_models(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="BYTES"):
+        open_output(tmp_path / "o.npy", "npy", spec_of(TEXT), 2)
+    with pytest.raises(InvalidInput, match="use .npz"):
+        open_output(tmp_path / "o.npy", "npy", spec_of(MULTI), 2)
+    variable = spec_of(python_config().replace('name: "OUT", data_type: TYPE_FP32, dims: [ 4 ]',
+                                               'name: "OUT", data_type: TYPE_FP32, dims: [ -1 ]'))
+    with pytest.raises(InvalidInput, match="variable dims"):
+        open_output(tmp_path / "o.npz", "npz", variable, 2)
+    with pytest.raises(InvalidInput, match="unknown job output kind"):
+        open_output(tmp_path / "o.csv", "csv", BATCHED, 2)
