@@ -3,6 +3,7 @@
     fleet up       embedded Redis (or --redis-url) + one gateway + one worker per device
     fleet gateway  the HTTP gateway alone (compose runs this)
     fleet worker   one worker process alone (compose runs this)
+    fleet jobs-worker  an RQ worker running bulk jobs (compose runs this)
     fleet submit | jobs | job | cancel   bulk jobs through a gateway's /v2/jobs (fleet/job_client.py)
 """
 
@@ -26,6 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis instead of the default (env REDIS_URL)")
     p.add_argument("--log-verbose", type=int, default=None, help="verbose logging level (0 = off)")
     p.add_argument("--key-prefix", help="prefix of every Redis key (default fleet)")
+    p.add_argument("--jobs-dir", type=Path, help="bulk job uploads and outputs (default .fleet/jobs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-address", default=None)
     up.add_argument("--workers", type=int, default=None, help="worker processes (default: one per device)")
     up.add_argument("--data-dir", type=Path, default=Path(".fleet"), help="embedded Redis files and logs")
+    up.add_argument("--job-workers", type=int, default=None, help="RQ workers for bulk jobs (default 1)")
 
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     _common(gw)
@@ -50,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(wk)
     wk.add_argument("--device", default="cpu", help="cpu or cuda:N")
     wk.add_argument("--worker-id", default=None)
+
+    jw = sub.add_parser("jobs-worker", help="run one RQ worker for bulk jobs")
+    _common(jw)
 
     job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
     return parser
@@ -66,6 +72,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         overrides["log_verbose"] = args.log_verbose
     if args.key_prefix:
         overrides["key_prefix"] = args.key_prefix
+    if args.jobs_dir:
+        overrides["jobs_dir"] = args.jobs_dir
+    if getattr(args, "job_workers", None) is not None:
+        overrides["job_workers"] = args.job_workers
     for flag, field in (("http_port", "http_port"), ("metrics_port", "metrics_port"),
                         ("http_address", "http_host"), ("worker_id", "worker_id")):
         value = getattr(args, flag, None)
@@ -87,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.server import serve
 
         return serve(settings)
+    if args.command == "jobs-worker":
+        from gateway.jobs.worker import serve as serve_jobs
+
+        return serve_jobs(settings)
     from workers.main import serve as serve_worker
 
     return serve_worker(settings, device=args.device)

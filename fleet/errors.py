@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
     UNKNOWN = "UNKNOWN"
 
 
@@ -62,6 +63,16 @@ class VersionNotFound(ServingError):
 
     def __init__(self, name: str, version: str) -> None:
         super().__init__(f"Request for unknown model: '{name}' version {version} is not found")
+
+
+class NotFound(ServingError):
+    code = ErrorCode.NOT_FOUND
+
+
+class NotReadyYet(ServingError):
+    """The resource exists but is not in the state the request needs (a job's results before it ends)."""
+
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class ModelNotReady(ServingError):

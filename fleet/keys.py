@@ -29,6 +29,30 @@ class Keys:
     def job_results(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:results"
 
+    def job(self, job_id: str) -> str:
+        """Hash: a bulk job's record and progress (gateway/jobs/records.py)."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def job_errors(self, job_id: str) -> str:
+        """List: samples of failed items, `{"line", "error"}` JSON, capped."""
+        return f"{self.prefix}:job:{job_id}:errors"
+
+    def job_lease(self, job_id: str) -> str:
+        """String + TTL: held by the one runner executing the job; its absence means nobody is."""
+        return f"{self.prefix}:job:{job_id}:lease"
+
+    def job_recovery(self, job_id: str) -> str:
+        """String + TTL: one job worker is re-queueing this orphaned job; the others leave it."""
+        return f"{self.prefix}:job:{job_id}:recovery"
+
+    def jobs(self) -> str:
+        """Sorted set: every job id, scored by creation time."""
+        return f"{self.prefix}:jobs"
+
+    def rq_queue(self) -> str:
+        """The RQ queue name bulk jobs run on (RQ builds its own keys from it)."""
+        return f"{self.prefix}-jobs"
+
     def models(self) -> str:
         return f"{self.prefix}:models"
 

@@ -1,8 +1,10 @@
 """`fleet up`: one command that runs the whole system on one machine.
 
-Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway and one worker per
-device as child processes, prefixes their logs with their names, and stops everything on Ctrl-C/SIGTERM:
-children first (they drain and reply to what they hold), the server last.
+Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway, one worker per
+device and the bulk-job workers as child processes, prefixes their logs with their names, and stops
+everything on Ctrl-C/SIGTERM: children first (they drain and reply to what they hold), the server last.
+A job worker that dies is restarted (its job resumes from its progress record); any other child
+dying stops everything, as a supervisor would want to know.
 """
 
 from __future__ import annotations
@@ -46,15 +48,20 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
             out.flush()
 
 
+RESTART_DELAY_S = 1.0
+
+
 def _common_args(settings: Settings, redis_url: str) -> list[str]:
     args = ["--redis-url", redis_url, "--key-prefix", settings.key_prefix,
-            "--log-verbose", str(settings.log_verbose)]
+            "--log-verbose", str(settings.log_verbose), "--jobs-dir", str(settings.jobs_dir)]
     for repo in settings.model_repositories:
         args += ["--model-repository", str(repo)]
     return args
 
 
 def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
+    if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
+        settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     lock = threading.Lock()
     server: LocalServer | None = None
@@ -78,9 +85,20 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     )]
     for i, device in enumerate(devices):
         specs.append((f"worker-{i}", [sys.executable, "-m", "fleet", "worker", *common, "--device", device]))
+    for i in range(settings.job_workers):
+        specs.append((f"jobs-{i}", [sys.executable, "-m", "fleet", "jobs-worker", *common]))
+    commands = dict(specs)
 
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     stopping = threading.Event()
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        # Own session: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
+        proc = subprocess.Popen(commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        assert proc.stdout is not None
+        threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
+        return proc
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stopping.set()
@@ -88,20 +106,21 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for name, cmd in specs:
-            # Own session: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            assert proc.stdout is not None
-            threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
-            children.append((name, proc))
+        for name, _ in specs:
+            children.append((name, start(name)))
         log.info("up       | serving %s on http://%s:%d (metrics :%d); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
                  settings.http_port, settings.metrics_port)
         while not stopping.is_set():
-            for name, proc in children:
-                if proc.poll() is not None:
-                    log.error("up       | %s exited with %s; stopping everything", name, proc.returncode)
-                    stopping.set()
+            for i, (name, proc) in enumerate(children):
+                if proc.poll() is None:
+                    continue
+                if name.startswith("jobs-") and not stopping.wait(RESTART_DELAY_S):
+                    log.warning("up       | %s exited with %s; restarting it", name, proc.returncode)
+                    children[i] = (name, start(name))
+                    continue
+                log.error("up       | %s exited with %s; stopping everything", name, proc.returncode)
+                stopping.set()
             stopping.wait(0.5)
     finally:
         _stop_children(children)

@@ -50,6 +50,15 @@ class Settings(BaseSettings):
     lane_aging_ms: int = 1000
     worker_id: str = ""
     gateway_id: str = ""
+    # Bulk jobs: uploads and outputs live here (shared by the gateway and the job workers).
+    jobs_dir: Path = Path(".fleet/jobs")
+    # Rows a job keeps in flight on the model's lane (flow control: never the whole input in Redis).
+    job_window_rows: int = 4096
+    # A job runner holds its job's lease this long between refreshes; a job whose lease lapsed is
+    # resumed by another job worker.
+    job_lease_ms: int = 10_000
+    # RQ job workers `fleet up` runs.
+    job_workers: int = 1
 
     @property
     def redis_url_or_default(self) -> str:

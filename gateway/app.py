@@ -15,6 +15,7 @@ from fleet.gc_tuning import freeze_after_startup
 from fleet.settings import Settings
 from gateway.errors import error_response, handle_serving_error
 from gateway.fastpath import InferFastPath
+from gateway.jobs.routes import ROUTES as JOB_ROUTES
 from gateway.metrics import metrics_route
 from gateway.routes import ROUTES
 from gateway.state import GatewayState
@@ -43,7 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="fleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fleet = state
-    app.router.routes.extend([*ROUTES, metrics_route()])
+    app.router.routes.extend([*ROUTES, *JOB_ROUTES, metrics_route()])
     app.add_exception_handler(ServingError, handle_serving_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -16,6 +16,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.ALREADY_EXISTS: 400,
     ErrorCode.CANCELLED: 400,
     ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.FAILED_PRECONDITION: 409,
     ErrorCode.UNKNOWN: 400,
 }
 

@@ -8,6 +8,7 @@ import os
 import uuid
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -17,6 +18,7 @@ from fleet.settings import Settings
 from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
+from gateway.jobs.worker import jobs_context
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class GatewayState:
         self.broker = Broker(self.client, redis_client(url), self.keys, gateway_id,
                              block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s)
         self.dataplane = DataPlane(self.catalog, self.broker)
+        # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
+        self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -56,6 +60,7 @@ class GatewayState:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
         await self.broker.stop()
+        self.jobs.client.close()
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         return await model_statistics(self.catalog, self.client, self.keys.stats, name, version)

@@ -1,0 +1,52 @@
+"""The one place RQ objects are built: every Queue, Worker and Job.fetch uses RQ's JSON serializer, so
+nothing a job carries is ever pickled or unpickled (the job function takes only JSON arguments)."""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from fleet.keys import Keys
+from gateway.jobs.runner import STOP
+
+RUN_JOB = "gateway.jobs.runner.run_job"  # by name: RQ imports it in the job worker
+
+
+def jobs_queue(client: redis.Redis, keys: Keys) -> Queue:
+    return Queue(keys.rq_queue(), connection=client, serializer=JSONSerializer)
+
+
+class JobsWorker(SimpleWorker):
+    """SimpleWorker runs the job in this process: a kill of the job worker is a kill of the job (no
+    orphaned work horse still writing), and the runner's lease makes the resume exact. A stop request
+    (SIGTERM/SIGINT) also tells a running bulk job to save its progress and return, instead of RQ's warm
+    shutdown waiting for a job that may run for hours; the job is resumed by the next job worker."""
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        STOP.set()
+        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+
+
+def jobs_worker(client: redis.Redis, keys: Keys, name: str | None = None) -> JobsWorker:
+    return JobsWorker([jobs_queue(client, keys)], connection=client, serializer=JSONSerializer, name=name)
+
+
+def enqueue_run(client: redis.Redis, keys: Keys, job_id: str, attempt: int, options: dict[str, Any]) -> str:
+    """Queue one run of bulk job `job_id`; returns the RQ job id (one per attempt)."""
+    rq_id = f"{job_id}-run{attempt}"
+    # timeout=-1: a bulk job may run for hours; cancellation is the runner's own (records.py state).
+    jobs_queue(client, keys).enqueue_call(RUN_JOB, args=(job_id, options), job_id=rq_id, timeout=-1,
+                                          result_ttl=86_400, failure_ttl=7 * 86_400)
+    return rq_id
+
+
+def fetch(client: redis.Redis, rq_id: str) -> Job | None:
+    try:
+        return Job.fetch(rq_id, connection=client, serializer=JSONSerializer)
+    except Exception:  # rq raises NoSuchJobError, or an error for a corrupt hash: either way, no job
+        return None

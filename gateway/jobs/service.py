@@ -1,0 +1,184 @@
+"""Bulk job operations behind /v2/jobs, HTTP-free and synchronous (the routes run them in a thread):
+create (idempotent by id), cancel, read, uploads, and the recovery of jobs whose runner died."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from fleet.errors import InvalidInput, NotFound, NotReadyYet
+from fleet.keys import Keys
+from fleet.model_config import ModelSpec
+from gateway.jobs.formats import open_input
+from gateway.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, TERMINAL, JobStore, check_id, view
+from gateway.jobs.rq_setup import enqueue_run, fetch
+from gateway.jobs.runner import JobOptions
+
+log = logging.getLogger(__name__)
+
+INPUT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".npy": "array", ".npz": "array"}
+OUTPUT_FORMATS = {"jsonl": ".jsonl", "npy": ".npy", "npz": ".npz"}
+_WAITING = frozenset({"queued", "deferred", "scheduled"})  # RQ statuses of a run not yet picked up
+
+
+@dataclass(frozen=True, slots=True)
+class JobsContext:
+    client: redis.Redis
+    keys: Keys
+    jobs_dir: Path
+    options: JobOptions
+
+    @property
+    def store(self) -> JobStore:
+        return JobStore(self.client, self.keys)
+
+
+def _input_path(ctx: JobsContext, spec_input: Any) -> Path:
+    if isinstance(spec_input, dict) and set(spec_input) == {"upload"}:
+        token = str(spec_input["upload"])
+        if not token.isalnum():
+            raise InvalidInput(f"invalid upload token {token!r}")
+        found = sorted((ctx.jobs_dir / "uploads").glob(f"{token}.*"))
+        if not found:
+            raise InvalidInput(f"no upload {token!r} (uploads are POSTed to /v2/jobs/uploads first)")
+        return found[0]
+    if isinstance(spec_input, str) and spec_input:
+        # A path the job workers can read (a shared volume); it must exist here too.
+        path = Path(spec_input).expanduser().resolve()
+        if not path.is_file():
+            raise InvalidInput(f"input file {spec_input!r} does not exist on the gateway")
+        return path
+    raise InvalidInput("'input' must be a file path or {\"upload\": \"<token>\"}")
+
+
+def _int_field(doc: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = doc.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"'{name}' must be a non-negative integer")
+    return value
+
+
+def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: int) -> tuple[dict[str, Any], bool]:
+    """Create and queue a job; with an existing `id`, return that job instead (and False)."""
+    job_id = check_id(str(doc["id"])) if doc.get("id") is not None else uuid.uuid4().hex[:16]
+    existing = ctx.store.get(job_id)
+    if existing is not None:
+        return view(existing, ctx.store.errors(job_id)), False
+    path = _input_path(ctx, doc.get("input"))
+    kind = INPUT_SUFFIXES.get(path.suffix.lower())
+    if kind is None:
+        raise InvalidInput(f"unsupported input file type {path.suffix!r}: use .jsonl, .npy or .npz")
+    source = open_input(path, spec)  # fails fast on a wrong array shape/dtype or unreadable file
+    source.close()
+    output = doc.get("output") or {}
+    if not isinstance(output, dict):
+        raise InvalidInput("'output' must be an object like {\"format\": \"jsonl\"}")
+    fmt = str(output.get("format") or ("jsonl" if kind == "jsonl" else "npz"))
+    if fmt not in OUTPUT_FORMATS:
+        raise InvalidInput(f"unsupported output format {fmt!r}: use jsonl, npy or npz")
+    if fmt != "jsonl" and kind != "array":
+        raise InvalidInput("array output (npy/npz) needs array input (.npy/.npz)")
+    priority = _int_field(doc, "priority", 0)
+    max_failures = _int_field(doc, "max_failures", None)
+    job_dir = ctx.jobs_dir / job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    fields = {"model": spec.name, "version": version, "priority": priority, "input": str(path), "input_kind": kind,
+              "output": str(job_dir / f"output{OUTPUT_FORMATS[fmt]}"), "output_format": fmt,
+              "max_failures": -1 if max_failures is None else max_failures}
+    if not ctx.store.create(job_id, fields):  # lost a race with the same id
+        record = ctx.store.get(job_id)
+        assert record is not None
+        return view(record, ctx.store.errors(job_id)), False
+    _queue_run(ctx, job_id, attempt=1)
+    record = ctx.store.get(job_id)
+    assert record is not None
+    return view(record, []), True
+
+
+def _queue_run(ctx: JobsContext, job_id: str, attempt: int) -> None:
+    rq_id = enqueue_run(ctx.client, ctx.keys, job_id, attempt, ctx.options.to_json())
+    ctx.store.update(job_id, {"rq_job": rq_id, "attempts": attempt})
+
+
+def get_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
+    record = ctx.store.get(job_id)
+    if record is None:
+        raise NotFound(f"unknown job '{job_id}'")
+    return view(record, ctx.store.errors(job_id))
+
+
+def list_jobs(ctx: JobsContext, limit: int = 100) -> list[dict[str, Any]]:
+    out = []
+    for job_id in ctx.store.ids(limit):
+        record = ctx.store.get(job_id)
+        if record is not None:
+            out.append(view(record, []))
+    return out
+
+
+def cancel_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
+    """Cancel a queued or running job. Its runner sees the state within a fraction of a second, stops
+    feeding and deletes its requests still queued on the lane; a queued run exits at once."""
+    if ctx.store.get(job_id) is None:
+        raise NotFound(f"unknown job '{job_id}'")
+    ctx.store.transition(job_id, CANCELLED, (QUEUED, RUNNING), {"finished_at": time.time()})
+    return get_job(ctx, job_id)
+
+
+def results_path(ctx: JobsContext, job_id: str) -> tuple[Path, str]:
+    record = ctx.store.get(job_id)
+    if record is None:
+        raise NotFound(f"unknown job '{job_id}'")
+    if record["state"] != COMPLETED:
+        raise NotReadyYet(f"job '{job_id}' is {record['state']}; results are served once it has completed")
+    return Path(record["output"]), str(record.get("output_format") or "jsonl")
+
+
+def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path]:
+    suffix = Path(name).suffix.lower()
+    if suffix not in INPUT_SUFFIXES:
+        raise InvalidInput(f"unsupported upload type {suffix or name!r}: use .jsonl, .npy or .npz")
+    token = uuid.uuid4().hex
+    directory = ctx.jobs_dir / "uploads"
+    directory.mkdir(parents=True, exist_ok=True)
+    return token, directory / f"{token}{suffix}"
+
+
+def recover_orphans(ctx: JobsContext, now: float | None = None) -> list[str]:
+    """Re-queue jobs that should be running but whose runner is gone.
+
+    A job is orphaned when it is queued or running, nobody holds its lease, its record has not been
+    updated for a lease period, and its current RQ run is not waiting in the queue (a job worker died
+    with it, or RQ lost it). One job worker wins the recovery key and queues the next attempt."""
+    now = time.time() if now is None else now
+    lease_s = ctx.options.lease_ms / 1000
+    recovered = []
+    for job_id in ctx.store.ids(limit=1000):
+        record = ctx.store.get(job_id)
+        if record is None or record["state"] in TERMINAL:
+            continue
+        if ctx.client.exists(ctx.keys.job_lease(job_id)):
+            continue
+        last = max(record.get("updated_at") or 0, record.get("created_at") or 0)
+        if now - last < lease_s:
+            continue
+        run = fetch(ctx.client, record["rq_job"]) if record.get("rq_job") else None
+        if run is not None and run.get_status(refresh=True) in _WAITING:
+            continue
+        if not ctx.client.set(ctx.keys.job_recovery(job_id), "1", nx=True, px=ctx.options.lease_ms):
+            continue
+        attempt = int(record.get("attempts") or 0) + 1
+        log.warning("job %s: its runner is gone (last progress %.0f s ago); queueing run %d",
+                    job_id, now - last, attempt)
+        _queue_run(ctx, job_id, attempt)
+        ctx.store.update(job_id, {"updated_at": now})
+        recovered.append(job_id)
+    return recovered
