@@ -28,6 +28,19 @@ class RunningSystem:
     process: subprocess.Popen[bytes]
     log: Path
 
+    def children(self, role: str) -> list[int]:
+        """PIDs of this system's child processes running `fleet <role>` (read from /proc)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.process.pid and role.encode() in cmdline:
+                pids.append(int(stat.parent.name))
+        return pids
+
 
 def _get(url: str) -> int:
     try:
@@ -43,6 +56,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     http_port, metrics_port = free_port(), free_port()
     log = tmp / "fleet.log"
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
+    # A job whose runner was killed is resumed once its lease lapses: 2 s here instead of 10.
+    env["FLEET_JOB_LEASE_MS"] = "2000"
     cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(ROOT / "model_repository"),
            "--model-repository", str(TRITON_EXAMPLES), "--http-port", str(http_port),
            "--metrics-port", str(metrics_port), "--data-dir", str(tmp / "data")]

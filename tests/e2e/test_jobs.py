@@ -1,0 +1,168 @@
+"""Bulk jobs end to end against `fleet up` (real Redis, gateway, worker and RQ job worker processes):
+a 10k-item job on mlp equal to direct computation, bad lines, idempotent ids, cancel, and resume after
+the job worker is killed with SIGKILL mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fleet.job_client import JobsClient
+from tests.e2e.conftest import ROOT, RunningSystem
+
+pytestmark = pytest.mark.e2e
+
+MLP = ROOT / "model_repository" / "mlp" / "1" / "model.pt"
+
+
+def direct(x: np.ndarray) -> np.ndarray:
+    """The same model run in this process: what every job output must equal."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # TorchScript is what Triton's pytorch_libtorch backend loads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = torch.jit.load(str(MLP)).eval()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        return model(torch.from_numpy(x)).numpy()  # type: ignore[no-any-return]
+
+
+def write_jsonl(path: Path, x: np.ndarray, bad: dict[int, str] | None = None) -> None:
+    """One v2 request per row; `bad` maps an item position to a raw line inserted before that row."""
+    bad = bad or {}
+    with path.open("w") as f:
+        for i, row in enumerate(x):
+            if i in bad:
+                f.write(bad[i] + "\n")
+            f.write(json.dumps({"id": f"r{i}", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 256],
+                                                          "data": row.tolist()}]}) + "\n")
+
+
+def wait_for(client: JobsClient, job_id: str, done: Callable[[dict[str, Any]], bool],
+             timeout_s: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = client.get(job_id)
+        if done(record):
+            return record
+        assert time.monotonic() < deadline, f"job {job_id} stuck: {record}"
+        time.sleep(0.1)
+
+
+def finished(record: dict[str, Any]) -> bool:
+    return record["state"] in ("completed", "failed", "cancelled")
+
+
+@pytest.fixture
+def jobs(system: RunningSystem) -> JobsClient:
+    with JobsClient(f"http://{system.url}") as client:
+        yield client  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def rows() -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((20_000, 256)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(rows: np.ndarray) -> np.ndarray:
+    return direct(rows)
+
+
+def read_output(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_outputs(lines: list[dict[str, Any]], reference: np.ndarray, expected_lines: list[int]) -> None:
+    """Exactly one output per input line, in input order, each equal to direct computation."""
+    assert [d["line"] for d in lines] == expected_lines
+    got = np.array([d["outputs"][0]["data"] for d in lines if "outputs" in d], dtype=np.float32)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_10k_job_equals_direct_computation_and_records_bad_lines(
+        jobs: JobsClient, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    n = 10_000
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, rows[:n], bad={10: "{not json", 500: json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]})})
+    record = jobs.create({"model": "mlp", "input": {"upload": jobs.upload(source)}})
+    assert record["state"] == "queued" and record["model"] == "mlp"
+    record = wait_for(jobs, record["id"], finished)
+    assert record["state"] == "completed", record
+    assert record["total"] == n + 2 and record["done"] == n + 2 and record["failed"] == 2
+    assert [e["line"] for e in record["errors"]] == [11, 502]
+    assert "JSON" in record["errors"][0]["error"] and "shape" in record["errors"][1]["error"]
+    out = tmp_path / "out.jsonl"
+    jobs.download(record["id"], out)
+    lines = read_output(out)
+    assert [d["line"] for d in lines if "error" in d] == [11, 502]
+    good = [d for d in lines if "error" not in d]
+    assert [d["id"] for d in good] == [f"r{i}" for i in range(n)]
+    check_outputs(good, reference[:n], [i + 1 + (i >= 10) + (i >= 500) for i in range(n)])
+
+
+def test_resubmitting_an_id_returns_the_first_job(jobs: JobsClient, rows: np.ndarray, tmp_path: Path) -> None:
+    source = tmp_path / "small.npy"
+    np.save(source, rows[:100])
+    first = jobs.create({"model": "mlp", "input": str(source), "id": "same-id"})
+    again = jobs.create({"model": "mlp", "input": str(source), "id": "same-id", "priority": 1})
+    assert again["id"] == first["id"] == "same-id" and again["created_at"] == first["created_at"]
+    assert again["priority"] == 0
+    assert wait_for(jobs, "same-id", finished)["state"] == "completed"
+    assert sum(1 for j in jobs.list() if j["id"] == "same-id") == 1
+
+
+def pending_on(system: RunningSystem, model: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(system.metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("nv_inference_pending_request_count") and f'model="{model}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no pending-count metric")
+
+
+def test_cancel_stops_feeding_and_drops_queued_items(jobs: JobsClient, system: RunningSystem,
+                                                     tmp_path: Path) -> None:
+    source = tmp_path / "big.npy"
+    np.save(source, np.zeros((400_000, 256), dtype=np.float32))
+    record = jobs.create({"model": "mlp", "input": str(source), "output": {"format": "npy"}})
+    wait_for(jobs, record["id"], lambda r: r["done"] > 0)
+    cancelled = jobs.cancel(record["id"])
+    assert cancelled["state"] == "cancelled"
+    time.sleep(1.0)  # the runner checks several times a second
+    done = jobs.get(record["id"])["done"]
+    assert done < 400_000
+    assert pending_on(system, "mlp") == 0  # its queued requests were deleted, not left to compute
+    time.sleep(0.5)
+    assert jobs.get(record["id"])["done"] == done
+    assert jobs.get(record["id"])["state"] == "cancelled"
+
+
+def test_killed_job_worker_resumes_without_loss_or_duplicates(
+        jobs: JobsClient, system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    source = tmp_path / "resume.jsonl"
+    write_jsonl(source, rows)
+    record = jobs.create({"model": "mlp", "input": {"upload": jobs.upload(source)}})
+    wait_for(jobs, record["id"], lambda r: r["done"] >= 2_000)
+    victims = system.children("jobs-worker")
+    assert len(victims) == 1
+    os.kill(victims[0], signal.SIGKILL)  # mid-job, no chance to save anything
+    at_kill = jobs.get(record["id"])
+    assert at_kill["state"] == "running" and at_kill["done"] < len(rows), "the job finished before the kill"
+    record = wait_for(jobs, record["id"], finished)
+    assert record["state"] == "completed" and record["attempts"] >= 2, record
+    assert record["done"] == len(rows) and record["failed"] == 0
+    out = tmp_path / "resume.out.jsonl"
+    jobs.download(record["id"], out)
+    check_outputs(read_output(out), reference, list(range(1, len(rows) + 1)))
