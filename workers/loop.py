@@ -15,9 +15,10 @@ it when higher-priority load saturates the model.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -29,9 +30,9 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
 from fleet.stats import BatchSample
-from workers.backends.base import Backend
 from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
+from workers.instance import Instance, Job
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +46,11 @@ def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
 
 
 @dataclass(slots=True)
-class Instance:
-    name: str
-    backend: Backend
-    executor: ThreadPoolExecutor
-
-
-@dataclass(slots=True)
 class _Queued:
     message: MessageId
     env: RequestEnvelope
     pending: Pending
+    seq: int  # admission order: restores the queue's order when a staged batch is taken back
 
 
 @dataclass
@@ -76,11 +71,15 @@ class ModelLoop:
     _queued: dict[int, list[_Queued]] = field(init=False, default_factory=dict)
     _free: dict[int, list[Instance]] = field(init=False, default_factory=dict)
     # Messages this worker holds (queued or executing): a claim must not admit them twice.
-    _holding: set[MessageId] = field(init=False, default_factory=set)
+    # Rows are what read-ahead is bounded by: a bulk job's request packs a whole batch of rows.
+    _holding: dict[MessageId, int] = field(init=False, default_factory=dict)  # message -> its rows
+    _held_rows: list[int] = field(init=False, default_factory=list)  # per lane
+    _rows_hint: list[int] = field(init=False, default_factory=list)  # per lane: rows of its last message
     _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     # One per lane reader: a shared event could be cleared by one reader after it was set for another.
     _room_events: list[asyncio.Event] = field(init=False, default_factory=list)
     _stopping: bool = field(init=False, default=False)
+    _seq: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.policy = policy_for(self.spec, self.aging_us)
@@ -88,6 +87,8 @@ class ModelLoop:
         self._free = {v: list(insts) for v, insts in self.instances.items()}
         self.bulk_lane = bulk_lane(self.spec)
         self._room_events = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
+        self._held_rows = [0] * (self.bulk_lane + 1)
+        self._rows_hint = [1] * (self.bulk_lane + 1)
         assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
         lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
         self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
@@ -100,19 +101,31 @@ class ModelLoop:
 
     @property
     def capacity(self) -> int:
-        """Requests the bulk lane may fill (queued + executing): enough to form the next batches."""
+        """Rows the bulk lane may fill (queued + executing): enough to form the next batches."""
         n_instances = sum(len(i) for i in self.instances.values())
         return self.per_batch * n_instances * self.read_ahead_batches
 
     def held(self) -> int:
-        return len(self._holding)
+        """Rows this worker holds for the model: queued, staged or executing."""
+        return sum(self._held_rows)
 
     def held_in(self, lane: int) -> int:
-        return sum(1 for held_lane, _ in self._holding if held_lane == lane)
+        return self._held_rows[lane]
+
+    def _hold(self, message: MessageId, rows: int) -> None:
+        self._holding[message] = rows
+        self._held_rows[message[0]] += rows
+        self._rows_hint[message[0]] = rows
+
+    def _release(self, messages: Iterable[MessageId]) -> None:
+        for message in messages:
+            rows = self._holding.pop(message, None)
+            if rows is not None:
+                self._held_rows[message[0]] -= rows
 
     def _room(self, lane: int) -> int:
-        """How many more messages `lane` may read now: up to its limit (one batch more per lane above
-        the bulk lane), and at least enough to keep one batch of its own queued."""
+        """How many more rows `lane` may read now: up to its limit (one batch more per lane above the
+        bulk lane), and at least enough to keep one batch of its own queued."""
         room = self.capacity + self.per_batch * (self.bulk_lane - lane) - self.held()
         if lane > 0:
             room = max(room, self.per_batch - self.held_in(lane))
@@ -151,7 +164,9 @@ class ModelLoop:
                 await room_event.wait()
                 continue
             try:
-                messages = await self.consumer.read([lane], room, self.block_ms)
+                # Room is in rows; a message holds as many rows as the last one of this lane did.
+                count = max(1, room // self._rows_hint[lane])
+                messages = await self.consumer.read([lane], count, self.block_ms)
             except (RedisError, OSError) as exc:
                 log.warning("%s: read failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
@@ -219,8 +234,9 @@ class ModelLoop:
         key = tuple((t.name, t.shape[1:]) for t in env.inputs) if self.spec.needs_equal_shapes else \
             tuple(sorted(t.name for t in env.inputs))
         lane, entry_id = message
-        self._holding.add(message)
-        queue.append(_Queued(message, env, Pending(
+        self._hold(message, rows)
+        self._seq += 1
+        queue.append(_Queued(message, env, seq=self._seq, pending=Pending(
             request_id=f"{lane}/{entry_id.decode()}", lane=lane, enqueued_at_us=env.enqueued_at_us,
             deadline_us=env.deadline_us, rows=rows, shape_key=key, delay_on_timeout=lane in self._delay_lanes,
             aging_from_us=self.clock.now_us())))
@@ -228,29 +244,72 @@ class ModelLoop:
     async def _schedule(self, version: int) -> None:
         queue = self._queued[version]
         free = self._free[version]
+        instances = self.instances[version]
+        loop = asyncio.get_running_loop()
         while True:
+            self._unstage_if_outranked(version, queue)
             if not queue:
                 await self._sleep(None)
                 continue
             now = self.clock.now_us()
-            if not free:
-                # Every instance is busy: nothing can run, but a timed-out request is still answered
-                # at its deadline, not when an instance frees up (REJECT never waits for compute).
-                nearest = self._nearest_reject_deadline(queue)
-                if nearest is None or nearest > now:
-                    await self._sleep(None if nearest is None else (nearest - now) / 1e6)
-                    continue
+            stageable = None if free else next((i for i in instances if i.busy and i.staged is None), None)
+            if not free and stageable is None:
+                await self._sleep_busy(queue, now)
+                continue
             decision = decide(self.policy, [q.pending for q in queue], now)
             if isinstance(decision, Reject):
                 await self._reject(queue, decision)
             elif isinstance(decision, Dispatch):
+                if not free and not self._stageable(decision):
+                    await self._sleep_busy(queue, now)
+                    continue
                 chosen = {p.request_id for p in decision.items}
                 batch = [q for q in queue if q.pending.request_id in chosen]
+                target = free[-1] if free else stageable
+                assert target is not None
+                job = Job(version, batch, functools.partial(run_batch, self.spec, target.backend,
+                                                            [q.env for q in batch]))
+                if free:
+                    free.pop().start(job, loop, self._on_done, self._on_idle)
+                elif not target.stage(job):
+                    await asyncio.sleep(0)  # it went idle just now; its on_idle call is queued
+                    continue
                 queue[:] = [q for q in queue if q.pending.request_id not in chosen]
-                instance = free.pop()
-                asyncio.create_task(self._execute(version, instance, batch, now))
             elif isinstance(decision, Wait):
                 await self._sleep((decision.until_us - now) / 1e6)
+
+    def _stageable(self, decision: Dispatch) -> bool:
+        """Whether a batch may wait behind a running one instead of in the queue: only if it is full
+        (the largest preferred size, or 1 without batching) - a batch that could still grow is formed
+        when an instance frees up, as Triton does - and none of it can time out (expiry is checked only
+        while queued)."""
+        full = 1 if not self.policy.dynamic or self.policy.max_batch_size == 0 else \
+            max(self.policy.preferred_batch_sizes, default=self.policy.max_batch_size)
+        return sum(p.rows for p in decision.items) >= full and all(
+            p.deadline_us is None or p.delay_on_timeout for p in decision.items)
+
+    def _unstage_if_outranked(self, version: int, queue: list[_Queued]) -> None:
+        """A staged batch goes back to the queue when a request of a higher lane is waiting."""
+        for instance in self.instances[version]:
+            staged = instance.staged
+            if staged is None or not queue:
+                continue
+            if min(q.pending.lane for q in queue) < max(q.pending.lane for q in staged.batch):
+                job = instance.unstage()
+                if job is not None:
+                    queue.extend(job.batch)
+                    queue.sort(key=lambda q: q.seq)
+
+    async def _sleep_busy(self, queue: list[_Queued], now: int) -> None:
+        # Nothing can run now, but a timed-out request is still answered at its deadline, not when an
+        # instance frees up (REJECT never waits for compute).
+        nearest = self._nearest_reject_deadline(queue)
+        if nearest is not None and nearest <= now:
+            decision = decide(self.policy, [q.pending for q in queue], now)
+            if isinstance(decision, Reject):
+                await self._reject(queue, decision)
+                return
+        await self._sleep(None if nearest is None else (nearest - now) / 1e6)
 
     def _nearest_reject_deadline(self, queue: list[_Queued]) -> int | None:
         if not self._timeouts:
@@ -283,31 +342,34 @@ class ModelLoop:
         try:
             await self.consumer.finish(replies, [q.message for q in expired], samples)
         finally:
-            self._holding.difference_update(q.message for q in expired)
+            self._release(q.message for q in expired)
             self._freed()
 
-    async def _execute(self, version: int, instance: Instance, batch: list[_Queued], started_us: int) -> None:
-        envs = [q.env for q in batch]
-        released = False
+    def _on_done(self, job: Job, result: BatchOutcome | BaseException, started_us: int) -> None:
+        """On the loop, as soon as an instance has computed a batch: write its replies."""
+        self._wake.set()  # a staging slot may be free again
+        asyncio.create_task(self._finish(job, result, started_us))
+
+    def _on_idle(self, instance: Instance) -> None:
+        for version, insts in self.instances.items():
+            if instance in insts and not instance.busy and instance not in self._free[version]:
+                self._free[version].append(instance)
+        self._wake.set()
+
+    async def _finish(self, job: Job, result: BatchOutcome | BaseException, started_us: int) -> None:
+        batch = job.batch
         try:
-            loop = asyncio.get_running_loop()
-            outcome: BatchOutcome = await loop.run_in_executor(
-                instance.executor, run_batch, self.spec, instance.backend, envs)
-            # The instance is free as soon as it has computed: the next batch runs while this one's
-            # replies are written (acks still follow the replies, in the same pipeline).
-            self._free[version].append(instance)
-            released = True
-            self._wake.set()
-            sample = self._sample(version, envs, outcome, started_us)
-            await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, outcome.replies, strict=True)],
+            if isinstance(result, BaseException):
+                raise result
+            envs = [q.env for q in batch]
+            sample = self._sample(job.version, envs, result, started_us)
+            await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)],
                                        [q.message for q in batch], [sample])
         except Exception:
             # Redis trouble while finishing: the messages stay pending and will be claimed again.
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
-            self._holding.difference_update(q.message for q in batch)
-            if not released:
-                self._free[version].append(instance)
+            self._release(q.message for q in batch)
             self._wake.set()
             self._freed()
 

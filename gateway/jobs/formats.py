@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gateway.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
 from gateway.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output
-from gateway.jobs.packing import group_items, pack, unpack
+from gateway.jobs.packing import explode, group_items, pack, unpack
 
 __all__ = [
     "InputItem",
@@ -22,6 +22,7 @@ __all__ = [
     "NpzInput",
     "NpzOutput",
     "count_lines",
+    "explode",
     "group_items",
     "open_input",
     "open_output",

@@ -43,6 +43,7 @@ class InputItem:
     parameters: dict[str, Any] = field(default_factory=dict)  # ParsedInfer.parameters (passthrough)
     error: str | None = None  # why this item cannot be sent; recorded as failed
     rows: int = 1  # rows along the batch axis (1 for a non-batching model)
+    count: int = 1  # input items it stands for: a block of array rows is `rows` items (read(block_rows=))
 
 
 class JobInput(Protocol):
@@ -52,7 +53,11 @@ class JobInput(Protocol):
 
     def count(self) -> int: ...
 
-    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]: ...
+    def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
+        """Items from a resume cursor. Array inputs of a batching model with `block_rows` > 1 yield blocks
+        of up to that many consecutive rows as one item (`count` = rows): a bulk job then pays per batch,
+        not per row. JSONL ignores it (each line is its own request)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -112,7 +117,7 @@ class JsonlInput:
     def count(self) -> int:
         return count_lines(self.path)
 
-    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+    def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
         with self.path.open("rb") as f:
             line = _newlines_before(f, start_offset)
             if start_offset > 0:
@@ -160,6 +165,15 @@ class _Column:
     @property
     def row_bytes(self) -> int:
         return prod(self.shape[1:]) * self.dtype.itemsize
+
+    def block_tensor(self, block: np.ndarray, raw: bytes | None = None) -> WireTensor:
+        """The wire tensor of consecutive rows [k, *dims] (batching models only)."""
+        dt = self.spec.datatype
+        if raw is not None and self.dtype == dt.numpy and dt.name != "BF16":
+            data = raw
+        else:
+            data = tensors.to_bytes(np.ascontiguousarray(block), dt)
+        return WireTensor(self.spec.name, dt.name, (block.shape[0], *self.shape[1:]), data)
 
     def tensor(self, row: np.ndarray, batched: bool, raw: bytes | None = None) -> WireTensor:
         """The wire tensor of one row; `raw` (the row's bytes on disk) is reused when no cast is needed."""
@@ -223,11 +237,19 @@ class NpyInput:
     def count(self) -> int:
         return self._column.shape[0]
 
-    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+    def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
         array = self._array
         if array is None:
             raise ValueError("read() after close()")
-        for row in range(_array_rows(start_index, start_offset), self.count()):
+        first, total = _array_rows(start_index, start_offset), self.count()
+        if block_rows > 1 and self._batched:
+            for start in range(first, total, block_rows):
+                stop = min(total, start + block_rows)
+                block = np.ascontiguousarray(array[start:stop])
+                yield InputItem(start, start, stop, [self._column.block_tensor(block, block.tobytes())],
+                                rows=stop - start, count=stop - start)
+            return
+        for row in range(first, total):
             yield InputItem(row, row, row + 1, [self._column.tensor(array[row], self._batched)])
 
     def close(self) -> None:
@@ -322,17 +344,29 @@ class NpzInput:
     def count(self) -> int:
         return self._count
 
-    def read(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem]:
+    def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
         start = _array_rows(start_index, start_offset)
+        blocks = block_rows if block_rows > 1 and self._batched else 0
         with zipfile.ZipFile(self.path) as zf, ExitStack() as stack:
             streams: list[IO[bytes]] = []
             for m in self._members:
                 fp = stack.enter_context(zf.open(m.zip_name))
                 fp.seek(m.data_start + start * m.column.row_bytes)  # deflated members: read and discard
                 streams.append(fp)
+            if blocks:
+                for first in range(start, self._count, blocks):
+                    k = min(self._count, first + blocks) - first
+                    inputs = [self._block(m, fp, k) for m, fp in zip(self._members, streams, strict=True)]
+                    yield InputItem(first, first, first + k, inputs, rows=k, count=k)
+                return
             for row in range(start, self._count):
                 inputs = [self._row(m, fp) for m, fp in zip(self._members, streams, strict=True)]
                 yield InputItem(row, row, row + 1, inputs)
+
+    def _block(self, member: _Member, fp: IO[bytes], k: int) -> WireTensor:
+        col = member.column
+        raw = _read_exact(fp, k * col.row_bytes, self.path.name)
+        return col.block_tensor(np.frombuffer(raw, dtype=col.dtype).reshape((k, *col.shape[1:])), raw)
 
     def _row(self, member: _Member, fp: IO[bytes]) -> WireTensor:
         col = member.column

@@ -168,37 +168,38 @@ class _ArrayOutput:
     def write(
         self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
     ) -> None:
-        """Store the item's row; raises InvalidInput (after flagging the row) if the outputs do not fit."""
-        row = item.index
-        if not 0 <= row < self._total:
-            raise InvalidInput(f"item {row} is outside the {self._total} rows of '{self.path.name}'")
+        """Store the item's rows (one, or a block of `item.count`); raises InvalidInput (after flagging the
+        rows) if the outputs do not fit."""
+        rows = slice(item.index, item.index + item.count)
+        if item.index < 0 or item.index + item.count > self._total:
+            raise InvalidInput(f"item {item.index} is outside the {self._total} rows of '{self.path.name}'")
         failed = self._mask()
-        self._rows += 1
+        self._rows += item.count
         if error is not None:
-            self._fail(row)
+            self._fail(rows)
             return
         given = {t.name: t for t in outputs or ()}
         try:
-            values = [self._row_value(ts, given.get(ts.name)) for ts in self._specs]
+            values = [self._rows_value(ts, given.get(ts.name), item.count) for ts in self._specs]
         except InvalidInput:
-            self._fail(row)
+            self._fail(rows)
             raise
         for ts, value in zip(self._specs, values, strict=True):
-            self._arrays[ts.name][row] = value
-        failed[row] = False
+            self._arrays[ts.name][rows] = value
+        failed[rows] = False
 
-    def _row_value(self, ts: TensorSpec, t: WireTensor | None) -> np.ndarray:
+    def _rows_value(self, ts: TensorSpec, t: WireTensor | None, count: int) -> np.ndarray:
         if t is None:
             raise InvalidInput(f"the reply has no output '{ts.name}'")
-        want = (1, *ts.dims) if self._batched else ts.dims
+        want = (count, *ts.dims) if self._batched else ts.dims
         if tuple(t.shape) != want:
-            raise InvalidInput(f"output '{ts.name}' has shape {list(t.shape)}, one row needs {list(want)}")
-        return tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape).reshape(ts.dims)
+            raise InvalidInput(f"output '{ts.name}' has shape {list(t.shape)}, {count} row(s) need {list(want)}")
+        return tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape).reshape((count, *ts.dims))
 
-    def _fail(self, row: int) -> None:
+    def _fail(self, rows: slice) -> None:
         for array in self._arrays.values():
-            array[row] = 0
-        self._mask()[row] = True
+            array[rows] = 0
+        self._mask()[rows] = True
 
     def flush(self) -> int:
         for array in self._arrays.values():

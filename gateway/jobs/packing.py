@@ -138,3 +138,18 @@ def unpack(outputs: Sequence[WireTensor], rows: Sequence[int]) -> list[list[Wire
         for bucket, piece in zip(per_item, _split(t, rows), strict=True):
             bucket.append(piece)
     return per_item
+
+
+def explode(item: InputItem) -> list[InputItem]:
+    """A block of array rows (`count` > 1) as one item per row, so rows of a failed block fail alone."""
+    if item.count == 1 or item.inputs is None:
+        return [item]
+    out = []
+    for r in range(item.count):
+        inputs = []
+        for t in item.inputs:
+            size = len(t.data) // t.shape[0]
+            inputs.append(WireTensor(t.name, t.datatype, (1, *t.shape[1:]), t.data[r * size:(r + 1) * size]))
+        out.append(InputItem(item.index + r, item.line + r, item.index + r + 1, inputs, item.outputs,
+                             item.client_id, item.parameters))
+    return out

@@ -35,7 +35,17 @@ from fleet.errors import InvalidInput, ServingError
 from fleet.keys import Keys
 from fleet.model_config import ModelSpec
 from fleet.repository import scan
-from gateway.jobs.formats import InputItem, JobInput, JobOutput, group_items, open_input, open_output, pack, unpack
+from gateway.jobs.formats import (
+    InputItem,
+    JobInput,
+    JobOutput,
+    explode,
+    group_items,
+    open_input,
+    open_output,
+    pack,
+    unpack,
+)
 from gateway.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
 
 log = logging.getLogger(__name__)
@@ -208,9 +218,10 @@ class _Feed:
         self.failed = int(record.get("failed") or 0)
         self.in_offset = int(record.get("in_offset") or 0)
         self.out_offset = int(record.get("out_offset") or 0)
-        batching = spec.max_batch_size > 0
-        self.groups: Iterator[list[InputItem]] = group_items(
-            source.read(self.done, self.in_offset), spec.max_batch_size if batching else 1)
+        max_rows = spec.max_batch_size if spec.max_batch_size > 0 else 1
+        # Array in, array out: rows are read (and written) a whole batch at a time, never one by one.
+        blocks = max_rows if source.kind == "array" and record["output_format"] != "jsonl" else 1
+        self.groups: Iterator[list[InputItem]] = group_items(source.read(self.done, self.in_offset, blocks), max_rows)
         self.exhausted = False
         self.order: deque[_Group] = deque()  # submitted or resolved, not yet written, in input order
         self.by_id: dict[str, _Group] = {}  # awaiting a reply
@@ -307,8 +318,9 @@ class _Feed:
         if len(group.items) == 1:
             group.errors = [reply.error_message or reply.error_code]
             return
-        # A packed request failed: retry its items one by one so only the bad ones fail.
-        group.split = [_Group([item], f"{self.runner.job_id}:{item.index}+1") for item in group.items]
+        # A packed request failed: retry its items (rows of a block) one by one so only bad ones fail.
+        group.split = [_Group([one], f"{self.runner.job_id}:{one.index}+1")
+                       for item in group.items for one in explode(item)]
         self.in_flight_rows += sum(g.rows for g in group.split)
         self._send(group.split)
 
@@ -329,9 +341,9 @@ class _Feed:
                     else:
                         self.sink.write(item, None, error, self.model, self.version)
                     if error is not None:
-                        self.failed += 1
+                        self.failed += item.count
                         self.errors.append((item.line, error))
-                    self.done += 1
+                    self.done += item.count
                     self.in_offset = item.end_offset
 
     # -- progress, lease, cancel, failure threshold

@@ -29,7 +29,7 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 # service -> the `fleet` subcommand its container must run
-FLEET_SERVICES = {"gateway": "gateway", "worker": "worker"}
+FLEET_SERVICES = {"gateway": "gateway", "worker": "worker", "jobs": "jobs-worker"}
 
 
 # ── helpers ──────────────────────────────────────────────────────────────────
@@ -322,6 +322,16 @@ def test_gateway_mounts_the_repository_read_only_and_is_healthchecked(services: 
     assert "/v2/health/live" in test and ":8000" in test and "curl" not in test
     assert gateway["restart"] == "unless-stopped"
     assert "stop_grace_period" in gateway
+
+
+# ── jobs ─────────────────────────────────────────────────────────────────────
+
+
+def test_gateway_and_job_workers_share_the_jobs_volume(services: dict[str, Any], entrypoint: list[str]) -> None:
+    for name in ("gateway", "jobs"):
+        args = parse_fleet_argv(container_argv(entrypoint, services[name]["command"]), FLEET_SERVICES[name])
+        assert args.jobs_dir == Path("/jobs")
+        assert mounts(services[name])["/jobs"] == ("jobs-data", False)
 
 
 # ── worker ───────────────────────────────────────────────────────────────────

@@ -18,7 +18,7 @@ from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.model_config import ModelSpec, parse_config
 from gateway.jobs import inputs as inputs_module
-from gateway.jobs.formats import InputItem, group_items, open_input, open_output, pack, unpack
+from gateway.jobs.formats import InputItem, explode, group_items, open_input, open_output, pack, unpack
 from tests.support.model_repo import python_config
 
 MULTI = """backend: "python"
@@ -359,7 +359,7 @@ def test_npy_output_with_failed_mask_and_resume(tmp_path: Path) -> None:
     out.close()
     out = open_output(path, "npy", BATCHED, 4, resume_offset=2)
     out.write(array_item(2), None, "failed", "m", 1)
-    with pytest.raises(InvalidInput, match="one row needs"):
+    with pytest.raises(InvalidInput, match=r"1 row\(s\) need"):
         out.write(array_item(3), [fp32("OUT", [[1, 2, 3, 4]] * 2)], None, "m", 1)
     assert out.flush() == 4
     out.finish()
@@ -398,3 +398,35 @@ def test_array_outputs_reject_unfit_models(tmp_path: Path) -> None:
         open_output(tmp_path / "o.npz", "npz", variable, 2)
     with pytest.raises(InvalidInput, match="unknown job output kind"):
         open_output(tmp_path / "o.csv", "csv", BATCHED, 2)
+
+
+# ---------------------------------------------------------------- blocks of array rows (bulk fast path)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz"])
+def test_blocks_carry_the_same_rows_as_single_reads(tmp_path: Path, suffix: str) -> None:
+    x = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    path = tmp_path / f"x{suffix}"
+    np.save(path, x) if suffix == ".npy" else np.savez_compressed(path, IN=x)
+    src = open_input(path, BATCHED)
+    blocks = list(src.read(block_rows=4))
+    assert [(b.index, b.rows, b.count, b.end_offset) for b in blocks] == [(0, 4, 4, 4), (4, 4, 4, 8), (8, 2, 2, 10)]
+    assert b"".join(bytes(b.inputs[0].data) for b in blocks if b.inputs) == x.tobytes()
+    assert blocks[2].inputs == [WireTensor("IN", "FP32", (2, 4), x[8:].tobytes())]
+    # Resuming at a block boundary gives the same blocks; exploding a block gives the single rows.
+    assert list(src.read(4, 4, block_rows=4)) == blocks[1:]
+    singles = list(src.read())
+    assert explode(blocks[1]) == singles[4:8]
+    src.close()
+
+
+def test_a_block_is_written_as_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "o.npy"
+    out = open_output(path, "npy", BATCHED, 6)
+    block = InputItem(0, 0, 4, None, rows=4, count=4)
+    out.write(block, [fp32("OUT", [[r] * 4 for r in range(4)])], None, "m", 1)
+    out.write(InputItem(4, 4, 6, None, rows=2, count=2), None, "bad block", "m", 1)
+    assert out.flush() == 6
+    out.finish()
+    np.testing.assert_array_equal(np.load(path), [[r] * 4 for r in range(4)] + [[0] * 4] * 2)
+    np.testing.assert_array_equal(np.load(f"{path}.failed.npy"), [False] * 4 + [True] * 2)

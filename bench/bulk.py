@@ -1,0 +1,164 @@
+"""Bulk jobs: the offline scenario against direct in-process compute, and the mixed scenario (a bulk job
+saturating the workers while online requests come in) against online alone.
+
+    .venv/bin/python bench/bulk.py [--items 200000] [--mixed-items 400000] [--conc 4] [--port 18000]
+                                   [--interval-ms 3000] [--out bench/out/bulk-TIME] [--skip-mixed]
+
+1. direct: `mlp` in this process (bench/direct.py: TorchScript, torch.set_num_threads(1) as the served
+   config's INTRA_OP_THREAD_COUNT, inference_mode) at batch 64 = mlp's max_batch_size, the size a bulk job
+   packs its rows into: items/s, the ceiling.
+2. Starts `fleet up` (bench/served.py's Fleet: own session, stopped by PID; one worker, one job worker).
+3. offline: a job of --items random FP32 [256] rows (.npy in, .npy out, input read by the job worker from
+   disk): items/s = items / (finished_at - started_at) from the job record, and every output row is
+   compared with direct computation.
+4. online idle: perf_analyzer -m mlp --concurrency-range C (3 windows of --interval-ms): p50/p99.
+5. mixed: the same perf_analyzer run while a --mixed-items job runs on the bulk lane; the bulk job's
+   items/s over the perf_analyzer run comes from its progress record sampled before and after.
+Prints one table. All traffic goes to 127.0.0.1; every load is bounded (perf_analyzer --max-trials 3,
+jobs by their item counts, a 600 s cap per job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from direct import bench_mlp
+from served import DEFAULT_PA, HOST, ROOT, Fleet
+from summary import print_table, read_level
+
+
+def api(port: int, method: str, path: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = None if doc is None else json.dumps(doc).encode()
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def run_job(port: int, source: Path, *, wait: bool = True) -> dict[str, Any]:
+    record = api(port, "POST", "/v2/jobs", {"model": "mlp", "input": str(source), "output": {"format": "npy"}})
+    if not wait:
+        return record
+    deadline = time.monotonic() + 600
+    while record["state"] not in ("completed", "failed", "cancelled"):
+        if time.monotonic() > deadline:
+            api(port, "DELETE", f"/v2/jobs/{record['id']}")
+            raise SystemExit(f"job {record['id']} still running after 600 s: cancelled")
+        time.sleep(0.2)
+        record = api(port, "GET", f"/v2/jobs/{record['id']}")
+    if record["state"] != "completed":
+        raise SystemExit(f"job {record['id']} ended {record['state']}: {record['error']}")
+    return record
+
+
+def perf_analyzer(pa: str, port: int, conc: int, interval_ms: int, out: Path, tag: str) -> tuple[float, float, float]:
+    """(infer/s, p50 ms, p99 ms) of one bounded perf_analyzer level on mlp."""
+    base = out / tag
+    base.mkdir(parents=True, exist_ok=True)
+    cmd = [pa, "-m", "mlp", "-i", "http", "-u", f"{HOST}:{port}", "-b", "1", "--concurrency-range", str(conc),
+           "--measurement-interval", str(interval_ms), "--stability-percentage", "100", "--max-trials", "3",
+           "-f", str(base / f"mlp_c{conc}.csv"), "--verbose-csv"]
+    with (base / f"mlp_c{conc}.txt").open("w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=True)
+    level = read_level(base / f"mlp_c{conc}", "mlp", conc)
+    return level.infer_s or 0.0, level.p50_ms or 0.0, level.p99_ms or 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="bulk jobs: offline vs direct, mixed vs online alone")
+    p.add_argument("--items", type=int, default=200_000)
+    p.add_argument("--mixed-items", type=int, default=400_000)
+    p.add_argument("--conc", type=int, default=4)
+    p.add_argument("--port", type=int, default=18000)
+    p.add_argument("--interval-ms", type=int, default=3000)
+    p.add_argument("--direct-seconds", type=float, default=5.0)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
+    a = p.parse_args()
+    out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, 1)
+    direct_ips = batch * calls / seconds
+    print(f"direct mlp, batch 64, 1 thread: {direct_ips:,.0f} items/s", flush=True)
+
+    data = Path(tempfile.mkdtemp(prefix="fleet-bulk-"))
+    rng = np.random.default_rng(0)
+    offline_in = data / "offline.npy"
+    np.save(offline_in, rng.standard_normal((a.items, 256), dtype=np.float32))
+    fleet = Fleet(a.port, out, 180.0, ["mlp"])
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    rows: list[list[str]] = []
+    try:
+        fleet.start()
+        record = run_job(a.port, offline_in)
+        offline_ips = record["done"] / (record["finished_at"] - record["started_at"])
+        check_output(offline_in, fleet, record)
+        rows.append(["offline job", f"{a.items:,}", f"{offline_ips:,.0f}", f"{offline_ips / direct_ips:.2f}x",
+                     "", "", ""])
+        print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
+        if not a.skip_mixed:
+            ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "idle")
+            rows.append([f"online alone, C={a.conc}", "", "", "", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
+            mixed_in = data / "mixed.npy"
+            np.save(mixed_in, rng.standard_normal((a.mixed_items, 256), dtype=np.float32))
+            job = run_job(a.port, mixed_in, wait=False)
+            while api(a.port, "GET", f"/v2/jobs/{job['id']}")["done"] < 5_000:  # the bulk lane is saturated
+                time.sleep(0.1)
+            before, t0 = api(a.port, "GET", f"/v2/jobs/{job['id']}"), time.monotonic()
+            ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "mixed")
+            after, t1 = api(a.port, "GET", f"/v2/jobs/{job['id']}"), time.monotonic()
+            if after["state"] != "running":
+                print(f"warning: the mixed job ended ({after['state']}) before perf_analyzer did; raise --mixed-items")
+            bulk_ips = (after["done"] - before["done"]) / (t1 - t0)
+            api(a.port, "DELETE", f"/v2/jobs/{job['id']}")
+            rows.append([f"bulk + online C={a.conc}", f"{a.mixed_items:,}", f"{bulk_ips:,.0f}",
+                         f"{bulk_ips / direct_ips:.2f}x", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
+    finally:
+        fleet.stop(30.0)
+        for f in data.iterdir():
+            f.unlink()
+        data.rmdir()
+    rows.insert(0, ["direct in-process, batch 64", "", f"{direct_ips:,.0f}", "1.00x", "", "", ""])
+    print_table(f"bulk jobs on mlp ({out})",
+                ["scenario", "items", "bulk items/s", "vs direct", "online infer/s", "p50 ms", "p99 ms"], rows)
+
+
+def check_output(source: Path, fleet: Fleet, record: dict[str, Any]) -> None:
+    """Every output row equals direct computation (the job's output file, on this machine's disk)."""
+    import warnings
+
+    import torch
+
+    assert fleet.data_dir is not None
+    output = fleet.data_dir / "jobs" / record["id"] / "output.npy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = torch.jit.load(str(ROOT / "model_repository" / "mlp" / "1" / "model.pt")).eval()
+    x, y = np.load(source, mmap_mode="r"), np.load(output, mmap_mode="r")
+    with torch.inference_mode():
+        for start in range(0, len(x), 8192):
+            ref = model(torch.from_numpy(np.array(x[start:start + 8192]))).numpy()
+            if not np.allclose(y[start:start + 8192], ref, rtol=1e-5, atol=1e-5):
+                raise SystemExit(f"job output differs from direct computation near row {start}")
+    print(f"output checked: {len(x):,} rows equal direct computation", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
