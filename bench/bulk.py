@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--direct-seconds", type=float, default=5.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()
@@ -107,12 +108,13 @@ def main() -> None:
     rows: list[list[str]] = []
     try:
         fleet.start()
-        record = run_job(a.port, offline_in)
-        offline_ips = record["done"] / (record["finished_at"] - record["started_at"])
-        check_output(offline_in, fleet, record)
-        rows.append(["offline job", f"{a.items:,}", f"{offline_ips:,.0f}", f"{offline_ips / direct_ips:.2f}x",
-                     "", "", ""])
-        print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
+        if not a.skip_offline:
+            record = run_job(a.port, offline_in)
+            offline_ips = record["done"] / (record["finished_at"] - record["started_at"])
+            check_output(offline_in, fleet, record)
+            rows.append(["offline job", f"{a.items:,}", f"{offline_ips:,.0f}", f"{offline_ips / direct_ips:.2f}x",
+                         "", "", ""])
+            print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
         if not a.skip_mixed:
             ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "idle")
             rows.append([f"online alone, C={a.conc}", "", "", "", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])

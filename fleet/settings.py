@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     # Lane aging (batching.policy): a queued request rises one priority lane per this much waiting, so
     # bulk work progresses (slowly) even under saturating online load. 0 = strict priority.
     lane_aging_ms: int = 1000
+    # On CPU workers, the most of an instance's time bulk batches may take while online requests are
+    # coming in: bulk compute holds a core the online path needs. 1.0 = no limit (GPU workers always).
+    bulk_share_cpu: float = Field(default=0.5, gt=0, le=1)
     worker_id: str = ""
     gateway_id: str = ""
     # Bulk jobs: uploads and outputs live here (shared by the gateway and the job workers).

@@ -85,3 +85,4 @@ class Instance:
                 if current is None:
                     self.busy = False
         loop.call_soon_threadsafe(on_idle, self)
+

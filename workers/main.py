@@ -88,7 +88,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
         loop = ModelLoop(entry.spec, instances, consumer, SystemClock(),
                          block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
                          claim_idle_ms=settings.claim_idle_ms, claim_interval_s=settings.claim_interval_s,
-                         max_deliveries=settings.max_deliveries, aging_us=settings.lane_aging_ms * 1000)
+                         max_deliveries=settings.max_deliveries, aging_us=settings.lane_aging_ms * 1000,
+                         bulk_share=settings.bulk_share_cpu if device == "cpu" else 1.0)
         loops.append(loop)
         tasks.append(asyncio.create_task(loop.run(), name=f"model-{name}"))
         heartbeat.ready.extend((name, v) for v in instances)

@@ -4,6 +4,7 @@ runner died (every job worker runs one; a recovery key makes sure only one re-qu
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _janitor(settings: Settings, stop: threading.Event) -> None:
 
 def serve(settings: Settings) -> int:
     configure_logging(settings)
+    os.nice(10)
     client = redis.Redis.from_url(settings.redis_url_or_default, protocol=2)
     stop = threading.Event()
     janitor = threading.Thread(target=_janitor, args=(settings, stop), name="job-janitor", daemon=True)
