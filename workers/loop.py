@@ -30,6 +30,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
 from fleet.stats import BatchSample
+from workers import gil
 from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
 from workers.instance import Instance, Job
@@ -284,6 +285,10 @@ class ModelLoop:
                 assert target is not None
                 job = Job(version, batch, functools.partial(run_batch, self.spec, target.backend,
                                                             [q.env for q in batch]))
+                if any(q.pending.lane == self.bulk_lane for q in batch):
+                    gil.bulk_batch_started(now)
+                else:
+                    gil.maybe_restore(now)
                 if free:
                     free.pop().start(job, loop, self._on_done, self._on_idle)
                 elif not target.stage(job):

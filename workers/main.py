@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +25,6 @@ from workers.consumer import StreamConsumer
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop import ModelLoop
-
-SWITCH_INTERVAL_S = 0.0001
 
 log = logging.getLogger("workers")
 
@@ -117,11 +114,6 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
 def serve(settings: Settings, device: str = "cpu") -> int:
     configure_logging(settings)
     import uvloop
-
-    # A TorchScript forward gives up the GIL and takes it back (about twice per call); each time the
-    # event loop is running Python it waits up to the switch interval. At the default 5 ms an mlp batch
-    # of 2 ms took up to 12 ms (measured: 2.0 ms idle, 12.4 / 3.2 / 2.35 ms at 5 / 0.5 / 0.1 ms).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -1,0 +1,35 @@
+"""The interpreter's thread switch interval, short only while bulk batches run.
+
+A TorchScript forward gives up the GIL and takes it back (about twice per call); whenever the event
+loop is running Python at that moment, the compute thread waits up to the switch interval. Measured
+on mlp (2 ms per 64-row batch) against a loop thread busy all the time: 12.4 / 3.2 / 2.35 ms per batch
+at 5 (the default) / 0.5 / 0.1 ms. A short interval made bulk jobs ~9% faster, but cost online serving
+~13% at C=32 (the loop is preempted more often), so it is set only while bulk batches are running and
+put back once none has run for a second.
+"""
+
+from __future__ import annotations
+
+import sys
+
+BULK_INTERVAL_S = 0.0001
+IDLE_AFTER_US = 1_000_000
+
+_default = sys.getswitchinterval()
+_bulk_seen_us = 0
+_short = False
+
+
+def bulk_batch_started(now_us: int) -> None:
+    global _bulk_seen_us, _short
+    _bulk_seen_us = now_us
+    if not _short:
+        sys.setswitchinterval(BULK_INTERVAL_S)
+        _short = True
+
+
+def maybe_restore(now_us: int) -> None:
+    global _short
+    if _short and now_us - _bulk_seen_us > IDLE_AFTER_US:
+        sys.setswitchinterval(_default)
+        _short = False
