@@ -67,8 +67,8 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     server: LocalServer | None = None
     redis_url = settings.redis_url
     if not redis_url:
-        server = start_server(data_dir / "redis", appendonly=True, log_file=None)
-        redis_url = server.url
+        server = start_server(data_dir / "redis", appendonly=True, log_file=None, unix_socket=True)
+        redis_url = server.local_url
         log.info("up       | embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
 
     for repo in settings.model_repositories:

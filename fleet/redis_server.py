@@ -43,10 +43,17 @@ def free_port() -> int:
 class LocalServer:
     process: subprocess.Popen[bytes]
     port: int
+    unix_socket: Path | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def local_url(self) -> str:
+        """The cheapest way in from this machine: the Unix socket if there is one (every 64 KB bulk
+        payload costs less to pass through than over loopback TCP), else TCP."""
+        return f"unix://{self.unix_socket}?db=0" if self.unix_socket is not None else self.url
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -65,8 +72,10 @@ def start_server(
     appendonly: bool = True,
     log_file: Path | None = None,
     startup_timeout_s: float = 10.0,
+    unix_socket: bool = False,
 ) -> LocalServer:
-    """Start a server bound to 127.0.0.1 with its files under data_dir; returns once it answers PING."""
+    """Start a server bound to 127.0.0.1 with its files under data_dir; returns once it answers PING.
+    With `unix_socket`, it also listens on `data_dir/redis.sock` (owner only)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     args = [
@@ -80,9 +89,12 @@ def start_server(
     ]
     if log_file is not None:
         args += ["--logfile", str(log_file.resolve())]
+    sock = (data_dir / "redis.sock").resolve() if unix_socket else None
+    if sock is not None:
+        args += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
     # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    server = LocalServer(proc, port)
+    server = LocalServer(proc, port, sock)
     client = redis.Redis(host="127.0.0.1", port=port, protocol=2, socket_timeout=1)
     deadline = time.monotonic() + startup_timeout_s
     while True:

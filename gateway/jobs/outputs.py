@@ -202,18 +202,24 @@ class _ArrayOutput:
         self._mask()[rows] = True
 
     def flush(self) -> int:
+        """Rows written so far. Nothing to do: a write to a shared memory map is already in the OS page
+        cache, which outlives this process (a killed runner loses nothing); msync (`_sync`) would write
+        it to disk on every progress save and stall the feed behind the disk."""
+        self._mask()
+        return self._rows
+
+    def _sync(self) -> None:
         for array in self._arrays.values():
             array.flush()
         self._mask().flush()
-        return self._rows
 
     def finish(self) -> None:
         self.close()
 
     def close(self) -> None:
-        """Flush and drop the maps; the files stay, ready for a resume."""
+        """Write the maps to disk and drop them; the files stay, ready for a resume."""
         if self._failed is not None:
-            self.flush()
+            self._sync()
         self._arrays = {}
         self._failed = None
 
@@ -244,7 +250,7 @@ class NpzOutput(_ArrayOutput):
 
     def finish(self) -> None:
         """Write `<path>` atomically from the parts, then remove the parts directory."""
-        self.flush()
+        self._sync()
         arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
         tmp = Path(f"{self.path}.tmp")
         with tmp.open("wb") as f:

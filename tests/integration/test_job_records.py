@@ -1,0 +1,91 @@
+"""Bulk job records against a real Redis: idempotent creation, state transitions, progress with error
+samples, survival across a server restart with AOF, and the recovery of a job whose runner died."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from fleet.keys import Keys
+from fleet.redis_server import LocalServer, start_server
+from gateway.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
+from gateway.jobs.rq_setup import fetch, jobs_queue
+from gateway.jobs.runner import JobOptions
+from gateway.jobs.service import JobsContext, recover_orphans
+
+FIELDS = {"model": "mlp", "version": 1, "priority": 0, "input": "/x.npy", "input_kind": "array",
+          "output": "/o.npy", "output_format": "npy", "max_failures": -1}
+
+
+def test_create_is_idempotent_and_transitions_are_compare_and_set(redis_server: LocalServer,
+                                                                 key_prefix: str) -> None:
+    store = JobStore(redis.Redis.from_url(redis_server.url, protocol=2), Keys(key_prefix))
+    assert store.create("job-1", FIELDS)
+    assert not store.create("job-1", {**FIELDS, "model": "other"})
+    record = store.get("job-1")
+    assert record is not None and record["model"] == "mlp" and record["state"] == QUEUED and record["done"] == 0
+    assert store.transition("job-1", RUNNING, (QUEUED,), {"started_at": 5.0})
+    assert not store.transition("job-1", RUNNING, (QUEUED,))
+    assert store.transition("job-1", CANCELLED, (QUEUED, RUNNING))
+    assert not store.transition("job-1", COMPLETED, (RUNNING,))  # a cancelled job stays cancelled
+    assert not store.transition("missing", RUNNING, (QUEUED,))
+    store.update("job-1", {"done": 7, "failed": 2}, [(3, "bad"), (9, "worse")])
+    assert store.errors("job-1") == [{"line": 3, "error": "bad"}, {"line": 9, "error": "worse"}]
+    assert store.ids() == ["job-1"]
+
+
+def test_view_reports_throughput_and_eta() -> None:
+    record = {"id": "j", "state": RUNNING, "total": 1000, "done": 600, "run_done_start": 100,
+              "run_started_at": 100.0, "created_at": 90.0}
+    doc = view(record, [], now=110.0)
+    assert doc["throughput"] == 50.0 and doc["eta_s"] == 8.0
+    assert view({**record, "state": COMPLETED, "finished_at": 105.0}, [], now=200.0)["throughput"] == 100.0
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "../x", "x" * 65, "-x", "a.b"])
+def test_job_ids_are_safe_names(bad: str) -> None:
+    with pytest.raises(Exception, match="invalid job id"):
+        check_id(bad)
+
+
+def test_records_survive_a_restart_with_aof(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data")
+    try:
+        store = JobStore(redis.Redis.from_url(server.url, protocol=2), Keys("aof"))
+        store.create("kept", FIELDS)
+        store.update("kept", {"done": 42}, [(1, "x")])
+        port = server.port
+    finally:
+        server.stop()
+    server = start_server(tmp_path / "data", port)
+    try:
+        store = JobStore(redis.Redis.from_url(server.url, protocol=2), Keys("aof"))
+        record = store.get("kept")
+        assert record is not None and record["done"] == 42 and store.errors("kept") == [{"line": 1, "error": "x"}]
+    finally:
+        server.stop()
+
+
+def test_a_job_whose_runner_died_is_queued_again_once(redis_server: LocalServer, key_prefix: str,
+                                                      tmp_path: Path) -> None:
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    keys = Keys(key_prefix)
+    ctx = JobsContext(client, keys, tmp_path, JobOptions(key_prefix, [], 64, lease_ms=1000))
+    store = ctx.store
+    store.create("orphan", FIELDS)
+    store.transition("orphan", RUNNING, (QUEUED,), {"created_at": time.time() - 9, "updated_at": time.time() - 5,
+                                                   "attempts": 1})
+    store.create("alive", FIELDS)
+    store.transition("alive", RUNNING, (QUEUED,), {"created_at": time.time() - 9, "updated_at": time.time() - 5})
+    client.set(keys.job_lease("alive"), "runner", px=10_000)  # its runner holds the lease
+    store.create("fresh", FIELDS)  # just created: its first run is not late yet
+    assert recover_orphans(ctx) == ["orphan"]
+    assert recover_orphans(ctx) == []  # the recovery key and the queued run keep others off it
+    record = store.get("orphan")
+    assert record is not None and record["attempts"] == 2 and record["rq_job"] == "orphan-run2"
+    run = fetch(client, "orphan-run2")
+    assert run is not None and run.args == ["orphan", JobOptions(key_prefix, [], 64, 1000).to_json()]
+    assert jobs_queue(client, keys).count == 1
