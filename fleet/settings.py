@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     lane_aging_ms: int = 1000
     # On CPU workers, the most of an instance's time bulk batches may take while online requests are
     # coming in: bulk compute holds a core the online path needs. 1.0 = no limit (GPU workers always).
-    bulk_share_cpu: float = Field(default=0.5, gt=0, le=1)
+    bulk_share_cpu: float = Field(default=0.35, gt=0, le=1)
     worker_id: str = ""
     gateway_id: str = ""
     # Bulk jobs: uploads and outputs live here (shared by the gateway and the job workers).

@@ -378,8 +378,9 @@ class ModelLoop:
         if self.bulk_share < 1 and all(q.pending.lane == self.bulk_lane for q in job.batch):
             # While online requests come in, each bulk batch is followed by idle time in proportion, so
             # bulk uses at most `bulk_share` of the instance. On a CPU worker a bulk batch occupies a
-            # core the online path (gateway, Redis, this loop) needs: measured on 2 cores, online p99
-            # under a saturating bulk job went from 12.5 ms to 9 ms with a share of 0.5.
+            # core the online path (gateway, Redis, this loop) needs. Measured on 2 cores (bench/bulk.py,
+            # mlp, online C=4 while a job saturates the lane): online p99 12.5 ms with no limit, 8-10 ms
+            # at a share of 0.5, 6.6-7.0 ms at 0.35 (idle: 3.9-5 ms), bulk then at 0.2x direct.
             now_us = self.clock.now_us()
             self._bulk_after_us = now_us + int((now_us - started_us) * (1 - self.bulk_share) / self.bulk_share)
         self._wake.set()  # a staging slot may be free again
