@@ -276,8 +276,12 @@ def job_spec(args: argparse.Namespace, job_input: str | dict[str, str]) -> dict[
     optional = {"version": args.model_version, "priority": args.priority, "id": args.job_id,
                 "max_failures": args.max_failures}
     spec.update({k: v for k, v in optional.items() if v is not None})
-    if args.format:
-        spec["output"] = {"format": args.format}
+    fmt = args.format
+    if fmt is None and getattr(args, "output", None) is not None:
+        # `-o out.npy` says the format as clearly as --format npy does
+        fmt = {".jsonl": "jsonl", ".ndjson": "jsonl", ".npy": "npy", ".npz": "npz"}.get(Path(args.output).suffix)
+    if fmt:
+        spec["output"] = {"format": fmt}
     return spec
 
 

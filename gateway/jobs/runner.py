@@ -154,12 +154,12 @@ class JobRunner:
             except Exception as exc:
                 log.exception("job %s failed", self.job_id)
                 message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
-                self._finish_state(FAILED, message)
+                self.finish_state(FAILED, message)
                 return f"failed: {message}"
         finally:
             self.client.eval(_RELEASE, 1, self.lease, self.token)
 
-    def _finish_state(self, state: str, error: str = "") -> None:
+    def finish_state(self, state: str, error: str = "") -> None:
         self.store.transition(self.job_id, state, (RUNNING,), {"finished_at": time.time(), "error": error})
 
     def _spec(self, model: str) -> ModelSpec:
@@ -189,7 +189,7 @@ class JobRunner:
             source.close()
         if outcome == COMPLETED:
             sink.finish()
-            self._finish_state(COMPLETED)
+            self.finish_state(COMPLETED)
         else:
             sink.close()
         self.client.delete(self.results)
@@ -237,6 +237,11 @@ class _Feed:
         while True:
             self._feed()
             self._write_ready()
+            if self.max_failures is not None and 0 <= self.max_failures < self.failed:
+                self._save()
+                self._drop_queued()
+                self.runner.finish_state(FAILED, f"{self.failed} items failed (max_failures {self.max_failures})")
+                return FAILED
             if self.exhausted and not self.order:
                 self._save()
                 return COMPLETED
@@ -364,10 +369,6 @@ class _Feed:
         if record is None or record["state"] == CANCELLED:
             self._drop_queued()
             return CANCELLED
-        if self.max_failures is not None and self.max_failures >= 0 and self.failed > self.max_failures:
-            self._drop_queued()
-            self.runner._finish_state(FAILED, f"{self.failed} items failed (max_failures {self.max_failures})")
-            return FAILED
         return None
 
     def _drop_queued(self) -> None:

@@ -166,3 +166,27 @@ def test_killed_job_worker_resumes_without_loss_or_duplicates(
     out = tmp_path / "resume.out.jsonl"
     jobs.download(record["id"], out)
     check_outputs(read_output(out), reference, list(range(1, len(rows) + 1)))
+
+
+def test_max_failures_fails_the_job(jobs: JobsClient, rows: np.ndarray, tmp_path: Path) -> None:
+    source = tmp_path / "bad.jsonl"
+    write_jsonl(source, rows[:200], bad={5: "{nope", 6: "[]"})
+    record = jobs.create({"model": "mlp", "input": str(source), "max_failures": 1})
+    record = wait_for(jobs, record["id"], finished)
+    assert record["state"] == "failed" and "max_failures 1" in record["error"], record
+    assert record["failed"] == 2
+
+
+def test_fleet_submit_cli_uploads_waits_and_downloads(system: RunningSystem, rows: np.ndarray,
+                                                     reference: np.ndarray, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    source, out = tmp_path / "cli.npy", tmp_path / "cli.out.npy"
+    np.save(source, rows[:3000])
+    done = subprocess.run([sys.executable, "-m", "fleet", "submit", str(source), "--model", "mlp", "-o", str(out),
+                           "--format", "npy", "--url", f"http://{system.url}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "completed" in done.stdout
+    np.testing.assert_allclose(np.load(out), reference[:3000], rtol=1e-5, atol=1e-5)

@@ -79,6 +79,12 @@ def test_job_spec_carries_set_options() -> None:
     }
 
 
+@pytest.mark.parametrize(("output", "fmt"), [("o.npy", "npy"), ("o.npz", "npz"), ("o.jsonl", "jsonl"), ("o.bin", None)])
+def test_the_output_suffix_picks_the_format(output: str, fmt: str | None) -> None:
+    args = build_parser().parse_args(["submit", "in.npy", "--model", "m", "-o", output])
+    assert job_spec(args, "in.npy").get("output") == (None if fmt is None else {"format": fmt})
+
+
 @pytest.mark.parametrize("argv", [["submit", "x"], ["submit", "x", "--model", "m", "--format", "csv"], ["job"],
                                   ["cancel"]])
 def test_usage_errors_exit_2(argv: list[str]) -> None:
