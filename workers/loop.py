@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,11 +28,11 @@ from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
-from fleet.stats import BatchSample
 from workers import gil
 from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
 from workers.instance import Instance, Job
+from workers.samples import batch_sample, rejected_samples
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +362,7 @@ class ModelLoop:
                                                   error_code=err.code.value, error_message=err.message))
                    for q in expired]
         now_us = self.clock.now_us()
-        samples = [_rejected_sample(v, group, now_us) for v, group in _by_version(expired).items()]
+        samples = rejected_samples([q.env for q in expired], now_us)
         try:
             await self.consumer.finish(replies, [q.message for q in expired], samples)
         finally:
@@ -398,7 +397,8 @@ class ModelLoop:
             if isinstance(result, BaseException):
                 raise result
             envs = [q.env for q in batch]
-            sample = self._sample(job.version, envs, result, started_us)
+            sample = batch_sample(job.version, self.spec.max_batch_size > 0, envs, result, started_us,
+                                  self.clock.now_us())
             await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)],
                                        [q.message for q in batch], [sample])
         except Exception:
@@ -408,33 +408,3 @@ class ModelLoop:
             self._release(q.message for q in batch)
             self._wake.set()
             self._freed()
-
-    def _sample(self, version: int, envs: list[RequestEnvelope], outcome: BatchOutcome,
-                started_us: int) -> BatchSample:
-        now_us = self.clock.now_us()
-        ok = [e for e, r in zip(envs, outcome.replies, strict=True) if r.ok]
-        bad = [e for e, r in zip(envs, outcome.replies, strict=True) if not r.ok]
-        rows = sum(e.batch_rows(self.spec.max_batch_size > 0) for e in ok)
-        return BatchSample(
-            version=version, batch_size=rows, requests_ok=len(ok), requests_failed=len(bad),
-            request_ns_ok=sum(now_us - e.enqueued_at_us for e in ok) * 1000,
-            request_ns_failed=sum(now_us - e.enqueued_at_us for e in bad) * 1000,
-            queue_ns=sum(max(0, started_us - e.enqueued_at_us) for e in ok) * 1000,
-            compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
-            compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
-        )
-
-
-def _rejected_sample(version: int, group: list[_Queued], now_us: int) -> BatchSample:
-    """Timed-out requests count as failures (reason REJECTED) and never as executions."""
-    return BatchSample(version=version, batch_size=0, requests_ok=0, requests_failed=len(group), request_ns_ok=0,
-                       request_ns_failed=sum(now_us - q.env.enqueued_at_us for q in group) * 1000, queue_ns=0,
-                       compute_input_ns=0, compute_infer_ns=0, compute_output_ns=0, finished_ms=now_us // 1000,
-                       requests_rejected=len(group))
-
-
-def _by_version(items: list[_Queued]) -> dict[int, list[_Queued]]:
-    out: dict[int, list[_Queued]] = {}
-    for q in items:
-        out.setdefault(q.env.version, []).append(q)
-    return out
