@@ -190,3 +190,23 @@ def test_fleet_submit_cli_uploads_waits_and_downloads(system: RunningSystem, row
     assert done.returncode == 0, done.stdout + done.stderr
     assert "completed" in done.stdout
     np.testing.assert_allclose(np.load(out), reference[:3000], rtol=1e-5, atol=1e-5)
+
+
+def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
+        jobs: JobsClient, system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    source = tmp_path / "term.jsonl"
+    write_jsonl(source, rows[:15_000])
+    record = jobs.create({"model": "mlp", "input": {"upload": jobs.upload(source)}})
+    wait_for(jobs, record["id"], lambda r: r["done"] >= 1_000)
+    (victim,) = system.children("jobs-worker")
+    started = time.monotonic()
+    os.kill(victim, signal.SIGTERM)  # a stop, not a crash: the runner saves its progress and returns
+    while Path(f"/proc/{victim}").exists() and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{victim}").exists() or Path(f"/proc/{victim}/stat").read_text().split()[2] == "Z"
+    assert time.monotonic() - started < 5, "the job worker did not stop promptly mid-job"
+    record = wait_for(jobs, record["id"], finished)  # `fleet up` restarts it; the job is resumed
+    assert record["state"] == "completed" and record["attempts"] >= 2 and record["done"] == 15_000, record
+    out = tmp_path / "term.out.jsonl"
+    jobs.download(record["id"], out)
+    check_outputs(read_output(out), reference[:15_000], list(range(1, 15_001)))
