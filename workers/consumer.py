@@ -39,7 +39,6 @@ class StreamConsumer:
         self._keys = keys
         self.model = model
         self.streams = [keys.queue(model, lane) for lane in range(lanes)]
-        self._lane_of = {stream.encode(): lane for lane, stream in enumerate(self.streams)}
         self.consumer = consumer
 
     async def join(self) -> None:
@@ -51,19 +50,18 @@ class StreamConsumer:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def read(self, lanes: list[int], count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
-        """New messages of `lanes` as ((lane, entry id), payload): up to `count` from each lane."""
+    async def read(self, lane: int, count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
+        """Up to `count` new messages of `lane` as ((lane, entry id), payload)."""
         try:
             result: Any = await self._client.xreadgroup(
-                GROUP, self.consumer, {self.streams[lane]: ">" for lane in lanes}, count=count, block=block_ms)
+                GROUP, self.consumer, {self.streams[lane]: ">"}, count=count, block=block_ms)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             await self.join()  # the streams were lost (Redis restarted without persistence)
             return []
         out: list[tuple[MessageId, bytes | None]] = []
-        for stream, entries in result or []:
-            lane = self._lane_of[stream if isinstance(stream, bytes) else stream.encode()]
+        for _, entries in result or []:
             for entry_id, fields in entries:
                 out.append(((lane, entry_id), fields.get(b"d") if fields else None))
         return out

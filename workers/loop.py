@@ -175,7 +175,7 @@ class ModelLoop:
             try:
                 # Room is in rows; a message holds as many rows as the last one of this lane did.
                 count = max(1, room // self._rows_hint[lane])
-                messages = await self.consumer.read([lane], count, self.block_ms)
+                messages = await self.consumer.read(lane, count, self.block_ms)
             except (RedisError, OSError) as exc:
                 log.warning("%s: read failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
