@@ -27,6 +27,9 @@ RESERVED_PARAMETERS = frozenset(
 )
 
 
+MAX_ID_CHARS = 1024  # echoed in the response and carried through Redis: bounded
+
+
 @dataclass(slots=True)
 class ParsedInfer:
     client_id: str
@@ -42,17 +45,24 @@ class ParsedInfer:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body as sent before `encoding`; at most `limit` bytes, so a small compressed body cannot
+    expand into gigabytes in this process (a "zip bomb")."""
     if not encoding or encoding == "identity":
         return body
+    if encoding not in ("gzip", "deflate"):
+        raise InvalidInput(f"unsupported Content-Encoding '{encoding}'")
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
     try:
-        if encoding == "gzip":
-            return zlib.decompress(body, 16 + zlib.MAX_WBITS)
-        if encoding == "deflate":
-            return zlib.decompress(body)
+        out = inflater.decompress(body, limit)
+        if inflater.unconsumed_tail:
+            raise InvalidInput(f"the decompressed request body exceeds the limit of {limit} bytes")
+        out += inflater.flush()
     except zlib.error as exc:
         raise InvalidInput(f"failed to decompress request body ({encoding}): {exc}") from exc
-    raise InvalidInput(f"unsupported Content-Encoding '{encoding}'")
+    if not inflater.eof:
+        raise InvalidInput(f"failed to decompress request body ({encoding}): truncated stream")
+    return out
 
 
 def response_encoding(accept_encoding: str | None) -> str | None:
@@ -98,11 +108,18 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return bytes(view[:n]), view[n:]
 
 
+def _no_constants(name: str) -> Any:
+    # NaN and Infinity are not JSON; Triton's parser refuses them too.
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _load_json(header: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(header)
+        doc = json.loads(header, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidInput("failed to parse the request JSON buffer: nested too deeply") from exc
     if not isinstance(doc, dict):
         raise InvalidInput("the request JSON must be an object")
     return doc
@@ -291,6 +308,8 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec) -> Pars
     header, binary = split_body(body, header_length)
     doc = _load_json(header)
     client_id = doc.get("id", "")
+    if isinstance(client_id, str) and len(client_id) > MAX_ID_CHARS:
+        raise InvalidInput(f"the request id is longer than {MAX_ID_CHARS} characters")
     if not isinstance(client_id, str):
         raise InvalidInput("request 'id' must be a string")
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)

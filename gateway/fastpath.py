@@ -75,7 +75,7 @@ class InferFastPath:
                 elif key == b"accept-encoding":
                     accept = value.decode("latin-1")
             if encoding:
-                body = decompress(body, encoding)
+                body = decompress(body, encoding, state.settings.max_input_bytes)
             result = await state.dataplane.infer(name, version or None, body, header_length)
         except ServingError as exc:
             await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON)

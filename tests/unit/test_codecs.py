@@ -206,11 +206,37 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
 
     body = json.dumps({"inputs": good_inputs()}).encode()
     packed = {"gzip": gzip.compress, "deflate": zlib.compress, None: lambda b: b}[encoding](body)
-    assert decompress(packed, encoding) == body
+    assert decompress(packed, encoding, 1 << 20) == body
     with pytest.raises(InvalidInput):
-        decompress(b"not compressed", "gzip")
+        decompress(b"not compressed", "gzip", 1 << 20)
     with pytest.raises(InvalidInput, match="unsupported Content-Encoding"):
-        decompress(body, "br")
+        decompress(body, "br", 1 << 20)
+    if encoding is not None:
+        with pytest.raises(InvalidInput, match="truncated"):
+            decompress(packed[:-12], encoding, 1 << 20)
+
+
+def test_a_decompression_bomb_stops_at_the_body_limit() -> None:
+    import gzip
+
+    from gateway.codec import decompress
+
+    bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~64 KB
+    assert len(bomb) < 100_000
+    with pytest.raises(InvalidInput, match="exceeds the limit of 1048576 bytes"):
+        decompress(bomb, "gzip", 1 << 20)
+
+
+@pytest.mark.parametrize(("header", "match"), [
+    (b'{"inputs": [' * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [NaN]}]}', "NaN is not valid JSON"),
+    (b'{"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [-Infinity]}]}', "Infinity"),
+    (b"\xff\xfe{}", "failed to parse"),
+    (json.dumps({"id": "x" * 5000, "inputs": []}).encode(), "longer than 1024"),
+])
+def test_hostile_json_is_a_clear_400(header: bytes, match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        parse_infer(header, None, SPEC)
 
 
 json_values = st.recursive(
@@ -262,3 +288,22 @@ def test_response_encoding_negotiation(header: str | None, expected: str | None)
     from gateway.codec import response_encoding
 
     assert response_encoding(header) == expected
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_a_huge_claimed_shape_is_refused_before_any_allocation(binary: bool) -> None:
+    import tracemalloc
+
+    inp: dict[str, object] = {"name": "I_FP32", "datatype": "FP32", "shape": [1, 10**12]}
+    if binary:
+        inp["parameters"] = {"binary_data_size": 10}
+    else:
+        inp["data"] = [1.0]
+    header = json.dumps({"inputs": [inp]}).encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput, match="000000000000"):
+            parse_infer(header + (b"\0" * 10 if binary else b""), str(len(header)) if binary else None, SPEC)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
