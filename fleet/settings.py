@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     bulk_share_cpu: float = Field(default=0.35, gt=0, le=1)
     worker_id: str = ""
     gateway_id: str = ""
+    # Auth (gateway/auth.py): bearer keys, comma-separated and/or one per line in a file; the scopes
+    # that need one when keys exist; model control without keys only if enabled.
+    api_keys: str = ""
+    api_keys_file: Path | None = None
+    auth_scopes: str = "infer,control,jobs"
+    control_api: bool = False
     # Bulk jobs: uploads and outputs live here (shared by the gateway and the job workers).
     jobs_dir: Path = Path(".fleet/jobs")
     # Rows a job keeps in flight on the model's lane (flow control: never the whole input in Redis).

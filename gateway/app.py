@@ -13,6 +13,7 @@ from starlette.responses import Response
 from fleet.errors import ServingError
 from fleet.gc_tuning import freeze_after_startup
 from fleet.settings import Settings
+from gateway.auth import AuthGate
 from gateway.errors import error_response, handle_serving_error
 from gateway.fastpath import InferFastPath
 from gateway.jobs.routes import ROUTES as JOB_ROUTES
@@ -49,4 +50,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(InferFastPath)
+    app.add_middleware(AuthGate, settings=settings)  # added last = outermost: before the fast path
     return app

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -26,9 +27,10 @@ class InProcessSystem:
 
 @asynccontextmanager
 async def in_process_system(redis_url: str, key_prefix: str, repositories: Sequence[Path], *,
-                            worker: bool = True, ready_timeout_s: float = 60.0) -> AsyncIterator[InProcessSystem]:
+                            worker: bool = True, ready_timeout_s: float = 60.0,
+                            **overrides: Any) -> AsyncIterator[InProcessSystem]:
     settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model_repositories=tuple(repositories),
-                        block_ms=100, request_timeout_s=30, heartbeat_interval_s=0.2)
+                        block_ms=100, request_timeout_s=30, heartbeat_interval_s=0.2, **overrides)
     app = create_app(settings)
     state: GatewayState = app.state.fleet
     await state.start()
