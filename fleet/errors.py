@@ -38,6 +38,7 @@ class ServingError(Exception):
     """Base of every error fleet reports to a caller; `message` is what the client sees."""
 
     code: ErrorCode = ErrorCode.UNKNOWN
+    retry_after_s: int | None = None  # sent as Retry-After: the condition is expected to pass
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -81,9 +82,17 @@ class ModelNotReady(ServingError):
 
 class QueueFull(ServingError):
     code = ErrorCode.UNAVAILABLE
+    retry_after_s = 1
 
     def __init__(self, message: str = "Exceeds maximum queue size") -> None:
         super().__init__(message)
+
+
+class Overloaded(ServingError):
+    """The gateway holds as many requests as it may (`max_in_flight`): come back shortly."""
+
+    code = ErrorCode.UNAVAILABLE
+    retry_after_s = 1
 
 
 class RequestTimeout(ServingError):

@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     # The gateway gives up waiting for a worker's reply after this long (504).
     request_timeout_s: float = 60.0
     max_input_bytes: int = 64 * 1024 * 1024
+    # Inference requests one gateway process holds at once; past it, 503 with Retry-After at once.
+    max_in_flight: int = 4096
     # Heartbeats: a worker refreshes its key every interval; the key expires after ttl.
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0

@@ -25,12 +25,13 @@ def status_for(code: ErrorCode) -> int:
     return STATUS.get(code, 500)
 
 
-def error_response(status: int, message: str) -> Response:
-    return JSONResponse({"error": message}, status_code=status)
+def error_response(status: int, message: str, retry_after_s: int | None = None) -> Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def serving_error_response(exc: ServingError) -> Response:
-    return error_response(status_for(exc.code), exc.message)
+    return error_response(status_for(exc.code), exc.message, exc.retry_after_s)
 
 
 async def handle_serving_error(request: Request, exc: Exception) -> Response:

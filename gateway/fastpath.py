@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleet.errors import InvalidInput, ServingError, VersionNotFound
+from fleet.errors import InvalidInput, Overloaded, ServingError, VersionNotFound
 from gateway.codec import compress, decompress, response_encoding
 from gateway.errors import status_for
 
@@ -51,6 +51,7 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
 class InferFastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._in_flight = 0  # requests of this process between reading their body and answering
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -62,11 +63,12 @@ class InferFastPath:
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None) -> None:
         state: Any = scope["app"].state.fleet
+        accept = None
         try:
             if version is not None and not version.isdigit():
                 raise VersionNotFound(name, version)
             body = await _read_body(receive, state.settings.max_input_bytes)
-            header_length = encoding = accept = None
+            header_length = encoding = None
             for key, value in scope["headers"]:
                 if key == b"inference-header-content-length":
                     header_length = value.decode("latin-1")
@@ -74,11 +76,21 @@ class InferFastPath:
                     encoding = value.decode("latin-1").strip().lower()
                 elif key == b"accept-encoding":
                     accept = value.decode("latin-1")
-            if encoding:
-                body = decompress(body, encoding, state.settings.max_input_bytes)
-            result = await state.dataplane.infer(name, version or None, body, header_length)
+            limit = state.settings.max_in_flight
+            if self._in_flight >= limit:
+                # Admission control: answer at once instead of queueing without bound, so memory and
+                # the latency of what was admitted stay bounded under any overload.
+                raise Overloaded(f"the gateway is at its limit of {limit} requests in flight; retry shortly")
+            self._in_flight += 1
+            try:
+                if encoding:
+                    body = decompress(body, encoding, state.settings.max_input_bytes)
+                result = await state.dataplane.infer(name, version or None, body, header_length)
+            finally:
+                self._in_flight -= 1
         except ServingError as exc:
-            await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON)
+            retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None
+            await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON, retry)
             return
         except Exception as exc:  # never take the process down; answer 500 and log it
             log.exception("infer on '%s' failed", name)

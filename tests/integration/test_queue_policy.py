@@ -17,9 +17,9 @@ from tests.support.system import InProcessSystem, in_process_system
 
 
 def run(redis_server: LocalServer, key_prefix: str, repo: Path,
-        body: Callable[[InProcessSystem], Awaitable[None]]) -> None:
+        body: Callable[[InProcessSystem], Awaitable[None]], **overrides: Any) -> None:
     async def main() -> None:
-        async with in_process_system(redis_server.url, key_prefix, [repo]) as system:
+        async with in_process_system(redis_server.url, key_prefix, [repo], **overrides) as system:
             await body(system)
 
     asyncio.run(main())
@@ -55,6 +55,7 @@ def test_max_queue_size_rejects_at_once_with_503(redis_server: LocalServer, key_
         # Whatever the worker read ahead (at most 3) plus 2 waiting in Redis were admitted; no more.
         assert 2 <= codes.count(200) <= 5 and len(full) >= 7, codes
         assert all(r.json()["error"] == "Exceeds maximum queue size" for r, _ in full)
+        assert all(r.headers["retry-after"] == "1" for r, _ in full)
         # Refused at admission, not after waiting: well under one 300 ms execution.
         assert max(t for _, t in full) < 0.25, [round(t, 3) for _, t in full]
 
@@ -136,3 +137,20 @@ def test_higher_priority_level_overtakes_queued_lower_ones(redis_server: LocalSe
         assert done.index("high") == 1, done
 
     run(redis_server, key_prefix, repo, body)
+
+
+def test_gateway_in_flight_limit_answers_503_with_retry_after_at_once(redis_server: LocalServer, key_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "limited", sleep_ms=300, dynamic_batching="")
+
+    async def body(s: InProcessSystem) -> None:
+        results = await asyncio.gather(*(timed_post(s.client, "limited", request(i)) for i in range(8)))
+        ok = [r for r, _ in results if r.status_code == 200]
+        over = [(r, t) for r, t in results if r.status_code == 503]
+        assert len(ok) == 2 and len(over) == 6, [r.status_code for r, _ in results]
+        assert all("requests in flight" in r.json()["error"] and r.headers["retry-after"] == "1" for r, _ in over)
+        assert max(t for _, t in over) < 0.25
+        # Capacity comes back as soon as the admitted requests are answered.
+        assert (await timed_post(s.client, "limited", request(9)))[0].status_code == 200
+
+    run(redis_server, key_prefix, repo, body, max_in_flight=2)
