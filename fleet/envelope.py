@@ -88,10 +88,20 @@ def encode_request(env: RequestEnvelope) -> bytes:
     return payload
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not part of the envelope")
+
+
+def _unpack(payload: bytes) -> Any:
+    """Plain data only: string map keys, no extension types turned into objects (nothing that crosses
+    Redis is ever more than maps, lists, strings, bytes and numbers)."""
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_no_ext)
+
+
 def decode_request(payload: bytes) -> RequestEnvelope:
     """Decode a request; raises InvalidInput on anything that is not a well-formed envelope."""
     try:
-        m = msgpack.unpackb(payload, raw=False)
+        m = _unpack(payload)
         return RequestEnvelope(
             id=m["id"],
             model=m["m"],
@@ -122,7 +132,7 @@ def encode_reply(rep: ReplyEnvelope) -> bytes:
 
 
 def decode_reply(payload: bytes) -> ReplyEnvelope:
-    m = msgpack.unpackb(payload, raw=False)
+    m = _unpack(payload)
     rep = ReplyEnvelope(
         id=m["id"],
         model_version=m.get("v", 0),

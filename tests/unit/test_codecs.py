@@ -307,3 +307,16 @@ def test_a_huge_claimed_shape_is_refused_before_any_allocation(binary: bool) -> 
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()
+
+
+def test_envelopes_decode_plain_data_only() -> None:
+    import msgpack
+
+    from fleet.envelope import decode_request
+
+    base = {"id": "a", "m": "m", "v": 1, "i": [], "r": "reply", "t": 0}
+    with pytest.raises(InvalidInput, match="extension type 42"):
+        decode_request(msgpack.packb({**base, "p": {"x": msgpack.ExtType(42, b"obj")}}))
+    with pytest.raises(InvalidInput):
+        decode_request(msgpack.packb({**base, "p": {1: "int key"}}))
+    assert decode_request(msgpack.packb(base)).id == "a"
