@@ -73,6 +73,7 @@ def start_server(
     log_file: Path | None = None,
     startup_timeout_s: float = 10.0,
     unix_socket: bool = False,
+    password: str | None = None,
 ) -> LocalServer:
     """Start a server bound to 127.0.0.1 with its files under data_dir; returns once it answers PING.
     With `unix_socket`, it also listens on `data_dir/redis.sock` (owner only)."""
@@ -89,13 +90,15 @@ def start_server(
     ]
     if log_file is not None:
         args += ["--logfile", str(log_file.resolve())]
+    if password is not None:
+        args += ["--requirepass", password]
     sock = (data_dir / "redis.sock").resolve() if unix_socket else None
     if sock is not None:
         args += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
     # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server = LocalServer(proc, port, sock)
-    client = redis.Redis(host="127.0.0.1", port=port, protocol=2, socket_timeout=1)
+    client = redis.Redis(host="127.0.0.1", port=port, protocol=2, socket_timeout=1, password=password)
     deadline = time.monotonic() + startup_timeout_s
     while True:
         if proc.poll() is not None:

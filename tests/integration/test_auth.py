@@ -87,3 +87,26 @@ def test_scope_table_and_bad_settings() -> None:
     assert scope_of("/v2/models/m/infer") == scope_of("/metrics") == scope_of("/v2") == "infer"
     with pytest.raises(InvalidInput, match="unknown auth scopes"):
         AuthGate(lambda *a: None, Settings(api_keys="k", auth_scopes="infer,admin"))  # type: ignore[arg-type]
+
+
+def test_redis_auth_comes_from_the_url(tmp_path: Path) -> None:
+    """A password-protected Redis: gateway, worker and the jobs API all authenticate from the URL alone."""
+    from fleet.redis_server import start_server
+
+    server = start_server(tmp_path / "redis", password="s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
+
+    async def main() -> None:
+        async with in_process_system(url, "authed", [MODELS], jobs_dir=tmp_path / "jobs") as s:
+            r = await s.client.post("/v2/models/doubler/infer", json=fp32_request([[2.0]]))
+            assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [4.0]
+            assert (await s.client.get("/v2/jobs")).json() == {"jobs": []}
+
+    try:
+        asyncio.run(main())
+        import redis
+
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port, password="wrong").ping()
+    finally:
+        server.stop()
