@@ -36,6 +36,9 @@ class RequestEnvelope:
     priority: int = 0
     deadline_us: int | None = None  # absolute epoch µs; None = no queue timeout
     client_id: str = ""  # the request "id" the client sent, echoed in the response
+    # When the caller stops waiting (the gateway's request timeout), absolute epoch µs: a request still
+    # queued then is dropped with a timeout instead of computed for nobody. None = the caller waits.
+    expires_us: int | None = None
 
     def batch_rows(self, batched: bool) -> int:
         """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
@@ -82,6 +85,7 @@ def encode_request(env: RequestEnvelope) -> bytes:
             "r": env.reply_to,
             "t": env.enqueued_at_us,
             "c": env.client_id,
+            "ex": env.expires_us,
         },
         use_bin_type=True,
     )
@@ -114,6 +118,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
             reply_to=m["r"],
             enqueued_at_us=int(m["t"]),
             client_id=m.get("c") or "",
+            expires_us=m.get("ex"),
         )
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise InvalidInput(f"malformed request envelope: {exc}") from exc

@@ -23,6 +23,7 @@ from fleet.keys import GROUP, Keys
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after this
+SWEEP_S = 0.25  # how often waiters past their timeout are failed
 
 # A bounded lane (max_queue_size): enqueue only while fewer than ARGV[1] requests wait for a worker, in
 # the same round trip as the other XADDs. "Waiting" = entries not yet delivered to a worker (the stream
@@ -52,13 +53,18 @@ class Broker:
         self.gateway_id = gateway_id
         self.reply_key = keys.reply(gateway_id)
         self._block_ms = block_ms
-        self._timeout_s = request_timeout_s
+        self.timeout_s = request_timeout_s
         self._waiters: dict[str, _Waiter] = {}
         self._outbox: list[tuple[str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._seq = 0
+
+    def expires_us(self, now_us: int) -> int:
+        """When a request sent at `now_us` is of no use any more: this gateway has answered 504 by then
+        (its sweep runs every SWEEP_S), so a worker that still holds it drops it instead of computing."""
+        return now_us + int((self.timeout_s + SWEEP_S) * 1_000_000)
 
     def next_id(self) -> str:
         self._seq += 1
@@ -97,7 +103,7 @@ class Broker:
         The caller must `forget(request_id)` when done (also on cancellation)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
-        self._waiters[request_id] = _Waiter(fut, loop.time() + self._timeout_s)
+        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s)
         self._outbox.append((stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
@@ -186,12 +192,12 @@ class Broker:
         """Fail requests whose reply did not come in time: one timer for all, not one per request."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(SWEEP_S)
             now = loop.time()
             expired = [rid for rid, w in self._waiters.items() if w.expires_at <= now]
             for rid in expired:
                 waiter = self._waiters.pop(rid)
                 if not waiter.future.done():
                     waiter.future.set_exception(
-                        DeadlineExceeded(f"no reply from a worker within {self._timeout_s:g}s")
+                        DeadlineExceeded(f"no reply from a worker within {self.timeout_s:g}s")
                     )

@@ -47,6 +47,7 @@ class DataPlane:
             priority=req.priority,
             deadline_us=admission.deadline_us,
             client_id=req.client_id,
+            expires_us=self.broker.expires_us(now_us),
         )
         try:
             reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),

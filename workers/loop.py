@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # Online traffic counts as present for this long after an online request arrived: bulk batches are
 # then neither staged behind a running batch nor allowed more than `bulk_share` of the instance.
 ONLINE_QUIET_US = 200_000
+STAGE_DEADLINE_MARGIN_US = 1_000_000
 
 
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
@@ -101,8 +102,6 @@ class ModelLoop:
         assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
         lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
         self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
-        # Whether any lane can time out: skips deadline scans on the hot path of models without.
-        self._timeouts = any(lp.default_timeout_us > 0 for lp in lane_policies)
 
     @property
     def per_batch(self) -> int:
@@ -243,13 +242,17 @@ class ModelLoop:
         key = tuple((t.name, t.shape[1:]) for t in env.inputs) if self.spec.needs_equal_shapes else \
             tuple(sorted(t.name for t in env.inputs))
         lane, entry_id = message
+        deadline, delay = env.deadline_us, lane in self._delay_lanes
+        if env.expires_us is not None and (deadline is None or env.expires_us < deadline):
+            # The caller stops waiting before the queue policy would act: drop it then (never DELAY).
+            deadline, delay = env.expires_us, False
         if lane < self.bulk_lane:
             self._online_seen_us = self.clock.now_us()
         self._hold(message, rows)
         self._seq += 1
         queue.append(_Queued(message, env, seq=self._seq, pending=Pending(
             request_id=f"{lane}/{entry_id.decode()}", lane=lane, enqueued_at_us=env.enqueued_at_us,
-            deadline_us=env.deadline_us, rows=rows, shape_key=key, delay_on_timeout=lane in self._delay_lanes,
+            deadline_us=deadline, rows=rows, shape_key=key, delay_on_timeout=delay,
             aging_from_us=self.clock.now_us())))
 
     async def _schedule(self, version: int) -> None:
@@ -300,8 +303,8 @@ class ModelLoop:
     def _stageable(self, decision: Dispatch) -> bool:
         """Whether a batch may wait behind a running one instead of in the queue: only if it is full
         (the largest preferred size, or 1 without batching) - a batch that could still grow is formed
-        when an instance frees up, as Triton does - and none of it can time out (expiry is checked only
-        while queued)."""
+        when an instance frees up, as Triton does - and none of it can time out before it runs (expiry
+        is checked only while queued; a staged batch starts within one batch time)."""
         full = 1 if not self.policy.dynamic or self.policy.max_batch_size == 0 else \
             max(self.policy.preferred_batch_sizes, default=self.policy.max_batch_size)
         if any(p.lane == self.bulk_lane for p in decision.items) and self._online_active(self.clock.now_us()):
@@ -309,8 +312,10 @@ class ModelLoop:
             # arrives while the instance computes still goes first (a staged batch it could only
             # overtake if the loop got there before the instance thread).
             return False
+        now_us = self.clock.now_us()
         return sum(p.rows for p in decision.items) >= full and all(
-            p.deadline_us is None or p.delay_on_timeout for p in decision.items)
+            p.deadline_us is None or p.delay_on_timeout or p.deadline_us - now_us > STAGE_DEADLINE_MARGIN_US
+            for p in decision.items)
 
     def _unstage_if_outranked(self, version: int, queue: list[_Queued]) -> None:
         """A staged batch goes back to the queue when a request of a higher lane is waiting."""
@@ -336,8 +341,6 @@ class ModelLoop:
         await self._sleep(None if nearest is None else (nearest - now) / 1e6)
 
     def _nearest_reject_deadline(self, queue: list[_Queued]) -> int | None:
-        if not self._timeouts:
-            return None
         deadlines = [q.pending.deadline_us for q in queue
                      if q.pending.deadline_us is not None and not q.pending.delay_on_timeout]
         return min(deadlines, default=None)

@@ -154,3 +154,20 @@ def test_gateway_in_flight_limit_answers_503_with_retry_after_at_once(redis_serv
         assert (await timed_post(s.client, "limited", request(9)))[0].status_code == 200
 
     run(redis_server, key_prefix, repo, body, max_in_flight=2)
+
+
+def test_a_request_the_gateway_gave_up_on_is_never_computed(redis_server: LocalServer, key_prefix: str,
+                                                            tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "abandoned", sleep_ms=900, dynamic_batching="")
+
+    async def body(s: InProcessSystem) -> None:
+        first = asyncio.create_task(timed_post(s.client, "abandoned", request(0)))
+        await asyncio.sleep(0.1)
+        late = await asyncio.gather(*(timed_post(s.client, "abandoned", request(i)) for i in (1, 2)))
+        assert all(r.status_code == 504 for r, _ in late), [r.text for r, _ in late]  # the gateway gave up
+        assert (await first)[0].status_code == 504  # it gave up on the one executing too, but that one ran
+        await asyncio.sleep(1.2)  # long enough for the worker to have computed them, had it kept them
+        st = await stats(s.client, "abandoned")
+        assert st["execution_count"] == 1 and st["inference_stats"]["fail"]["count"] == 2
+
+    run(redis_server, key_prefix, repo, body, request_timeout_s=0.35)

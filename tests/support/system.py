@@ -29,8 +29,9 @@ class InProcessSystem:
 async def in_process_system(redis_url: str, key_prefix: str, repositories: Sequence[Path], *,
                             worker: bool = True, ready_timeout_s: float = 60.0,
                             **overrides: Any) -> AsyncIterator[InProcessSystem]:
+    defaults: dict[str, Any] = {"block_ms": 100, "request_timeout_s": 30, "heartbeat_interval_s": 0.2}
     settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model_repositories=tuple(repositories),
-                        block_ms=100, request_timeout_s=30, heartbeat_interval_s=0.2, **overrides)
+                        **{**defaults, **overrides})
     app = create_app(settings)
     state: GatewayState = app.state.fleet
     await state.start()
