@@ -4,6 +4,7 @@
     fleet gateway  the HTTP gateway alone (compose runs this)
     fleet worker   one worker process alone (compose runs this)
     fleet jobs-worker  an RQ worker running bulk jobs (compose runs this)
+    fleet dead-letters MODEL [--replay]  what could not be answered, and putting it back
     fleet submit | jobs | job | cancel   bulk jobs through a gateway's /v2/jobs (fleet/job_client.py)
 """
 
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     jw = sub.add_parser("jobs-worker", help="run one RQ worker for bulk jobs")
     _common(jw)
 
+    dl = sub.add_parser("dead-letters", help="list a model's dead-letter stream (and --replay it)")
+    _common(dl)
+    dl.add_argument("model")
+    dl.add_argument("--replay", action="store_true", help="queue every readable dead letter again")
+
     job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
     return parser
 
@@ -97,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.server import serve
 
         return serve(settings)
+    if args.command == "dead-letters":
+        from fleet.dead_letters import run as run_dead_letters
+
+        return run_dead_letters(args.model, settings.redis_url_or_default, settings.key_prefix, args.replay)
     if args.command == "jobs-worker":
         from gateway.jobs.worker import serve as serve_jobs
 

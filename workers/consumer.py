@@ -113,13 +113,16 @@ class StreamConsumer:
             out.extend(((lane, eid), payload, deliveries.get(eid, 1)) for eid, payload in entries)
         return out
 
-    async def dead_letter(self, message: MessageId, reason: str) -> None:
-        """A message nobody can answer (no readable envelope): park it with the reason and ack it."""
+    async def dead_letter(self, message: MessageId, reason: str, payload: bytes | None) -> None:
+        """Park a message nobody could answer with the reason (and its payload, so `fleet dead-letters
+        --replay` can queue it again), then ack and delete it."""
         lane, entry_id = message
         stream = self.streams[lane]
+        fields: dict[bytes, bytes | int] = {b"id": entry_id, b"lane": lane, b"reason": reason.encode()}
+        if payload is not None:
+            fields[b"d"] = payload
         pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._keys.dead(self.model), {b"id": entry_id, b"lane": lane, b"reason": reason.encode()},
-                  maxlen=10_000, approximate=True)
+        pipe.xadd(self._keys.dead(self.model), fields, maxlen=10_000, approximate=True)  # type: ignore[arg-type]
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         await pipe.execute()

@@ -221,7 +221,7 @@ class ModelLoop:
         if env is not None:
             reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=reason)
             await self.consumer.finish([(env.reply_to, reply)], [], [])
-        await self.consumer.dead_letter(message, reason)
+        await self.consumer.dead_letter(message, reason, payload)
 
     async def _admit(self, message: MessageId, payload: bytes | None) -> None:
         try:
@@ -230,7 +230,7 @@ class ModelLoop:
             env = decode_request(payload)
         except InvalidInput as exc:
             log.error("%s: unreadable message %r: %s", self.spec.name, message, exc)
-            await self.consumer.dead_letter(message, exc.message)
+            await self.consumer.dead_letter(message, exc.message, payload)
             return
         queue = self._queued.get(env.version)
         if queue is None:

@@ -257,3 +257,45 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
             await asyncio.wait_for(task, 30)
 
     asyncio.run(main())
+
+
+def test_dead_letters_are_listed_and_replayed(redis_server: LocalServer, key_prefix: str) -> None:
+    """A message past max_deliveries is parked with its payload; `fleet dead-letters --replay` queues it
+    again and a worker answers it."""
+    from fleet.dead_letters import list_dead, replay
+    from fleet.envelope import decode_reply
+    from fleet.keys import GROUP
+    from fleet.settings import Settings
+    from workers.main import run_worker
+
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    keys = Keys(key_prefix)
+    queue = keys.queue("doubler")
+    client.xgroup_create(queue, GROUP, id="0", mkstream=True)
+    enqueue_directly(client, keys, "poison-1", [5.0])
+    assert client.xreadgroup(GROUP, "dead-worker", {queue: ">"}, count=1)
+    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(MODELS,),
+                        block_ms=100, claim_idle_ms=200, claim_interval_s=0.1, max_deliveries=1)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_worker(settings, "cpu", stop))
+        try:
+            first = await first_reply(client, keys)
+            assert not first.ok and "dead letters" in first.error_message
+            (letter,) = list_dead(client, keys, "doubler")
+            assert letter.request_id == "poison-1" and letter.lane == 0 and "delivered 2 times" in letter.reason
+            assert replay(client, keys, "doubler", [letter]) == 1
+            assert list_dead(client, keys, "doubler") == []
+            for _ in range(200):
+                entries = client.xrange(keys.reply("test"))
+                if len(entries) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            again = decode_reply(entries[1][1][b"d0"])
+            assert again.id == "poison-1" and again.ok and struct.unpack("<f", again.outputs[0].data) == (10.0,)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())

@@ -1,0 +1,69 @@
+"""`fleet dead-letters MODEL [--replay]`: what a model's dead-letter stream holds, and putting it back.
+
+A worker parks a message there when it cannot be answered: its envelope is unreadable, or it was
+delivered `max_deliveries` times without completing (it kept killing workers). Each entry has the
+original stream entry id, its lane, the reason and (since the payload is kept) the request itself, so
+an operator can replay it once the cause is fixed; its caller was already told it failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from fleet.envelope import decode_request
+from fleet.errors import InvalidInput
+from fleet.keys import Keys
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    entry: str  # id in the dead-letter stream
+    original: str  # id it had on its lane
+    lane: int
+    reason: str
+    request_id: str  # the envelope's id ("" when the payload is missing or unreadable)
+    payload: bytes | None
+
+
+def list_dead(client: redis.Redis, keys: Keys, model: str, count: int = 1000) -> list[DeadLetter]:
+    raw: Any = client.xrange(keys.dead(model), count=count)
+    out = []
+    for entry_id, fields in raw:
+        payload = fields.get(b"d")
+        try:
+            request_id = decode_request(payload).id if payload else ""
+        except InvalidInput:
+            request_id = ""
+        out.append(DeadLetter(entry_id.decode(), fields.get(b"id", b"").decode(), int(fields.get(b"lane", 0)),
+                              fields.get(b"reason", b"").decode(errors="replace"), request_id, payload))
+    return out
+
+
+def replay(client: redis.Redis, keys: Keys, model: str, letters: list[DeadLetter]) -> int:
+    """Queue each letter's request again on its lane and remove it from the dead letters; returns how
+    many went back (letters without a readable payload stay)."""
+    done = 0
+    for letter in letters:
+        if not letter.request_id or letter.payload is None:
+            continue
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd(keys.queue(model, letter.lane), {b"d": letter.payload})
+        pipe.xdel(keys.dead(model), letter.entry)
+        pipe.execute()
+        done += 1
+    return done
+
+
+def run(model: str, redis_url: str, key_prefix: str, do_replay: bool) -> int:
+    client = redis.Redis.from_url(redis_url, protocol=2)
+    keys = Keys(key_prefix)
+    letters = list_dead(client, keys, model)
+    for letter in letters:
+        print(f"{letter.entry}  lane {letter.lane}  request {letter.request_id or '-'}  {letter.reason}")
+    print(f"{len(letters)} dead letter(s) for model '{model}'")
+    if do_replay:
+        print(f"replayed {replay(client, keys, model, letters)}")
+    return 0
