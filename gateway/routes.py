@@ -21,7 +21,7 @@ EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration", "bin
               "parameters", "statistics"]
 
 
-def _state(request: Request) -> GatewayState:
+def state_of(request: Request) -> GatewayState:
     return request.app.state.fleet  # type: ignore[no-any-return]
 
 
@@ -34,32 +34,32 @@ def _version(request: Request) -> str | None:
     return str(version)
 
 
-def _json(doc: Any, status: int = 200) -> Response:
+def json_response(doc: Any, status: int = 200) -> Response:
     return Response(json.dumps(doc, separators=(",", ":")), status_code=status, media_type="application/json")
 
 
 async def live(request: Request) -> Response:
-    return _json({"live": True})
+    return json_response({"live": True})
 
 
 async def ready(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     try:
         await st.broker.ping()
     except Exception:
-        return _json({"ready": False, "error": "Redis is not reachable"}, 400)
+        return json_response({"ready": False, "error": "Redis is not reachable"}, 400)
     if not st.catalog.all_ready():
-        return _json({"ready": False, "error": "not every model has a ready worker"}, 400)
-    return _json({"ready": True})
+        return json_response({"ready": False, "error": "not every model has a ready worker"}, 400)
+    return json_response({"ready": True})
 
 
 async def server_metadata(request: Request) -> Response:
-    return _json({"name": "triton", "version": SERVER_VERSION, "extensions": EXTENSIONS,
+    return json_response({"name": "triton", "version": SERVER_VERSION, "extensions": EXTENSIONS,
                   "server": "fleet"})
 
 
 async def model_metadata(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     name = request.path_params["name"]
     version = _version(request)
     view = st.catalog.view(name)
@@ -70,7 +70,7 @@ async def model_metadata(request: Request) -> Response:
     else:
         ready = st.catalog.ready_versions(name) or list(view.entry.versions)
         versions = [str(v) for v in ready]
-    return _json({
+    return json_response({
         "name": name,
         "versions": versions,
         "platform": view.entry.spec.metadata_platform,
@@ -80,29 +80,29 @@ async def model_metadata(request: Request) -> Response:
 
 
 async def model_ready(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     try:
         st.catalog.resolve(request.path_params["name"], _version(request))
     except ModelNotReady:
         return JSONResponse({"error": "Model version not ready"}, status_code=400)
-    return _json({"name": request.path_params["name"], "ready": True})
+    return json_response({"name": request.path_params["name"], "ready": True})
 
 
 async def model_config(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     name = request.path_params["name"]
     view = st.catalog.view(name)
     version = _version(request)
     if version is not None and int(version) not in view.entry.versions:
         raise VersionNotFound(name, version)
-    return _json(view.config_json)
+    return json_response(view.config_json)
 
 
 async def model_stats(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     name = request.path_params.get("name")
     doc = await st.statistics(name, _version(request) if name else None)
-    return _json(doc)
+    return json_response(doc)
 
 
 async def infer(request: Request) -> Response:
@@ -112,7 +112,7 @@ async def infer(request: Request) -> Response:
 
 
 async def repository_index(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     body = await request.body()
     only_ready = False
     if body.strip():
@@ -135,7 +135,7 @@ async def repository_index(request: Request) -> Response:
     if not only_ready:
         items.extend({"name": n, "state": "UNAVAILABLE", "reason": why}
                      for n, why in sorted(st.catalog.repository.errors.items()))
-    return _json(items)
+    return json_response(items)
 
 
 async def repository_control(request: Request) -> Response:

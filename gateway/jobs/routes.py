@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
@@ -13,23 +12,15 @@ from starlette.routing import Route
 
 from fleet.errors import InvalidInput, VersionNotFound
 from gateway.jobs import service
-from gateway.state import GatewayState
+from gateway.routes import json_response, state_of
 
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "npy": "application/octet-stream", "npz": "application/octet-stream"}
-
-
-def _state(request: Request) -> GatewayState:
-    return request.app.state.fleet  # type: ignore[no-any-return]
-
-
-def _json(doc: Any, status: int = 200) -> Response:
-    return Response(json.dumps(doc, separators=(",", ":")), status_code=status, media_type="application/json")
 
 
 async def upload(request: Request) -> Response:
     """The raw request body becomes a file the next POST /v2/jobs can name as {"upload": token}."""
     name = request.query_params.get("name", "")
-    token, path = service.upload_path(_state(request).jobs, name)
+    token, path = service.upload_path(state_of(request).jobs, name)
     size = 0
     partial = path.with_name(path.name + ".part")
     try:
@@ -40,11 +31,11 @@ async def upload(request: Request) -> Response:
         partial.rename(path)
     finally:
         partial.unlink(missing_ok=True)
-    return _json({"upload": token, "bytes": size}, 201)
+    return json_response({"upload": token, "bytes": size}, 201)
 
 
 async def create(request: Request) -> Response:
-    st = _state(request)
+    st = state_of(request)
     try:
         doc = json.loads(await request.body())
     except ValueError as exc:
@@ -63,24 +54,24 @@ async def create(request: Request) -> Response:
             raise VersionNotFound(doc["model"], "(latest)")
         version = max(versions)
     record, created = await asyncio.to_thread(service.create_job, st.jobs, doc, view.entry.spec, version)
-    return _json(record, 201 if created else 200)
+    return json_response(record, 201 if created else 200)
 
 
 async def list_all(request: Request) -> Response:
-    return _json({"jobs": await asyncio.to_thread(service.list_jobs, _state(request).jobs)})
+    return json_response({"jobs": await asyncio.to_thread(service.list_jobs, state_of(request).jobs)})
 
 
 async def get(request: Request) -> Response:
-    return _json(await asyncio.to_thread(service.get_job, _state(request).jobs, request.path_params["id"]))
+    return json_response(await asyncio.to_thread(service.get_job, state_of(request).jobs, request.path_params["id"]))
 
 
 async def cancel(request: Request) -> Response:
-    return _json(await asyncio.to_thread(service.cancel_job, _state(request).jobs, request.path_params["id"]))
+    return json_response(await asyncio.to_thread(service.cancel_job, state_of(request).jobs, request.path_params["id"]))
 
 
 async def results(request: Request) -> Response:
     job_id = request.path_params["id"]
-    path, fmt = await asyncio.to_thread(service.results_path, _state(request).jobs, job_id)
+    path, fmt = await asyncio.to_thread(service.results_path, state_of(request).jobs, job_id)
     return FileResponse(path, media_type=MEDIA_TYPES.get(fmt, "application/octet-stream"),
                         filename=f"{job_id}{path.suffix}")
 
