@@ -29,25 +29,32 @@ class Keys:
     def job_results(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:results"
 
+    # Job records share the hash tag {jobs}: the record scripts touch a job and the indexes together,
+    # which a Redis Cluster allows only within one slot. They are small; the heavy traffic of a job
+    # (its results stream, its model's lane) stays spread out.
     def job(self, job_id: str) -> str:
         """Hash: a bulk job's record and progress (gateway/jobs/records.py)."""
-        return f"{self.prefix}:job:{job_id}"
+        return f"{self.prefix}:{{jobs}}:job:{job_id}"
 
     def job_errors(self, job_id: str) -> str:
         """List: samples of failed items, `{"line", "error"}` JSON, capped."""
-        return f"{self.prefix}:job:{job_id}:errors"
+        return f"{self.prefix}:{{jobs}}:job:{job_id}:errors"
 
     def job_lease(self, job_id: str) -> str:
         """String + TTL: held by the one runner executing the job; its absence means nobody is."""
-        return f"{self.prefix}:job:{job_id}:lease"
+        return f"{self.prefix}:{{jobs}}:job:{job_id}:lease"
 
     def job_recovery(self, job_id: str) -> str:
         """String + TTL: one job worker is re-queueing this orphaned job; the others leave it."""
-        return f"{self.prefix}:job:{job_id}:recovery"
+        return f"{self.prefix}:{{jobs}}:job:{job_id}:recovery"
 
     def jobs(self) -> str:
         """Sorted set: every job id, scored by creation time."""
-        return f"{self.prefix}:jobs"
+        return f"{self.prefix}:{{jobs}}:index"
+
+    def jobs_unfinished(self) -> str:
+        """Set: the ids of jobs not yet completed, failed or cancelled (what recovery looks at)."""
+        return f"{self.prefix}:{{jobs}}:unfinished"
 
     def rq_queue(self) -> str:
         """The RQ queue name bulk jobs run on (RQ builds its own keys from it)."""

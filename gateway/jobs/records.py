@@ -24,21 +24,24 @@ TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 ERROR_SAMPLES = 20
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
-# KEYS[1] = job hash, KEYS[2] = index; ARGV[1] = score, ARGV[2] = id, then field/value pairs.
+# KEYS = job hash, index, unfinished set; ARGV[1] = score, ARGV[2] = id, then field/value pairs.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[2])
 return 1
 """
 
-# KEYS[1] = job hash; ARGV[1] = new state, ARGV[2] = ",allowed,from,states,", then field/value pairs.
+# KEYS = job hash, unfinished set; ARGV[1] = new state, ARGV[2] = ",allowed,from,states,", ARGV[3] = 1 if
+# the new state is terminal, ARGV[4] = id, then field/value pairs.
 _TRANSITION = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return -1 end
 if not string.find(ARGV[2], ',' .. state .. ',', 1, true) then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1])
-if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
 return 1
 """
 
@@ -72,17 +75,29 @@ class JobStore:
         now = time.time()
         record = {"id": job_id, "state": QUEUED, "created_at": now, "done": 0, "failed": 0, "written": 0,
                   "in_offset": 0, "out_offset": 0, "attempts": 0, **fields}
-        created = self._client.eval(_CREATE, 2, self.keys.job(job_id), self.keys.jobs(), now, job_id,
-                                    *_flat(record))
+        created = self._client.eval(_CREATE, 3, self.keys.job(job_id), self.keys.jobs(),
+                                    self.keys.jobs_unfinished(), now, job_id, *_flat(record))
         return bool(created)
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         raw: Any = self._client.hgetall(self.keys.job(job_id))
         return decode_record(raw) if raw else None
 
+    def get_many(self, job_ids: list[str]) -> list[dict[str, Any]]:
+        """The records of `job_ids` that exist, in order, in one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+        return [decode_record(raw) for raw in pipe.execute() if raw]
+
     def ids(self, limit: int = 100) -> list[str]:
+        """The newest `limit` job ids, newest first."""
         raw: Any = self._client.zrevrange(self.keys.jobs(), 0, limit - 1)
         return [r.decode() if isinstance(r, bytes) else str(r) for r in raw]
+
+    def unfinished_ids(self) -> list[str]:
+        raw: Any = self._client.smembers(self.keys.jobs_unfinished())
+        return sorted(r.decode() if isinstance(r, bytes) else str(r) for r in raw)
 
     def update(self, job_id: str, fields: Mapping[str, Any], errors: Iterable[tuple[int, str]] = ()) -> None:
         """Progress and error samples in one transaction, so a resumed runner never sees half of it."""
@@ -97,7 +112,8 @@ class JobStore:
     def transition(self, job_id: str, to: str, allowed_from: Iterable[str],
                    fields: Mapping[str, Any] | None = None) -> bool:
         """Compare-and-set the state; False if the job is gone or not in one of `allowed_from`."""
-        result = self._client.eval(_TRANSITION, 1, self.keys.job(job_id), to, f",{','.join(allowed_from)},",
+        result = self._client.eval(_TRANSITION, 2, self.keys.job(job_id), self.keys.jobs_unfinished(), to,
+                                   f",{','.join(allowed_from)},", "1" if to in TERMINAL else "0", job_id,
                                    *_flat(fields or {}))
         return bool(result == 1)
 

@@ -116,12 +116,7 @@ def get_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
 
 
 def list_jobs(ctx: JobsContext, limit: int = 100) -> list[dict[str, Any]]:
-    out = []
-    for job_id in ctx.store.ids(limit):
-        record = ctx.store.get(job_id)
-        if record is not None:
-            out.append(view(record, []))
-    return out
+    return [view(record, []) for record in ctx.store.get_many(ctx.store.ids(limit))]
 
 
 def cancel_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
@@ -161,9 +156,10 @@ def recover_orphans(ctx: JobsContext, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     lease_s = ctx.options.lease_ms / 1000
     recovered = []
-    for job_id in ctx.store.ids(limit=1000):
-        record = ctx.store.get(job_id)
-        if record is None or record["state"] in TERMINAL:
+    # Only the unfinished jobs: the history of finished ones is never read again here.
+    for record in ctx.store.get_many(ctx.store.unfinished_ids()):
+        job_id = record["id"]
+        if record["state"] in TERMINAL:
             continue
         if ctx.client.exists(ctx.keys.job_lease(job_id)):
             continue
