@@ -99,7 +99,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     offline_in = data / "offline.npy"
     np.save(offline_in, rng.standard_normal((a.items, 256), dtype=np.float32))
-    fleet = Fleet(a.port, out, 180.0, ["mlp"])
+    # The job inputs are server-side files in `data`: a directory jobs may read.
+    fleet = Fleet(a.port, out, 180.0, ["mlp"], env={"FLEET_JOB_INPUT_DIRS": json.dumps([str(data)])})
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

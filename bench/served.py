@@ -98,8 +98,11 @@ def log_load(out: Path, model: str, conc: int) -> None:
 class Fleet:
     """`fleet up` started by this script, stopped by its PID."""
 
-    def __init__(self, port: int, out: Path, start_timeout: float, models: list[str]) -> None:
+    def __init__(self, port: int, out: Path, start_timeout: float, models: list[str],
+                 env: dict[str, str] | None = None, repositories: list[str] | None = None) -> None:
         self.port, self.out, self.start_timeout, self.models = port, out, start_timeout, models
+        self.env = env or {}
+        self.repositories = repositories or ["model_repository", "bench/model_repository"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.data_dir: Path | None = None
 
@@ -109,12 +112,12 @@ class Fleet:
                 raise SystemExit(f"127.0.0.1:{p} is already in use: pick another --port (or --no-start to measure it)")
         self.data_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
         cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "fleet", "up",
-               "--model-repository", "model_repository", "--model-repository", "bench/model_repository",
+               *[arg for repo in self.repositories for arg in ("--model-repository", repo)],
                "--http-port", str(self.port), "--metrics-port", str(self.port + 2),
                "--data-dir", str(self.data_dir)]
         log = (self.out / "fleet.log").open("wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=os.environ | self.env)
         (self.out / "fleet.pid").write_text(f"{self.proc.pid}\n")
         print(f"started fleet up (pid {self.proc.pid}, log {self.out / 'fleet.log'}): {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()

@@ -12,6 +12,7 @@
     ├── Unsupported             UNSUPPORTED   a feature fleet does not do (yet)
     ├── ConfigError             INVALID_ARG   a malformed or inconsistent config.pbtxt
     └── InferenceFailed         INTERNAL      the model raised or returned garbage
+        └── PoisonRequest       INTERNAL      the request crashed its model instance every time it ran
 
 Errors cross Redis as data (`code`, `message`); `from_code` rebuilds them.
 """
@@ -120,6 +121,17 @@ class ConfigError(ServingError):
 
 class InferenceFailed(ServingError):
     code = ErrorCode.INTERNAL
+
+
+class PoisonRequest(InferenceFailed):
+    """The request crashed its model instance each time it ran alone: its message goes to the dead
+    letters instead of being tried again (it would only crash the next instance too)."""
+
+    def __init__(self, attempts: int, detail: str = "") -> None:
+        last = f" (last: {detail})" if detail else ""
+        super().__init__(f"the request crashed the model instance {attempts} times; "
+                         f"moved to the dead letters{last}")
+        self.attempts = attempts
 
 
 def from_code(code: str, message: str) -> ServingError:

@@ -176,7 +176,8 @@ def add_subcommands(sub: Any) -> None:
     s.add_argument("--max-failures", type=int, default=None, help="fail the job after more failed items")
     s.add_argument("--format", choices=("jsonl", "npy", "npz"), default=None, help="output format")
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    s.add_argument("--server-path", action="store_true", help="INPUT is a path on the gateway; do not upload")
+    s.add_argument("--server-path", action="store_true",
+                   help="INPUT is a path on the gateway, in a directory it allows (FLEET_JOB_INPUT_DIRS); no upload")
     url(sub.add_parser("jobs", help="list bulk jobs"))
     j = url(sub.add_parser("job", help="show one bulk job"))
     j.add_argument("job_id", metavar="ID")

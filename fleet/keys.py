@@ -69,5 +69,10 @@ class Keys:
     def worker_pattern(self) -> str:
         return f"{self.prefix}:worker:*"
 
+    def cancel(self) -> str:
+        """Pub/sub channel: `[model, request id]` of requests whose callers went away (best effort: a
+        worker that misses one computes a reply nobody reads)."""
+        return f"{self.prefix}:cancel"
+
     def control(self) -> str:
         return f"{self.prefix}:control"

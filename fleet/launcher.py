@@ -3,13 +3,15 @@
 Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway, one worker per
 device and the bulk-job workers as child processes, prefixes their logs with their names, and stops
 everything on Ctrl-C/SIGTERM: children first (they drain and reply to what they hold), the server last.
-A job worker that dies is restarted (its job resumes from its progress record); any other child
-dying stops everything, as a supervisor would want to know.
+A child that dies is restarted, as compose's restart policy does: a worker's pending messages are
+claimed by the others meanwhile, a job worker's job resumes from its progress record. A child that keeps
+dying (CRASH_LOOP_EXITS within CRASH_LOOP_WINDOW_S) stops everything instead: that needs a person.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -49,10 +51,12 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
 
 
 RESTART_DELAY_S = 1.0
+CRASH_LOOP_EXITS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
 
-def _common_args(settings: Settings, redis_url: str) -> list[str]:
-    args = ["--redis-url", redis_url, "--key-prefix", settings.key_prefix,
+def _common_args(settings: Settings) -> list[str]:
+    args = ["--key-prefix", settings.key_prefix,
             "--log-verbose", str(settings.log_verbose), "--jobs-dir", str(settings.jobs_dir)]
     for repo in settings.model_repositories:
         args += ["--model-repository", str(repo)]
@@ -77,7 +81,9 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     devices = count_devices()
     if workers is not None:
         devices = [devices[i % len(devices)] for i in range(max(1, workers))]
-    common = _common_args(settings, redis_url)
+    common = _common_args(settings)
+    # The URL may hold a password: children get it in their environment, not on a visible command line.
+    child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
     specs: list[tuple[str, list[str]]] = [(
         "gateway",
         [sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
@@ -91,11 +97,12 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
 
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     stopping = threading.Event()
+    exits: dict[str, list[float]] = {}
 
     def start(name: str) -> subprocess.Popen[bytes]:
         # Own session: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
         proc = subprocess.Popen(commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=child_env)
         assert proc.stdout is not None
         threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
         return proc
@@ -115,12 +122,17 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
             for i, (name, proc) in enumerate(children):
                 if proc.poll() is None:
                     continue
-                if name.startswith("jobs-") and not stopping.wait(RESTART_DELAY_S):
+                now = time.monotonic()
+                recent = [t for t in exits.get(name, []) if now - t < CRASH_LOOP_WINDOW_S] + [now]
+                exits[name] = recent
+                if len(recent) >= CRASH_LOOP_EXITS:
+                    log.error("up       | %s exited %d times within %.0f s (last status %s); stopping everything",
+                              name, len(recent), CRASH_LOOP_WINDOW_S, proc.returncode)
+                    stopping.set()
+                    break
+                if not stopping.wait(RESTART_DELAY_S):
                     log.warning("up       | %s exited with %s; restarting it", name, proc.returncode)
                     children[i] = (name, start(name))
-                    continue
-                log.error("up       | %s exited with %s; stopping everything", name, proc.returncode)
-                stopping.set()
             stopping.wait(0.5)
     finally:
         _stop_children(children)

@@ -42,11 +42,21 @@ class Settings(BaseSettings):
     block_ms: int = 1000
     # A worker keeps at most this many batches per model read ahead of execution.
     read_ahead_batches: int = 2
-    # Messages a dead worker left pending are claimed by another after this much idle time; one
-    # delivered more than max_deliveries times goes to the dead-letter stream with an error reply.
-    claim_idle_ms: int = 30_000
-    claim_interval_s: float = 5.0
+    # Messages a dead worker left pending are claimed by another after this much idle time: 0 derives
+    # it from the model's observed batch execution time (fleet/claims.py), never under claim_min_ms.
+    # A live worker refreshes what it holds every claim_keepalive_s, so only a dead one's messages age.
+    # A message delivered more than max_deliveries times goes to the dead letters with an error reply.
+    claim_idle_ms: int = 0
+    claim_min_ms: int = 3000
+    claim_keepalive_s: float = 1.0
+    claim_interval_s: float = 1.0
     max_deliveries: int = 3
+    # An instance executing one batch longer than this is hung: the worker stops advertising the model
+    # and restarts the instance (Python backend: its stub process) or exits for its supervisor.
+    watchdog_s: float = 120.0
+    # The gateway fails requests waiting for a reply with 503 once Redis has been unreachable this long
+    # (a restart shorter than this loses nothing: with AOF, queued requests are answered after it).
+    redis_outage_s: float = 5.0
     # Lane aging (batching.policy): a queued request rises one priority lane per this much waiting, so
     # bulk work progresses (slowly) even under saturating online load. 0 = strict priority.
     lane_aging_ms: int = 1000
@@ -70,6 +80,9 @@ class Settings(BaseSettings):
     job_lease_ms: int = 10_000
     # RQ job workers `fleet up` runs.
     job_workers: int = 1
+    # Directories a job's server-side input path may lie in (after symlinks), besides jobs_dir/uploads;
+    # empty: only uploads. From the env as a JSON list: FLEET_JOB_INPUT_DIRS='["/data/in"]'.
+    job_input_dirs: tuple[Path, ...] = ()
 
     @property
     def redis_url_or_default(self) -> str:

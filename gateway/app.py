@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
@@ -43,7 +45,11 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="fleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="fleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The routes are plain Starlette routes (the hot path skips FastAPI's machinery), so the document
+    # FastAPI serves at /openapi.json is the protocol's own: KServe's v2 spec, path templates fixed.
+    document = json.loads((Path(__file__).parent / "openapi.json").read_text(encoding="utf-8"))
+    app.openapi = lambda: document  # type: ignore[method-assign]
     app.state.fleet = state
     app.router.routes.extend([*ROUTES, *JOB_ROUTES, metrics_route()])
     app.add_exception_handler(ServingError, handle_serving_error)

@@ -9,6 +9,7 @@ BrokerUnavailable here, once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, decode_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
 from fleet.keys import GROUP, Keys
@@ -42,11 +44,13 @@ return redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
 class _Waiter:
     future: asyncio.Future[ReplyEnvelope]
     expires_at: float  # loop time
+    model: str = ""
+    entry: tuple[str, bytes] | None = None  # (stream, entry id) once enqueued: what a cancel deletes
 
 
 class Broker:
     def __init__(self, client: aioredis.Redis, reader_client: aioredis.Redis, keys: Keys, gateway_id: str,
-                 *, block_ms: int, request_timeout_s: float) -> None:
+                 *, block_ms: int, request_timeout_s: float, outage_s: float = 5.0) -> None:
         self._client = client
         self._reader_client = reader_client
         self.keys = keys
@@ -54,8 +58,10 @@ class Broker:
         self.reply_key = keys.reply(gateway_id)
         self._block_ms = block_ms
         self.timeout_s = request_timeout_s
+        self.outage_s = outage_s
+        self._down_since: float | None = None  # loop time Redis was first seen unreachable, if it is now
         self._waiters: dict[str, _Waiter] = {}
-        self._outbox: list[tuple[str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
+        self._outbox: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -94,7 +100,7 @@ class Broker:
             raise BrokerUnavailable(f"Redis is not reachable: {exc}") from exc
 
     def submit(self, request_id: str, stream: str, payload: bytes,
-               max_queue_size: int = 0) -> asyncio.Future[ReplyEnvelope]:
+               max_queue_size: int = 0, model: str = "") -> asyncio.Future[ReplyEnvelope]:
         """Enqueue payload on stream and return the future of its reply.
 
         The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
@@ -103,14 +109,38 @@ class Broker:
         The caller must `forget(request_id)` when done (also on cancellation)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
-        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s)
-        self._outbox.append((stream, payload, max_queue_size, fut))
+        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model)
+        self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
         return fut
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        """The caller went away (disconnected, or timed out): delete the request from its stream if no
+        worker has read it yet, and tell the workers to drop it if one holds it queued. Best effort,
+        in the background: the caller is not kept waiting for it."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            self._cancel_waiter(request_id, waiter)
+
+    def _cancel_waiter(self, request_id: str, waiter: _Waiter) -> None:
+        if waiter.entry is None or self._stopping:
+            return
+        task = asyncio.ensure_future(self._cancel(request_id, waiter.model, *waiter.entry))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _cancel(self, request_id: str, model: str, stream: str, entry_id: bytes) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xdel(stream, entry_id)
+            pipe.publish(self.keys.cancel(), json.dumps([model, request_id]))
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.debug("cancelling %s failed: %s", request_id, exc)
 
     def _start_flush(self) -> None:
         task = asyncio.ensure_future(self._flush())
@@ -121,7 +151,7 @@ class Broker:
         batch, self._outbox = self._outbox, []
         try:
             pipe = self._client.pipeline(transaction=False)
-            for stream, payload, bound, _ in batch:
+            for _, stream, payload, bound, _ in batch:
                 if bound > 0:
                     # EVAL, not EVALSHA: a pipeline with registered scripts costs a SCRIPT EXISTS
                     # round trip per execute; the server caches the compiled body anyway.
@@ -131,19 +161,26 @@ class Broker:
             results = await pipe.execute()
         except (RedisError, OSError) as exc:
             err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")
-            for _, _, _, fut in batch:
+            for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
             return
-        for (_, _, bound, fut), result in zip(batch, results, strict=True):
-            if bound > 0 and result is None and not fut.done():
-                fut.set_exception(QueueFull())
+        for (rid, stream, _, bound, fut), result in zip(batch, results, strict=True):
+            if bound > 0 and result is None:
+                if not fut.done():
+                    fut.set_exception(QueueFull())
+                continue
+            waiter = self._waiters.get(rid)
+            if waiter is not None:
+                waiter.entry = (stream, result)
 
     async def _read_replies(self) -> None:
         # The stream must exist with its TTL before workers write to it.
         await self._touch_reply_stream()
         last_id = b"0-0"
         next_touch = time.monotonic() + REPLY_TTL_S / 4
+        backoff = Backoff()
+        loop = asyncio.get_running_loop()
         while not self._stopping:
             try:
                 pipe = self._reader_client.pipeline(transaction=False)
@@ -155,9 +192,16 @@ class Broker:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
-                log.warning("reply reader: %s; retrying", exc)
-                await asyncio.sleep(0.5)
+                if self._down_since is None:
+                    self._down_since = loop.time()
+                delay = backoff.next_delay()
+                log.warning("reply reader: %s; retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
                 continue
+            if self._down_since is not None:
+                log.warning("reply reader: Redis is back after %.1f s", loop.time() - self._down_since)
+                self._down_since = None
+                backoff.reset()
             for _, entries in result or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
@@ -194,10 +238,21 @@ class Broker:
         while True:
             await asyncio.sleep(SWEEP_S)
             now = loop.time()
-            expired = [rid for rid, w in self._waiters.items() if w.expires_at <= now]
+            down_s = None if self._down_since is None else now - self._down_since
+            if down_s is not None and down_s > self.outage_s:
+                # Redis has been away too long: fail what waits now (503, retry elsewhere) instead of
+                # holding every caller to its full timeout.
+                expired = list(self._waiters)
+            else:
+                expired = [rid for rid, w in self._waiters.items() if w.expires_at <= now]
             for rid in expired:
                 waiter = self._waiters.pop(rid)
-                if not waiter.future.done():
-                    waiter.future.set_exception(
-                        DeadlineExceeded(f"no reply from a worker within {self.timeout_s:g}s")
-                    )
+                if waiter.future.done():
+                    continue
+                if down_s is not None:
+                    err: Exception = BrokerUnavailable(
+                        f"Redis has been unreachable for {down_s:.1f}s; the request may not have been served")
+                else:
+                    err = DeadlineExceeded(f"no reply from a worker within {self.timeout_s:g}s")
+                    self._cancel_waiter(rid, waiter)  # not computed, if no worker has started it
+                waiter.future.set_exception(err)

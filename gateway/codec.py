@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,9 +156,13 @@ def json_to_bytes(data: Any, dt: Datatype, count: int, name: str) -> bytes:
             raise InvalidInput(f"input '{name}' of type {dt.name} expects JSON numbers")
         if dt.numpy.kind in "iu" and any(isinstance(v, float) for v in flat):
             raise InvalidInput(f"input '{name}' of type {dt.name} expects JSON integers")
-        return tensors.to_bytes(np.array(flat, dtype=dt.numpy), dt)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise InvalidInput(f"input '{name}': data does not fit {dt.name}: {exc}") from exc
+        with np.errstate(over="raise", invalid="raise"):  # 1e39 as FP32 would silently become inf
+            arr = np.array(flat, dtype=dt.numpy)
+        if dt.numpy.kind == "f" and not np.isfinite(arr).all():  # 1e400: json made it inf already
+            raise InvalidInput(f"input '{name}': data must be finite numbers")
+        return tensors.to_bytes(arr, dt)
+    except (OverflowError, ValueError, TypeError, FloatingPointError) as exc:
+        raise InvalidInput(f"input '{name}': data does not fit {dt.name} as a finite number: {exc}") from exc
 
 
 def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int]) -> None:
@@ -250,6 +255,15 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview) -> l
     return out
 
 
+def _check_text(value: str, what: str) -> None:
+    """JSON's \\uD800-style escapes can spell lone surrogates: valid JSON, but no UTF-8 text, so they could
+    not be forwarded to a worker (msgpack carries UTF-8 only)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} is not valid UTF-8 text: {exc.reason}") from exc
+
+
 def _parse_parameters(doc: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, Any], int, int, bool]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
@@ -261,6 +275,11 @@ def _parse_parameters(doc: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, A
         if key not in RESERVED_PARAMETERS:
             if not isinstance(value, (str, int, float, bool)):
                 raise InvalidInput(f"parameter '{key}' must be a string, number or boolean")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidInput(f"parameter '{key}' must be a finite number")
+            _check_text(key, "a parameter name")
+            if isinstance(value, str):
+                _check_text(value, f"parameter '{key}'")
             passthrough[key] = value
     if any(k in params for k in ("sequence_id", "sequence_start", "sequence_end")) or spec.sequence_batching:
         raise InvalidInput(f"sequence batching is not supported yet (model '{spec.name}')")
@@ -312,6 +331,7 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec) -> Pars
         raise InvalidInput(f"the request id is longer than {MAX_ID_CHARS} characters")
     if not isinstance(client_id, str):
         raise InvalidInput("request 'id' must be a string")
+    _check_text(client_id, "request 'id'")
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
     inputs = _parse_inputs(doc, spec, binary)
     outputs, binary_outputs = _parse_outputs(doc, spec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,11 @@ class DataPlane:
         )
         try:
             reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),
-                                             admission.max_queue_size)
+                                             admission.max_queue_size, model)
+        except asyncio.CancelledError:
+            # The caller went away: nobody will read a reply, so none should be computed.
+            self.broker.cancel(rid)
+            raise
         finally:
             self.broker.forget(rid)
         if not reply.ok:

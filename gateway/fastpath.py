@@ -8,6 +8,7 @@ The route in routes.py serves the same URL with the same code path, for clarity 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -23,6 +24,37 @@ log = logging.getLogger(__name__)
 
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _JSON = b"application/json"
+# A request still waiting for its reply this long starts watching its connection: a client that went
+# away cancels it (never computed, if no worker has started it). Quick replies never pay for a watcher.
+DISCONNECT_WATCH_S = 0.05
+
+
+class _DisconnectWatch:
+    """Cancels the request's task when its client disconnects, once the reply is slow in coming."""
+
+    __slots__ = ("_receive", "_task", "_handle", "_watcher", "disconnected")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = None
+        self.disconnected = False
+        self._handle = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_S, self._start)
+
+    def _start(self) -> None:
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def close(self) -> None:
+        self._handle.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -82,11 +114,20 @@ class InferFastPath:
                 # the latency of what was admitted stay bounded under any overload.
                 raise Overloaded(f"the gateway is at its limit of {limit} requests in flight; retry shortly")
             self._in_flight += 1
+            watch = _DisconnectWatch(receive)
             try:
                 if encoding:
                     body = decompress(body, encoding, state.settings.max_input_bytes)
                 result = await state.dataplane.infer(name, version or None, body, header_length)
+            except asyncio.CancelledError:
+                if not watch.disconnected:
+                    raise
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()  # our own cancellation: the client is gone, there is nobody to answer
+                return
             finally:
+                watch.close()
                 self._in_flight -= 1
         except ServingError as exc:
             retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None

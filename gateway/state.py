@@ -9,10 +9,10 @@ import uuid
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.keys import Keys
+from fleet.redis_clients import async_client
 from fleet.repository import scan
 from fleet.settings import Settings
 from gateway.broker import Broker
@@ -25,11 +25,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_POLL_S = 0.5
 
 
-def redis_client(url: str) -> aioredis.Redis:
-    # RESP2 explicitly: redis-py 8 defaults to RESP3, whose reply shapes differ.
-    return aioredis.Redis.from_url(url, protocol=2, decode_responses=False, health_check_interval=30)
-
-
 class GatewayState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -39,10 +34,11 @@ class GatewayState:
             log.error("model '%s' cannot be served: %s", name, why)
         self.catalog = Catalog.from_repository(repository)
         url = settings.redis_url_or_default
-        self.client = redis_client(url)
+        self.client = async_client(url)
         gateway_id = settings.gateway_id or f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.broker = Broker(self.client, redis_client(url), self.keys, gateway_id,
-                             block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s)
+        self.broker = Broker(self.client, async_client(url), self.keys, gateway_id,
+                             block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s,
+                             outage_s=settings.redis_outage_s)
         self.dataplane = DataPlane(self.catalog, self.broker)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)

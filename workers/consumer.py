@@ -113,6 +113,14 @@ class StreamConsumer:
             out.extend(((lane, eid), payload, deliveries.get(eid, 1)) for eid, payload in entries)
         return out
 
+    async def keep(self, held: dict[int, list[bytes]]) -> None:
+        """Restart the idle time of messages this consumer holds (lane -> entry ids), so no other worker
+        claims them while they wait here. JUSTID: no delivery is counted."""
+        pipe = self._client.pipeline(transaction=False)
+        for lane, ids in held.items():
+            pipe.xclaim(self.streams[lane], GROUP, self.consumer, 0, list[Any](ids), justid=True)
+        await pipe.execute()
+
     async def dead_letter(self, message: MessageId, reason: str, payload: bytes | None) -> None:
         """Park a message nobody could answer with the reason (and its payload, so `fleet dead-letters
         --replay` can queue it again), then ack and delete it."""

@@ -3,16 +3,21 @@ the backend, encode one reply per request, and measure Triton's compute_input/in
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fleet import tensors
+from fleet.config_checks import WILDCARD_DIM
+from fleet.datatypes import Datatype
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor
-from fleet.errors import InferenceFailed, ServingError
-from fleet.model_config import ModelSpec
-from workers.backends.base import Backend, InferenceItem, ItemResult
+from fleet.errors import InferenceFailed, PoisonRequest, ServingError
+from fleet.model_config import ModelSpec, TensorSpec
+from workers.backends.base import Backend, InferenceItem, ItemResult, failed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -21,6 +26,9 @@ class BatchOutcome:
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
+    # Indices into the batch's envelopes whose result is PoisonRequest: the request crashed its model
+    # instance every time it ran alone, so the loop dead-letters its message.
+    poisoned: list[int] = field(default_factory=list)
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool) -> InferenceItem:
@@ -30,7 +38,44 @@ def _decode(env: RequestEnvelope, to_arrays: bool) -> InferenceItem:
                          request_id=env.client_id, wire=env.inputs)
 
 
+def _internal(env: RequestEnvelope, message: str) -> ReplyEnvelope:
+    return ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=message)
+
+
+def _kind_matches(produced: np.dtype, declared: Datatype) -> bool:
+    """Whether an output of `produced` may be cast to the declared type: within a kind (FP64 -> FP32,
+    INT64 -> INT32, as numpy defaults produce) yes; across kinds (FP64 -> INT32, numbers <-> BYTES) no,
+    since that would silently change values. Triton does not cast outputs at all."""
+    if declared.name == "BYTES" or produced.kind in ("O", "S", "U"):
+        return declared.name == "BYTES" and produced.kind in ("O", "S", "U")
+    return bool(np.can_cast(produced, declared.numpy, casting="same_kind"))
+
+
+def _shape_error(spec: ModelSpec, ts: TensorSpec, env: RequestEnvelope, shape: tuple[int, ...]) -> str | None:
+    """Why an output's shape contradicts its config dims (and the request's batch size), or None."""
+    if ts.is_shape_tensor or ts.reshape is not None:
+        return None  # the model produces another shape than `dims` by design
+    expected = [WILDCARD_DIM, *ts.dims] if spec.max_batch_size > 0 else list(ts.dims)
+    ragged = any(t.allow_ragged_batch for t in spec.inputs)
+    if spec.max_batch_size > 0 and not ragged:
+        expected[0] = env.batch_rows(True)
+    if len(shape) == len(expected) and all(e == WILDCARD_DIM or e == d for e, d in zip(expected, shape, strict=True)):
+        return None
+    return (f"model '{spec.name}' returned output '{ts.name}' with shape {list(shape)}, but its config "
+            f"(and the request's batch size) makes it {expected}")
+
+
 def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyEnvelope:
+    """The reply for one request; a model bug (an output of the wrong type or shape, or one that cannot
+    be encoded) becomes this request's INTERNAL error, never the batch's."""
+    try:
+        return _encode_checked(spec, env, result)
+    except Exception as exc:  # what the model returned could not be encoded
+        return _internal(env, f"model '{spec.name}' returned an output that cannot be encoded: "
+                              f"{type(exc).__name__}: {exc}")
+
+
+def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyEnvelope:
     if result.error is not None:
         return ReplyEnvelope(id=env.id, model_version=env.version, error_code=result.error.code.value,
                              error_message=result.error.message)
@@ -42,6 +87,9 @@ def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyE
     for name in wanted:
         ts = spec.output(name)
         if ts is not None and name in wire and wire[name].datatype == ts.datatype.name:
+            problem = _shape_error(spec, ts, env, wire[name].shape)
+            if problem is not None:
+                return _internal(env, problem)
             outputs.append(wire[name])  # already the declared type: forward the bytes
             continue
         arr = produced.get(name)
@@ -49,9 +97,15 @@ def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyE
             t = wire[name]
             arr = tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape)
         if ts is None or arr is None:
-            return ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL",
-                                 error_message=f"model '{spec.name}' did not produce output '{name}'")
+            return _internal(env, f"model '{spec.name}' did not produce output '{name}'")
         arr = np.asarray(arr)
+        if not _kind_matches(arr.dtype, ts.datatype):
+            got = wire[name].datatype if name in wire else str(arr.dtype)
+            return _internal(env, f"model '{spec.name}' returned output '{name}' as {got}, but its config "
+                                  f"declares {ts.datatype.name}")
+        problem = _shape_error(spec, ts, env, tuple(arr.shape))
+        if problem is not None:
+            return _internal(env, problem)
         outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.to_bytes(arr, ts.datatype)))
     return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters)
 
@@ -70,7 +124,11 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
                                      error_message=exc.message)
     runnable = [env for i, env in enumerate(envs) if i not in early]
     t1 = time.perf_counter_ns()
-    results: list[ItemResult] = backend.execute(items) if items else []
+    try:
+        results: list[ItemResult] = backend.execute(items) if items else []
+    except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
+        log.exception("%s: the backend raised while executing a batch of %d", spec.name, len(items))
+        results = failed(items, exc)
     if len(results) != len(items):
         err = InferenceFailed(f"backend returned {len(results)} results for {len(items)} requests")
         results = [ItemResult(error=err) for _ in items]
@@ -79,4 +137,6 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
     encoded.reverse()
     replies = [early[i] if i in early else encoded.pop() for i in range(len(envs))]
     t3 = time.perf_counter_ns()
-    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2)
+    runnable_at = [i for i in range(len(envs)) if i not in early]
+    poisoned = [runnable_at[k] for k, res in enumerate(results) if isinstance(res.error, PoisonRequest)]
+    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned)

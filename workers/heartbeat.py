@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -27,17 +28,25 @@ class Heartbeat:
         self._ttl_ms = int(ttl_s * 1000)
         self.ready: list[tuple[str, int]] = []
         self.failed: dict[str, str] = {}
+        # A loaded model is advertised only while this says so (its instances are not hung).
+        self.healthy: Callable[[str], bool] = lambda name: True
 
     async def beat(self) -> None:
         pipe = self._client.pipeline(transaction=True)
         pipe.hset(self.key, mapping={
-            "models": json.dumps(self.ready),
+            "models": json.dumps([m for m in self.ready if self.healthy(m[0])]),
             "failed": json.dumps(self.failed),
             "device": self._device,
             "pid": str(os.getpid()),
         })
         pipe.pexpire(self.key, self._ttl_ms)
         await pipe.execute()
+
+    async def beat_quietly(self) -> None:
+        try:
+            await self.beat()
+        except (RedisError, OSError) as exc:
+            log.warning("heartbeat failed: %s", exc)
 
     async def run(self) -> None:
         while True:

@@ -40,6 +40,7 @@ class Instance:
     backend: Backend
     executor: ThreadPoolExecutor
     busy: bool = False  # a chain of batches is running on the thread (changed under _lock)
+    running_since: float | None = None  # time.monotonic() the current batch started (the watchdog reads it)
     _staged: Job | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -74,11 +75,14 @@ class Instance:
         current: Job | None = job
         while current is not None:
             started_us = time.time_ns() // 1000
+            self.running_since = time.monotonic()
             result: BatchOutcome | BaseException
             try:
                 result = current.run()
             except Exception as exc:  # reported to the loop; the thread keeps serving
                 result = exc
+            finally:
+                self.running_since = None
             loop.call_soon_threadsafe(on_done, current, result, started_us)
             with self._lock:
                 current, self._staged = self._staged, None

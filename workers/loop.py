@@ -17,21 +17,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
 from fleet.admission import bulk_lane, lane_count, lane_policy
+from fleet.backoff import Backoff
+from fleet.claims import ClaimTimeout
 from fleet.clock import Clock
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
+from fleet.stats import BatchSample
 from workers import gil
 from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
 from workers.instance import Instance, Job
+from workers.recovery import HungHandler, Recovery, RecoveryConfig
 from workers.samples import batch_sample, rejected_samples
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,9 @@ log = logging.getLogger(__name__)
 # then neither staged behind a running batch nor allowed more than `bulk_share` of the instance.
 ONLINE_QUIET_US = 200_000
 STAGE_DEADLINE_MARGIN_US = 1_000_000
+# Replies computed while Redis is away are kept and written once it is back, for up to this long; after
+# that the messages are left pending (another worker, or this one, claims and recomputes them).
+FINISH_RETRY_S = 30.0
 
 
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
@@ -68,9 +76,9 @@ class ModelLoop:
     clock: Clock
     block_ms: int = 1000
     read_ahead_batches: int = 2
-    claim_idle_ms: int = 30_000
-    claim_interval_s: float = 5.0
-    max_deliveries: int = 3
+    recovery_config: RecoveryConfig = field(default_factory=RecoveryConfig)
+    on_hung: HungHandler | None = None
+    on_health: Callable[[], None] | None = None  # the model's health changed (heartbeat it now)
     aging_us: int = 0
     # The most of the instance's time bulk batches take while online requests are coming in (see
     # _on_done). Below 1 only on CPU devices, where bulk compute competes for the cores online needs.
@@ -102,6 +110,37 @@ class ModelLoop:
         assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
         lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
         self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
+        cfg = self.recovery_config
+        self.claim_timeout = ClaimTimeout(floor_ms=cfg.claim_min_ms, fixed_ms=cfg.claim_idle_ms)
+        self.recovery = Recovery(self, cfg, self.on_hung)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        """Advertised as ready: no instance of it is hung."""
+        return not self.recovery.hung
+
+    def health_changed(self) -> None:
+        if self.on_health is not None:
+            self.on_health()
+
+    def held_messages(self) -> dict[int, list[bytes]]:
+        by_lane: dict[int, list[bytes]] = {}
+        for lane, entry_id in self._holding:
+            by_lane.setdefault(lane, []).append(entry_id)
+        return by_lane
+
+    def holds(self, message: MessageId) -> bool:
+        return message in self._holding
+
+    def claim_room(self) -> int:
+        return self._room(0)
+
+    def wake(self) -> None:
+        self._wake.set()
 
     @property
     def per_batch(self) -> int:
@@ -140,9 +179,17 @@ class ModelLoop:
         return room
 
     async def run(self) -> None:
-        await self.consumer.join()
+        backoff = Backoff()
+        while True:  # Redis may still be starting (or loading its AOF); a refused ACL is not retried
+            try:
+                await self.consumer.join()
+                break
+            except (RedisConnectionError, TimeoutError, OSError) as exc:
+                delay = backoff.next_delay()
+                log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.spec.name, exc, delay)
+                await asyncio.sleep(delay)
         schedulers = [asyncio.create_task(self._schedule(v)) for v in self.instances]
-        schedulers.append(asyncio.create_task(self._claim_abandoned()))
+        schedulers += self.recovery.tasks()
         try:
             await asyncio.gather(*(self._read(lane) for lane in range(self.bulk_lane + 1)))
             # Stopping: nothing new is read; finish and answer what this worker holds.
@@ -165,6 +212,7 @@ class ModelLoop:
 
     async def _read(self, lane: int) -> None:
         room_event = self._room_events[lane]
+        backoff = Backoff()
         while not self._stopping:
             room = self._room(lane)
             if room <= 0:
@@ -175,55 +223,18 @@ class ModelLoop:
                 # Room is in rows; a message holds as many rows as the last one of this lane did.
                 count = max(1, room // self._rows_hint[lane])
                 messages = await self.consumer.read(lane, count, self.block_ms)
+                backoff.reset()
             except (RedisError, OSError) as exc:
-                log.warning("%s: read failed (%s); retrying", self.spec.name, exc)
-                await asyncio.sleep(0.5)
+                delay = backoff.next_delay()
+                log.warning("%s: read failed (%s); retrying in %.2f s", self.spec.name, exc, delay)
+                await asyncio.sleep(delay)
                 continue
             for message, payload in messages:
-                await self._admit(message, payload)
+                await self.admit(message, payload)
             if messages:
                 self._wake.set()
 
-    async def _claim_abandoned(self) -> None:
-        """Serve what a dead worker left pending: XAUTOCLAIM after claim_idle_ms, on a timer."""
-        while not self._stopping:
-            await asyncio.sleep(self.claim_interval_s)
-            room = self._room(0)
-            if room <= 0 or self._stopping:
-                continue
-            try:
-                claimed = await self.consumer.claim(self.claim_idle_ms, room)
-                for message, payload, deliveries in claimed:
-                    if message in self._holding:
-                        continue  # our own read-ahead that waited long: already queued here
-                    if deliveries > self.max_deliveries:
-                        await self._give_up(message, payload, deliveries)
-                    else:
-                        log.warning("%s: claimed %r after another worker left it (delivery %d)",
-                                    self.spec.name, message, deliveries)
-                        await self._admit(message, payload)
-                if claimed:
-                    self._wake.set()
-            except (RedisError, OSError) as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # redis-py turned our cancellation into a connection error: stop anyway
-                log.warning("%s: claiming abandoned messages failed: %s", self.spec.name, exc)
-
-    async def _give_up(self, message: MessageId, payload: bytes | None, deliveries: int) -> None:
-        """A message that keeps killing its workers: dead-letter it and tell its caller."""
-        reason = f"the request was delivered {deliveries} times without completing; moved to the dead letters"
-        log.error("%s: %r: %s", self.spec.name, message, reason)
-        try:
-            env = decode_request(payload) if payload else None
-        except InvalidInput:
-            env = None
-        if env is not None:
-            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=reason)
-            await self.consumer.finish([(env.reply_to, reply)], [], [])
-        await self.consumer.dead_letter(message, reason, payload)
-
-    async def _admit(self, message: MessageId, payload: bytes | None) -> None:
+    async def admit(self, message: MessageId, payload: bytes | None) -> None:
         try:
             if payload is None:
                 raise InvalidInput("message without a payload")
@@ -377,6 +388,7 @@ class ModelLoop:
 
     def _on_done(self, job: Job, result: BatchOutcome | BaseException, started_us: int) -> None:
         """On the loop, as soon as an instance has computed a batch: write its replies."""
+        self.claim_timeout.observe((self.clock.now_us() - started_us) / 1000)
         if self.bulk_share < 1 and all(q.pending.lane == self.bulk_lane for q in job.batch):
             # While online requests come in, each bulk batch is followed by idle time in proportion, so
             # bulk uses at most `bulk_share` of the instance. On a CPU worker a bulk batch occupies a
@@ -402,12 +414,55 @@ class ModelLoop:
             envs = [q.env for q in batch]
             sample = batch_sample(job.version, self.spec.max_batch_size > 0, envs, result, started_us,
                                   self.clock.now_us())
-            await self.consumer.finish([(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)],
-                                       [q.message for q in batch], [sample])
+            poisoned = {batch[i].message for i in result.poisoned}
+            replies = [(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)]
+            await self._write(replies, [q.message for q in batch if q.message not in poisoned], [sample])
+            for q in batch:
+                if q.message in poisoned:
+                    await self.consumer.dead_letter(q.message, result.replies[batch.index(q)].error_message,
+                                                    encode_request(q.env))
         except Exception:
-            # Redis trouble while finishing: the messages stay pending and will be claimed again.
+            # Redis stayed away: the messages stay pending and will be claimed and computed again.
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
             self._release(q.message for q in batch)
             self._wake.set()
             self._freed()
+
+    async def _write(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
+                     samples: list[BatchSample]) -> None:
+        """consumer.finish, retried while Redis is away (a restart): computed replies are not thrown away."""
+        backoff = Backoff()
+        deadline = self.clock.now_us() + int(FINISH_RETRY_S * 1e6)
+        while True:
+            try:
+                await self.consumer.finish(replies, messages, samples)
+                return
+            except (RedisError, OSError) as exc:
+                if self.clock.now_us() > deadline:
+                    raise
+                delay = backoff.next_delay()
+                log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.spec.name, exc, delay)
+                await asyncio.sleep(delay)
+
+    def cancel(self, request_ids: set[str]) -> list[MessageId]:
+        """Drop queued requests whose callers went away (disconnected, or the gateway gave up): they are
+        never computed. Returns their messages, for the caller to acknowledge."""
+        dropped: list[MessageId] = []
+        for version, instances in self.instances.items():
+            for instance in instances:
+                staged = instance.staged
+                if staged is not None and any(q.env.id in request_ids for q in staged.batch):
+                    job = instance.unstage()  # back to the queue, where it is dropped below
+                    if job is not None:
+                        self._queued[version].extend(job.batch)
+                        self._queued[version].sort(key=lambda q: q.seq)
+        for queue in self._queued.values():
+            keep = [q for q in queue if q.env.id not in request_ids]
+            if len(keep) != len(queue):
+                dropped += [q.message for q in queue if q.env.id in request_ids]
+                queue[:] = keep
+        if dropped:
+            self._release(dropped)
+            self._freed()
+        return dropped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -10,13 +11,15 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from fleet.admission import lane_count
+from fleet.backoff import Backoff
 from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.logs import configure_logging
+from fleet.redis_clients import async_client
 from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
 from workers.backends import load_backend
@@ -25,11 +28,16 @@ from workers.consumer import StreamConsumer
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop import ModelLoop
+from workers.recovery import RecoveryConfig
+
+# Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
+# backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
+EXIT_HUNG = 70
 
 log = logging.getLogger("workers")
 
 
-def load_instances(entry: ModelEntry, device: str) -> dict[int, list[Instance]]:
+def load_instances(entry: ModelEntry, device: str, max_deliveries: int = 3) -> dict[int, list[Instance]]:
     """Every selected version's instances; raises if any fails (the model is then not served here)."""
     out: dict[int, list[Instance]] = {}
     count = max(1, entry.spec.instance_count)
@@ -39,7 +47,7 @@ def load_instances(entry: ModelEntry, device: str) -> dict[int, list[Instance]]:
             for i in range(count):
                 name = f"{entry.name}_{i}"
                 ctx = LoadContext(spec=entry.spec, model_dir=entry.path, version=version, instance_name=name,
-                                  device=device)
+                                  device=device, max_deliveries=max_deliveries)
                 insts.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name)))
                 out.setdefault(version, []).append(insts[-1])
     except Exception:
@@ -57,12 +65,13 @@ def close_instances(instances: dict[int, list[Instance]]) -> None:
                 inst.executor.shutdown(wait=False)
 
 
-async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set, then drain: answer everything held, ack, remove the heartbeat."""
+async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> int:
+    """Serve until `stop` is set, then drain: answer everything held, ack, remove the heartbeat.
+    Returns the exit status: 1 if a model's loop failed (a refused ACL, a bug), so a supervisor sees it."""
     keys = Keys(settings.key_prefix)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     url = settings.redis_url_or_default
-    control = aioredis.Redis.from_url(url, protocol=2)
+    control = async_client(url)
     heartbeat = Heartbeat(control, keys, worker_id, device, settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
     repository = scan(list(settings.model_repositories))
     heartbeat.failed.update(repository.errors)
@@ -70,30 +79,56 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
 
     loops: list[ModelLoop] = []
     tasks: list[asyncio.Task[None]] = []
+    by_name: dict[str, ModelLoop] = {}
+    heartbeat.healthy = lambda name: name not in by_name or by_name[name].healthy
+    recovery = RecoveryConfig(claim_idle_ms=settings.claim_idle_ms, claim_min_ms=settings.claim_min_ms,
+                              keepalive_s=settings.claim_keepalive_s, claim_interval_s=settings.claim_interval_s,
+                              max_deliveries=settings.max_deliveries, watchdog_s=settings.watchdog_s)
+
+    failures: list[BaseException] = []
+
+    def on_loop_done(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None or stop.is_set():
+            return
+        failures.append(task.exception())  # type: ignore[arg-type]
+        log.critical("%s failed: %r; the worker stops", task.get_name(), task.exception())
+        stop.set()
+
+    def beat_now() -> None:
+        asyncio.ensure_future(heartbeat.beat_quietly())
+
+    def exit_hung(loop: ModelLoop, instance: Instance) -> None:
+        log.critical("worker %s exits: instance %s of '%s' is hung in code that cannot be interrupted; "
+                     "what this worker held is claimed by other workers", worker_id, instance.name, loop.spec.name)
+        logging.shutdown()
+        os._exit(EXIT_HUNG)
     for name, entry in sorted(repository.models.items()):
         if stop.is_set():
             break
         try:
-            instances = await asyncio.to_thread(load_instances, entry, device)
+            instances = await asyncio.to_thread(load_instances, entry, device, settings.max_deliveries)
         except Exception as exc:
             log.error("model '%s' failed to load: %s", name, exc)
             heartbeat.failed[name] = str(exc)
             continue
         # Each model reads on its own connections (a pool): its two readers block in XREADGROUP.
-        client = aioredis.Redis.from_url(url, protocol=2)
+        client = async_client(url)
         consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec))
         loop = ModelLoop(entry.spec, instances, consumer, SystemClock(),
                          block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
-                         claim_idle_ms=settings.claim_idle_ms, claim_interval_s=settings.claim_interval_s,
-                         max_deliveries=settings.max_deliveries, aging_us=settings.lane_aging_ms * 1000,
+                         recovery_config=recovery, on_hung=exit_hung, on_health=beat_now,
+                         aging_us=settings.lane_aging_ms * 1000,
                          bulk_share=settings.bulk_share_cpu if device == "cpu" else 1.0)
         loops.append(loop)
+        by_name[name] = loop
         tasks.append(asyncio.create_task(loop.run(), name=f"model-{name}"))
+        tasks[-1].add_done_callback(on_loop_done)
         heartbeat.ready.extend((name, v) for v in instances)
         await heartbeat.beat()
         log.info("model '%s' ready: versions %s, %d instance(s) each", name, list(instances),
                  len(next(iter(instances.values()))))
     log.info("worker %s on %s serving %d models", worker_id, device, len(loops))
+    cancel_task = asyncio.create_task(listen_for_cancellations(url, keys, by_name))
     freeze_after_startup()
 
     await stop.wait()
@@ -101,6 +136,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
     heartbeat.ready.clear()
     await heartbeat.clear()
     beat_task.cancel()
+    cancel_task.cancel()
     for loop in loops:
         loop.stop()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -109,17 +145,51 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> No
         await loop.consumer.close()
     await control.aclose()
     log.info("worker %s stopped", worker_id)
+    return 1 if failures else 0
+
+
+async def listen_for_cancellations(url: str, keys: Keys, loops: dict[str, ModelLoop]) -> None:
+    """Drop queued requests whose callers went away (gateway/broker.py publishes them): never computed.
+    Best effort: a cancellation missed while reconnecting only costs a reply nobody reads."""
+    backoff = Backoff()
+    while True:
+        client = async_client(url)
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(keys.cancel())
+            backoff.reset()
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                try:
+                    model, request_id = json.loads(message["data"])
+                except (ValueError, TypeError):
+                    continue
+                loop = loops.get(model) if isinstance(model, str) else None
+                if loop is None:
+                    continue
+                dropped = loop.cancel({request_id})
+                if dropped:
+                    await loop.consumer.finish([], dropped, [])
+        except (RedisError, OSError) as exc:
+            log.warning("cancellation listener: %s", exc)
+        finally:
+            try:
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await client.aclose()
+            except (RedisError, OSError):
+                pass
+        await asyncio.sleep(backoff.next_delay())
 
 
 def serve(settings: Settings, device: str = "cpu") -> int:
     configure_logging(settings)
     import uvloop
 
-    async def main() -> None:
+    async def main() -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await run_worker(settings, device, stop)
+        return await run_worker(settings, device, stop)
 
-    uvloop.run(main())
-    return 0
+    return uvloop.run(main())

@@ -53,7 +53,7 @@ _FLOATS = ("created_at", "started_at", "finished_at", "updated_at", "run_started
 
 def check_id(job_id: str) -> str:
     """Job ids name files, keys and RQ jobs: letters, digits, "_" and "-", at most 64."""
-    if not _ID.match(job_id):
+    if not _ID.fullmatch(job_id):
         raise InvalidInput(f"invalid job id {job_id!r}: use 1-64 letters, digits, '_' or '-'")
     return job_id
 

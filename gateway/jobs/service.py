@@ -15,6 +15,7 @@ import redis
 from fleet.errors import InvalidInput, NotFound, NotReadyYet
 from fleet.keys import Keys
 from fleet.model_config import ModelSpec
+from fleet.paths import contained, inside_any
 from gateway.jobs.formats import open_input
 from gateway.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, TERMINAL, JobStore, check_id, view
 from gateway.jobs.rq_setup import enqueue_run, fetch
@@ -33,6 +34,8 @@ class JobsContext:
     keys: Keys
     jobs_dir: Path
     options: JobOptions
+    # Server-side input paths must resolve inside one of these or the uploads dir (Settings.job_input_dirs).
+    input_dirs: tuple[Path, ...] = ()
 
     @property
     def store(self) -> JobStore:
@@ -40,17 +43,24 @@ class JobsContext:
 
 
 def _input_path(ctx: JobsContext, spec_input: Any) -> Path:
+    uploads = ctx.jobs_dir / "uploads"
     if isinstance(spec_input, dict) and set(spec_input) == {"upload"}:
         token = str(spec_input["upload"])
-        if not token.isalnum():
+        if not (token.isascii() and token.isalnum()):
             raise InvalidInput(f"invalid upload token {token!r}")
-        found = sorted((ctx.jobs_dir / "uploads").glob(f"{token}.*"))
+        found = sorted(p for p in uploads.glob(f"{token}.*") if p.suffix.lower() in INPUT_SUFFIXES)
         if not found:
             raise InvalidInput(f"no upload {token!r} (uploads are POSTed to /v2/jobs/uploads first)")
-        return found[0]
+        return contained(uploads, found[0].name)
     if isinstance(spec_input, str) and spec_input:
-        # A path the job workers can read (a shared volume); it must exist here too.
-        path = Path(spec_input).expanduser().resolve()
+        # A path the job workers can read (a shared volume); it must exist here too, and lie (after
+        # symlinks) in the uploads dir or a configured input dir: a client names no other server file.
+        try:
+            path = inside_any((uploads, *ctx.input_dirs), spec_input)
+        except InvalidInput:
+            raise InvalidInput(f"input path {spec_input!r} is outside the directories jobs may read: upload the "
+                               "file (POST /v2/jobs/uploads) or have the operator list its directory in "
+                               "FLEET_JOB_INPUT_DIRS") from None
         if not path.is_file():
             raise InvalidInput(f"input file {spec_input!r} does not exist on the gateway")
         return path
@@ -134,14 +144,18 @@ def results_path(ctx: JobsContext, job_id: str) -> tuple[Path, str]:
         raise NotFound(f"unknown job '{job_id}'")
     if record["state"] != COMPLETED:
         raise NotReadyYet(f"job '{job_id}' is {record['state']}; results are served once it has completed")
-    return Path(record["output"]), str(record.get("output_format") or "jsonl")
+    try:  # the gateway wrote it there; a record pointing elsewhere (edited, or another jobs_dir) is not served
+        output = contained(ctx.jobs_dir, record["output"])
+    except InvalidInput:
+        raise NotFound(f"the results of job '{job_id}' are not in this gateway's jobs directory") from None
+    return output, str(record.get("output_format") or "jsonl")
 
 
 def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path]:
     suffix = Path(name).suffix.lower()
     if suffix not in INPUT_SUFFIXES:
         raise InvalidInput(f"unsupported upload type {suffix or name!r}: use .jsonl, .npy or .npz")
-    token = uuid.uuid4().hex
+    token = uuid.uuid4().hex  # the file's name is ours: only the (checked) suffix comes from the caller
     directory = ctx.jobs_dir / "uploads"
     directory.mkdir(parents=True, exist_ok=True)
     return token, directory / f"{token}{suffix}"

@@ -29,7 +29,8 @@ def job_options(settings: Settings) -> JobOptions:
 
 
 def jobs_context(client: redis.Redis, settings: Settings) -> JobsContext:
-    return JobsContext(client, Keys(settings.key_prefix), Path(settings.jobs_dir).resolve(), job_options(settings))
+    return JobsContext(client, Keys(settings.key_prefix), Path(settings.jobs_dir).resolve(), job_options(settings),
+                       tuple(Path(d).resolve() for d in settings.job_input_dirs))
 
 
 def _janitor(settings: Settings, stop: threading.Event) -> None:

@@ -3,6 +3,7 @@ session, serving this project's repository and Triton's example repository, and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
     # A job whose runner was killed is resumed once its lease lapses: 2 s here instead of 10.
     env["FLEET_JOB_LEASE_MS"] = "2000"
+    # Jobs may name server-side inputs under this session's pytest temp dirs (each test's tmp_path).
+    env["FLEET_JOB_INPUT_DIRS"] = json.dumps([str(tmp_path_factory.getbasetemp())])
     cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(ROOT / "model_repository"),
            "--model-repository", str(TRITON_EXAMPLES), "--http-port", str(http_port),
            "--metrics-port", str(metrics_port), "--data-dir", str(tmp / "data")]

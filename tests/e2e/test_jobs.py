@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet.job_client import JobsClient
+from fleet.job_client import JobsClient, JobsClientError
 from tests.e2e.conftest import ROOT, RunningSystem
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +120,17 @@ def test_resubmitting_an_id_returns_the_first_job(jobs: JobsClient, rows: np.nda
     assert again["priority"] == 0
     assert wait_for(jobs, "same-id", finished)["state"] == "completed"
     assert sum(1 for j in jobs.list() if j["id"] == "same-id") == 1
+
+
+def test_server_paths_outside_the_input_dirs_are_refused(jobs: JobsClient, tmp_path: Path) -> None:
+    """FLEET_JOB_INPUT_DIRS is this session's temp dir (conftest): nothing else on the server is readable,
+    neither by `..` nor through a symlink that points out of it."""
+    link = tmp_path / "escape.npy"
+    link.symlink_to(MLP)
+    for candidate in ("/etc/passwd", str(tmp_path / ".." / ".." / ".." / "etc" / "passwd"), str(link), str(MLP)):
+        with pytest.raises(JobsClientError) as exc:
+            jobs.create({"model": "mlp", "input": candidate})
+        assert exc.value.status == 400 and "outside the directories jobs may read" in exc.value.message
 
 
 def pending_on(system: RunningSystem, model: str) -> float:

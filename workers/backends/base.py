@@ -45,6 +45,8 @@ class LoadContext:
     version: int
     instance_name: str
     device: str  # "cpu" or "cuda:N"
+    # How often a request that crashes the instance when run alone is tried before it is poison.
+    max_deliveries: int = 3
 
 
 class Backend(Protocol):

@@ -1,8 +1,11 @@
 """`python`: Triton's Python backend. Each instance is a stub subprocess (workers/backends/python_stub)
 fed over a pipe with length-prefixed msgpack frames carrying raw tensor bytes.
 
-The stub hop costs one pipe round trip per batch (not per request). A stub that dies fails the batch
-it held and is restarted, so a crashing model costs requests, never the worker.
+The stub hop costs one pipe round trip per batch (not per request). A model is contained, never the
+worker's problem: a stub that dies is restarted. When a call fails as a whole (the stub died, execute()
+raised or returned the wrong number of responses) for a batch of several requests, each request is run
+again alone, so only the one at fault gets the error. A request that kills the stub each time it runs
+alone is tried `max_deliveries` times, then answered with PoisonRequest (the loop dead-letters it).
 """
 
 from __future__ import annotations
@@ -10,16 +13,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from fleet.envelope import WireTensor
-from fleet.errors import ConfigError, InferenceFailed, from_code
-from workers.backends.base import InferenceItem, ItemResult, LoadContext, failed
+from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, from_code
+from workers.backends.base import InferenceItem, ItemResult, LoadContext
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _CallFailed:
+    """A call that failed as a whole: `crashed` if the stub died (or could not be reached)."""
+
+    error: InferenceFailed
+    crashed: bool
 
 
 class PythonBackend:
@@ -54,7 +67,11 @@ class PythonBackend:
             "model_version": str(ctx.version),
             "model_name": ctx.spec.name,
         }
-        reply = self._roundtrip({"op": "init", "model_py": str(self._model_py), "args": args})
+        try:
+            reply = self._roundtrip({"op": "init", "model_py": str(self._model_py), "args": args})
+        except InferenceFailed as exc:  # the stub died while importing or initializing the model
+            self.close()
+            raise ConfigError(f"{ctx.spec.name}: initialize() failed: {exc}") from exc
         if "error" in reply:
             self.close()
             raise ConfigError(f"{ctx.spec.name}: initialize() failed: {reply['error']}")
@@ -63,12 +80,60 @@ class PythonBackend:
         try:
             write_frame(self._out, message)
             return read_frame(self._in)
-        except (PipeClosed, BrokenPipeError, OSError) as exc:
-            code = self._proc.poll() if self._proc else None
-            raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped "
-                                  f"(exit code {code})") from exc
+        except (PipeClosed, OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
+                                  f"{self._exit_status()}") from exc
+
+    def _exit_status(self) -> str:
+        proc = self._proc
+        if proc is None:
+            return "not running"
+        try:
+            code = proc.wait(5)  # the pipe closes a moment before the process is reaped
+        except subprocess.TimeoutExpired:
+            return "its pipe closed but the process still runs"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        outcome = self._call(items)
+        if not isinstance(outcome, _CallFailed):
+            return outcome
+        if len(items) == 1:
+            return [self._alone(items[0], outcome)]
+        # Which request was at fault is unknown: run each alone, so only that one gets the error.
+        log.warning("%s: a batch of %d failed as a whole (%s); running its requests one at a time",
+                    self._ctx.instance_name, len(items), outcome.error)
+        return [self._alone(item, None) for item in items]
+
+    def _alone(self, item: InferenceItem, first: _CallFailed | None) -> ItemResult:
+        """One request on its own; one that crashes the stub is tried up to max_deliveries times."""
+        attempts = max(1, self._ctx.max_deliveries)
+        outcome = first if first is not None else self._call([item])
+        for attempt in range(1, attempts + 1):
+            if not isinstance(outcome, _CallFailed):
+                return outcome[0]
+            if not outcome.crashed:
+                return ItemResult(error=outcome.error)
+            log.warning("%s: request %r crashed the instance when run alone (attempt %d of %d)",
+                        self._ctx.instance_name, item.request_id or "(no id)", attempt, attempts)
+            if attempt < attempts:
+                outcome = self._call([item])
+        assert isinstance(outcome, _CallFailed)
+        return ItemResult(error=PoisonRequest(attempts, outcome.error.message))
+
+    def _call(self, items: list[InferenceItem]) -> list[ItemResult] | _CallFailed:
+        """One execute() in the stub: a result per request, or why the call failed as a whole."""
+        if self._proc is None:  # an earlier restart failed: try again before giving up on this call
+            try:
+                self._start()
+            except Exception as exc:
+                return _CallFailed(InferenceFailed(f"the Python model instance {self._ctx.instance_name} "
+                                                   f"cannot be started: {exc}"), crashed=False)
         requests = [
             {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire],
              "o": item.requested_outputs, "p": item.parameters}
@@ -79,11 +144,11 @@ class PythonBackend:
         except InferenceFailed as exc:
             log.error("%s; restarting it", exc)
             self._restart()
-            return failed(items, exc)
+            return _CallFailed(exc, crashed=True)
         if "error" in reply:
             if reply.get("trace"):
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
-            return failed(items, InferenceFailed(reply["error"]))
+            return _CallFailed(InferenceFailed(reply["error"]), crashed=False)
         return [self._result(r) for r in reply["responses"]]
 
     @staticmethod
@@ -99,6 +164,14 @@ class PythonBackend:
             self._start()
         except Exception:
             log.exception("cannot restart %s", self._ctx.instance_name)
+            self._proc = None  # the next call tries again
+
+    def kill(self) -> None:
+        """The watchdog's way out of a hung execute(): SIGKILL the stub. The call in flight then fails
+        as a crash (and is retried alone, up to max_deliveries); the instance restarts. Thread-safe."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def close(self) -> None:
         proc = self._proc

@@ -67,6 +67,17 @@ def _encode_response(pb: Any, response: Any) -> dict[str, Any]:
     return {"o": outputs, "p": params} if params else {"o": outputs}
 
 
+def _encode_checked(pb: Any, response: Any) -> dict[str, Any]:
+    """One response, or its request's error: a response that cannot be encoded fails only its request."""
+    if response is not None and not isinstance(response, pb.InferenceResponse):
+        return {"e": ["INTERNAL", f"execute() returned a {type(response).__name__} where an "
+                                  "InferenceResponse was expected"]}
+    try:
+        return _encode_response(pb, response)
+    except Exception as exc:
+        return {"e": ["INTERNAL", f"the model's response cannot be encoded: {type(exc).__name__}: {exc}"]}
+
+
 class Stub:
     def __init__(self) -> None:
         self.model: Any = None
@@ -104,10 +115,14 @@ class Stub:
         if responses is None:
             # A model may answer through the response senders instead (one response each).
             responses = [self._from_sender(r) for r in requests]
-        responses = list(responses)
+        try:
+            responses = list(responses)
+        except Exception as exc:  # not iterable, or a generator that raised
+            return {"error": f"execute() must return a list of InferenceResponse, got "
+                             f"{type(responses).__name__} ({type(exc).__name__}: {exc})"}
         if len(responses) != len(requests):
             return {"error": f"execute() returned {len(responses)} responses for {len(requests)} requests"}
-        return {"responses": [_encode_response(pb, r) for r in responses]}
+        return {"responses": [_encode_checked(pb, r) for r in responses]}
 
     def _from_sender(self, request: Any) -> Any:
         sent = [resp for resp, _flags in request.get_response_sender().sent if resp is not None]

@@ -1,0 +1,307 @@
+"""Fault injection against real processes: Redis (AOF), one gateway and two workers, each signalled by
+PID. Every accepted request must end in exactly one reply with its own value, whatever is killed.
+
+Workers are frozen with SIGSTOP (as a stalled host would be) to pile requests up deterministically
+before a fault; their heartbeat TTL is long enough that the gateway keeps routing to them meanwhile.
+The figures each test prints (`-s`) are the ones quoted in bench/RESULTS.md, "Reliability".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from bench.rawhttp import Connection
+from fleet.keys import GROUP, Keys
+from fleet.redis_server import start_server
+from tests.support.processes import Cluster
+from tests.support.queue_models import SLEEPER
+
+MODEL = "echo"  # OUT = IN after SLEEP_MS per batch of up to 16
+SLOW = "slow"  # OUT = IN after 1 s, one request at a time
+ENV = {
+    "FLEET_CLAIM_MIN_MS": "1000",
+    "FLEET_CLAIM_KEEPALIVE_S": "0.25",
+    "FLEET_CLAIM_INTERVAL_S": "0.25",
+    "FLEET_HEARTBEAT_TTL_S": "60",  # frozen (SIGSTOP) workers stay routable
+    "FLEET_REQUEST_TIMEOUT_S": "30",
+    "FLEET_BLOCK_MS": "200",
+    "FLEET_KEY_PREFIX": "faults",
+}
+KEYS = Keys("faults")
+# After a graceful stop, uvicorn re-raises the SIGTERM it caught, so the exit status says how it ended.
+STOPPED_BY_SIGTERM = (0, -signal.SIGTERM)
+
+
+def _model(repo: Path, name: str, *, sleep_ms: int, max_batch_size: int) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_bytes(SLEEPER.read_bytes())
+    (repo / name / "config.pbtxt").write_text(f"""
+backend: "python"
+max_batch_size: {max_batch_size}
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ -1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 2000 }}
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+parameters {{ key: "SLEEP_MS" value: {{ string_value: "{sleep_ms}" }} }}
+""")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("faults")
+    repo = tmp / "models"
+    _model(repo, MODEL, sleep_ms=20, max_batch_size=16)
+    _model(repo, SLOW, sleep_ms=1000, max_batch_size=1)
+    c = Cluster(tmp, repo, ENV)
+    c.start_redis()
+    c.start_gateway()
+    c.start_worker()
+    c.start_worker()
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        c.stop()
+
+
+def _body(value: float) -> dict[str, object]:
+    return {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+
+
+async def _infer(c: Cluster, value: float, model: str = MODEL, *, conn: Connection | None = None,
+                 timeout_s: float = 60) -> tuple[int, object, float]:
+    """(status, OUT value or error, seconds) on `conn` or a connection of its own; a transport error or
+    giving up after timeout_s (the connection is then closed: a client that went away) is status 0."""
+    own = conn is None
+    conn = conn or Connection("127.0.0.1", c.http_port)
+    t0 = time.monotonic()
+    try:
+        status, _, payload = await asyncio.wait_for(conn.post(f"/v2/models/{model}/infer", _body(value)), timeout_s)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+        conn.close()
+        return 0, repr(exc), time.monotonic() - t0
+    finally:
+        if own:
+            conn.close()
+    doc = json.loads(payload)
+    out = doc["outputs"][0]["data"][0] if status == 200 else doc.get("error")
+    return status, out, time.monotonic() - t0
+
+
+def _redis(c: Cluster) -> redis.Redis:
+    return redis.Redis.from_url(c.redis_url, protocol=2, decode_responses=True)
+
+
+def _freeze(c: Cluster, frozen: bool) -> None:
+    for w in c.workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+
+
+async def _until(check: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _assert_drained(r: redis.Redis, model: str = MODEL) -> None:
+    """Nothing left behind: no queued or pending message, no dead letter."""
+    for lane in range(2):
+        stream = KEYS.queue(model, lane)
+        assert r.xlen(stream) == 0, f"{stream} still holds {r.xlen(stream)} entries"
+        if r.exists(stream):
+            assert r.xpending(stream, GROUP)["pending"] == 0
+    assert r.xlen(KEYS.dead(model)) == 0
+
+
+def _executions(c: Cluster, model: str = MODEL) -> int:
+    doc = httpx.get(f"{c.base_url}/v2/models/{model}/stats").json()
+    return int(doc["model_stats"][0]["inference_count"])
+
+
+def test_sigkill_a_worker_with_1000_requests_in_flight(cluster: Cluster) -> None:
+    """All 1,000 answered, each once, each with its own value; the victim's messages are claimed."""
+    r = _redis(cluster)
+    victim = cluster.workers[1]
+    before = _executions(cluster)
+
+    async def main() -> dict[str, float]:
+        _freeze(cluster, True)
+        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(1000)]
+        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 1000, 60, "1,000 requests queued")
+        _freeze(cluster, False)
+        stream = KEYS.queue(MODEL)
+
+        def victim_holds() -> int:
+            return sum(int(x["pending"]) for x in r.xinfo_consumers(stream, GROUP)
+                       if f"-{victim.pid}-" in x["name"])
+
+        await _until(lambda: victim_holds() >= 16, 10, "the victim to hold a batch or more")
+        held = victim_holds()
+        victim.kill()
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        recovered_s = time.monotonic() - killed_at
+        assert [s for s, _, _ in results] == [200] * 1000, {s for s, _, _ in results}
+        assert [v for _, v, _ in results] == [float(i) for i in range(1000)]
+        return {"held_by_victim": held, "recovery_s": recovered_s}
+
+    figures = asyncio.run(main())
+    victim.wait(10)
+    cluster.workers.remove(victim)
+    _assert_drained(r)
+    computed = _executions(cluster) - before
+    print(f"\nSIGKILL worker: 1000 in flight, {figures['held_by_victim']:.0f} held by the victim, "
+          f"0 lost, 0 answered twice, {computed - 1000} computed twice, all answered "
+          f"{figures['recovery_s']:.2f} s after the kill")
+    assert computed >= 1000
+    cluster.start_worker()  # back to two for the next tests
+    cluster.wait_ready()
+
+
+def test_redis_restart_with_aof_loses_nothing_queued(cluster: Cluster) -> None:
+    """Requests queued when Redis restarts are answered after it; requests sent while it is down fail
+    fast with 503; nothing hangs."""
+    assert cluster.redis is not None
+
+    async def main() -> None:
+        _freeze(cluster, True)
+        queued = [asyncio.create_task(_infer(cluster, float(i))) for i in range(300)]
+        r = _redis(cluster)
+        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 300, 30, "300 requests queued")
+        r.close()
+        cluster.redis.stop()  # SIGTERM: the server writes its AOF out and exits
+        down_at = time.monotonic()
+        during = await asyncio.gather(*(_infer(cluster, -1.0) for _ in range(20)))
+        assert all(s == 503 and t < 2.0 for s, _, t in during), during
+        cluster.redis = start_server(cluster.tmp / "redis", cluster.redis_port, appendonly=True)
+        outage_s = time.monotonic() - down_at
+        _freeze(cluster, False)
+        results = await asyncio.gather(*queued)
+        assert [s for s, _, _ in results] == [200] * 300, [x for x in results if x[0] != 200][:3]
+        assert [v for _, v, _ in results] == [float(i) for i in range(300)]
+        print(f"\nRedis restart (AOF): 300 queued, {outage_s:.2f} s down, 300 answered after it, "
+              f"20 sent meanwhile got 503 in at most {max(t for _, _, t in during) * 1000:.0f} ms")
+
+    asyncio.run(main())
+    _assert_drained(_redis(cluster))
+
+
+def test_redis_restart_under_live_load_never_hangs(cluster: Cluster) -> None:
+    """Load running through a restart: each request is answered with its value or 503, within its
+    timeout, and service resumes."""
+    assert cluster.redis is not None
+    outcomes: list[tuple[int, object, float]] = []
+
+    async def load(start: int, stop_at: float) -> None:
+        conn = Connection("127.0.0.1", cluster.http_port)
+        i = start
+        try:
+            while time.monotonic() < stop_at:
+                status, value, took = await _infer(cluster, float(i), conn=conn)
+                outcomes.append((status, value == float(i), took))
+                i += 1000
+                if status != 200:
+                    await asyncio.sleep(0.05)  # a client backing off, not spinning on 503s
+        finally:
+            conn.close()
+
+    async def main() -> None:
+        stop_at = time.monotonic() + 6
+        loaders = [asyncio.create_task(load(k, stop_at)) for k in range(32)]
+        await asyncio.sleep(1.5)
+        cluster.redis.stop()
+        await asyncio.sleep(1.0)
+        cluster.redis = start_server(cluster.tmp / "redis", cluster.redis_port, appendonly=True)
+        await asyncio.wait_for(asyncio.gather(*loaders), 60)
+        assert (await _infer(cluster, 7.0))[:2] == (200, 7.0)
+
+    asyncio.run(main())
+    statuses = {s for s, _, _ in outcomes}
+    assert statuses <= {200, 503}, statuses
+    assert all(ok for s, ok, _ in outcomes if s == 200)
+    assert max(t for _, _, t in outcomes) < 30
+    ok = sum(1 for s, _, _ in outcomes if s == 200)
+    print(f"\nRedis restart under load: {len(outcomes)} requests, {ok} answered, {len(outcomes) - ok} 503, "
+          f"slowest {max(t for _, _, t in outcomes):.2f} s")
+    cluster.wait_ready()
+
+
+def test_client_disconnect_cancels_the_request(cluster: Cluster) -> None:
+    """A caller that goes away: its request is deleted from the stream if unread, or dropped from the
+    worker's queue if read ahead; either way never computed."""
+    r = _redis(cluster)
+    before = _executions(cluster, SLOW)
+
+    async def main() -> None:
+        # One per worker: both instances are busy for 1 s.
+        first = [asyncio.create_task(_infer(cluster, 1.0, SLOW)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        gone = await asyncio.gather(*(_infer(cluster, 2.0, SLOW, timeout_s=0.5) for _ in range(4)))
+        assert all(s == 0 for s, _, _ in gone)  # the client gave up
+        await _until(lambda: r.xlen(KEYS.queue(SLOW)) <= 2, 5, "the abandoned requests to be dropped")
+        assert [x[:2] for x in await asyncio.gather(*first)] == [(200, 1.0)] * 2
+        await asyncio.sleep(1.5)
+
+    asyncio.run(main())
+    assert _executions(cluster, SLOW) - before == 2
+    _assert_drained(r, SLOW)
+
+
+def test_sigterm_a_worker_under_load_loses_nothing(cluster: Cluster) -> None:
+    """The worker drains: it answers what it holds and exits 0; the other serves the rest."""
+    leaving = cluster.workers[0]
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(600)]
+        await asyncio.sleep(0.5)
+        leaving.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks)
+        took = time.monotonic() - t0
+        assert [s for s, _, _ in results] == [200] * 600, ([x for x in results if x[0] != 200], took,
+                                                           sorted(t for _, _, t in results)[-10:])
+        assert [v for _, v, _ in results] == [float(i) for i in range(600)]
+
+    asyncio.run(main())
+    assert leaving.wait(15) in STOPPED_BY_SIGTERM, cluster.logs()
+    cluster.workers.remove(leaving)
+    _assert_drained(_redis(cluster))
+    cluster.start_worker()
+    cluster.wait_ready()
+
+
+def test_sigterm_the_gateway_answers_what_it_accepted(cluster: Cluster) -> None:
+    """The gateway stops accepting, answers every request in flight, then exits 0."""
+    gateway = cluster.gateway
+    assert gateway is not None
+
+    async def main() -> None:
+        _freeze(cluster, True)
+        r = _redis(cluster)
+        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(200)]
+        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 200, 30, "200 requests queued")
+        gateway.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert gateway.poll() is None  # still answering what it holds
+        _freeze(cluster, False)
+        results = await asyncio.gather(*tasks)
+        assert [s for s, _, _ in results] == [200] * 200
+        assert [v for _, v, _ in results] == [float(i) for i in range(200)]
+
+    asyncio.run(main())
+    assert gateway.wait(15) in STOPPED_BY_SIGTERM
+    cluster.start_gateway()
+    cluster.wait_ready()
+

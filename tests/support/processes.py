@@ -1,0 +1,92 @@
+"""Real fleet processes for fault-injection tests: one Redis (AOF), one gateway and N workers, each a
+`python -m fleet ...` child the test can signal by PID, like a supervisor or an operator would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleet.redis_server import LocalServer, free_port, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return int(r.status)
+    except Exception:
+        return 0
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    repository: Path
+    env: dict[str, str]
+    redis: LocalServer | None = None
+    redis_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    gateway: subprocess.Popen[bytes] | None = None
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _logs: list[Path] = field(default_factory=list)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start_redis(self) -> None:
+        self.redis = start_server(self.tmp / "redis", self.redis_port, appendonly=True)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = self.tmp / f"{name}-{len(self._logs)}.log"
+        self._logs.append(log)
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")} | self.env
+        with open(log, "wb") as out:
+            return subprocess.Popen([sys.executable, "-m", "fleet", *args, "--redis-url", self.redis_url,
+                                     "--model-repository", str(self.repository), "--jobs-dir",
+                                     str(self.tmp / "jobs")], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env)
+
+    def start_gateway(self) -> None:
+        self.gateway = self._spawn("gateway", ["gateway", "--http-port", str(self.http_port),
+                                               "--metrics-port", str(free_port())])
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        proc = self._spawn("worker", ["worker", "--device", "cpu"])
+        self.workers.append(proc)
+        return proc
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while http_status(f"{self.base_url}/v2/health/ready") != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready within {timeout_s}s:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self._logs if p.exists())
+
+    def stop(self) -> None:
+        procs = [p for p in [self.gateway, *self.workers] if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
