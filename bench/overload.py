@@ -123,18 +123,20 @@ async def open_loop(port: int, rate: float, seconds: float, max_conns: int,
     idle = [Connection(HOST, port) for _ in range(max_conns)]
     ok_lat: list[float] = []
     rej_lat: list[float] = []
-    wrong = unsent = other = 0
+    wrong = unsent = 0
+    other: dict[str, int] = {}
     memory: dict[str, list[float]] = {role: [] for role in pids}
     tasks: set[asyncio.Task[None]] = set()
 
     async def send(value: float) -> None:
-        nonlocal wrong, other
+        nonlocal wrong
         conn = idle.pop()
         t0 = time.perf_counter()
         try:
             status, right = await post(conn, value)
-        except (OSError, asyncio.IncompleteReadError):
-            other += 1
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            other[type(exc).__name__] = other.get(type(exc).__name__, 0) + 1
+            conn.close()
             idle.append(Connection(HOST, port))
             return
         took = time.perf_counter() - t0
@@ -145,7 +147,7 @@ async def open_loop(port: int, rate: float, seconds: float, max_conns: int,
         elif status == 503:
             rej_lat.append(took)
         else:
-            other += 1
+            other[str(status)] = other.get(str(status), 0) + 1
 
     start = time.monotonic()
     next_sample = start
@@ -201,7 +203,7 @@ def main() -> int:
         ["sent / not sent by the client", f"{r['sent']:,} / {r['unsent']:,}"],
         ["admitted (200, req/s)", f"{len(ok) / elapsed:,.0f} ({len(ok) / elapsed / sustainable:.2f}x S)"],
         ["rejected (503 + Retry-After, req/s)", f"{len(rej) / elapsed:,.0f}"],
-        ["wrong answers / other errors", f"{r['wrong']} / {r['other']}"],
+        ["wrong answers / other outcomes", f"{r['wrong']} / {r['other'] or 0}"],
         ["admitted p50 / p99 / max (ms)",
          f"{percentile(ok, .5) * 1e3:.1f} / {percentile(ok, .99) * 1e3:.1f} / {max(ok, default=0) * 1e3:.1f}"],
         ["rejected p50 / p99 (ms)", f"{percentile(rej, .5) * 1e3:.1f} / {percentile(rej, .99) * 1e3:.1f}"],
@@ -209,8 +211,8 @@ def main() -> int:
     memory = r["memory"]
     assert isinstance(memory, dict)
     for role, samples in sorted(memory.items()):
-        peak = f"{samples[0]:.0f} / {samples[-1]:.0f} / {max(samples):.0f}"
-        rows.append([f"{role} RSS start / end / peak (MB)", peak])
+        quarters = " / ".join(f"{samples[min(len(samples) - 1, q * (len(samples) - 1) // 4)]:.0f}" for q in range(5))
+        rows.append([f"{role} RSS at 0, 1/4 .. 4/4 of the run (MB)", f"{quarters} (peak {max(samples):.0f})"])
     print_table(f"overload: {a.factor:g}x the sustainable {sustainable:,.0f} req/s for {a.seconds:g} s", ["", ""], rows)
     return 1 if r["wrong"] or r["other"] else 0
 

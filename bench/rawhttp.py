@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
+
+# uvicorn closes a keep-alive connection idle for 5 s; a request sent on it just then is lost to the race
+# every HTTP client has to handle. Reconnecting before that stays out of it.
+MAX_IDLE_S = 4.0
 
 
 class Connection:
@@ -17,9 +22,12 @@ class Connection:
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_used = 0.0
 
     async def post(self, path: str, doc: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
         """(status, lower-cased headers, body); raises OSError / IncompleteReadError if the server goes."""
+        if self.writer is not None and time.monotonic() - self.last_used > MAX_IDLE_S:
+            self.close()
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
@@ -31,6 +39,7 @@ class Connection:
         status = int(lines[0].split()[1])
         headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
         payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        self.last_used = time.monotonic()
         if headers.get("connection", "").lower() == "close":
             self.close()
         return status, headers, payload

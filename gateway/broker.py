@@ -60,6 +60,8 @@ class Broker:
         self.timeout_s = request_timeout_s
         self.outage_s = outage_s
         self._down_since: float | None = None  # loop time Redis was first seen unreachable, if it is now
+        self.unclaimed_replies = 0  # replies nobody waited for any more: duplicates or late; dropped
+        self._redis_back = asyncio.Event()  # an enqueue worked while the reply reader was backing off
         self._waiters: dict[str, _Waiter] = {}
         self._outbox: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
         self._flushes: set[asyncio.Future[None]] = set()
@@ -165,6 +167,9 @@ class Broker:
                 if not fut.done():
                     fut.set_exception(err)
             return
+        if self._down_since is not None:
+            self._down_since = None  # Redis took these: it is back (the reply reader may still be waiting)
+            self._redis_back.set()
         for (rid, stream, _, bound, fut), result in zip(batch, results, strict=True):
             if bound > 0 and result is None:
                 if not fut.done():
@@ -196,10 +201,14 @@ class Broker:
                     self._down_since = loop.time()
                 delay = backoff.next_delay()
                 log.warning("reply reader: %s; retrying in %.2f s", exc, delay)
-                await asyncio.sleep(delay)
+                self._redis_back.clear()
+                try:
+                    await asyncio.wait_for(self._redis_back.wait(), delay)
+                except TimeoutError:
+                    pass
                 continue
-            if self._down_since is not None:
-                log.warning("reply reader: Redis is back after %.1f s", loop.time() - self._down_since)
+            if backoff.attempt:
+                log.warning("reply reader: reading replies again")
                 self._down_since = None
                 backoff.reset()
             for _, entries in result or []:
@@ -219,8 +228,10 @@ class Broker:
             log.exception("dropping an undecodable reply")
             return
         waiter = self._waiters.pop(reply.id, None)
-        if waiter is not None and not waiter.future.done():  # duplicates and late replies are dropped
+        if waiter is not None and not waiter.future.done():
             waiter.future.set_result(reply)
+        else:
+            self.unclaimed_replies += 1  # a duplicate or a late reply: dropped
 
     async def _touch_reply_stream(self) -> None:
         try:
@@ -232,6 +243,13 @@ class Broker:
         except (RedisError, OSError) as exc:
             log.warning("cannot refresh the reply stream: %s", exc)
 
+    async def _reachable(self) -> bool:
+        try:
+            await asyncio.wait_for(self._client.ping(), 1.0)
+            return True
+        except (RedisError, OSError, TimeoutError):
+            return False
+
     async def _sweep(self) -> None:
         """Fail requests whose reply did not come in time: one timer for all, not one per request."""
         loop = asyncio.get_running_loop()
@@ -239,6 +257,9 @@ class Broker:
             await asyncio.sleep(SWEEP_S)
             now = loop.time()
             down_s = None if self._down_since is None else now - self._down_since
+            if down_s is not None and down_s > self.outage_s and await self._reachable():
+                self._down_since = down_s = None  # back, and the reply reader is about to notice
+                self._redis_back.set()
             if down_s is not None and down_s > self.outage_s:
                 # Redis has been away too long: fail what waits now (503, retry elsewhere) instead of
                 # holding every caller to its full timeout.

@@ -29,32 +29,61 @@ _JSON = b"application/json"
 DISCONNECT_WATCH_S = 0.05
 
 
-class _DisconnectWatch:
-    """Cancels the request's task when its client disconnects, once the reply is slow in coming."""
+class _Waiting:
+    """One request waiting for its reply: cancels the request's task if its client disconnects."""
 
-    __slots__ = ("_receive", "_task", "_handle", "_watcher", "disconnected")
+    __slots__ = ("receive", "task", "since", "watcher", "disconnected")
 
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._task = asyncio.current_task()
-        self._watcher: asyncio.Task[None] | None = None
+    def __init__(self, receive: Receive, since: float) -> None:
+        self.receive = receive
+        self.task = asyncio.current_task()
+        self.since = since
+        self.watcher: asyncio.Task[None] | None = None
         self.disconnected = False
-        self._handle = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_S, self._start)
 
-    def _start(self) -> None:
-        self._watcher = asyncio.ensure_future(self._watch())
+    def watch(self) -> None:
+        self.watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
+        while (await self.receive())["type"] != "http.disconnect":
             pass
         self.disconnected = True
-        if self._task is not None:
-            self._task.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
-    def close(self) -> None:
-        self._handle.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
+
+class _DisconnectWatch:
+    """The requests of one process waiting for replies. One timer, not one per request (a timer handle
+    per request cost more than the rest of the hot path's bookkeeping), starts a watcher for each that
+    has waited DISCONNECT_WATCH_S."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[_Waiting, None] = {}  # insertion-ordered: oldest first
+        self._timer: asyncio.Task[None] | None = None
+
+    def add(self, receive: Receive) -> _Waiting:
+        loop = asyncio.get_running_loop()
+        if self._timer is None:
+            self._timer = loop.create_task(self._run())
+        waiting = _Waiting(receive, loop.time())
+        self._waiting[waiting] = None
+        return waiting
+
+    def remove(self, waiting: _Waiting) -> None:
+        del self._waiting[waiting]
+        if waiting.watcher is not None:
+            waiting.watcher.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(DISCONNECT_WATCH_S)
+            started_before = loop.time() - DISCONNECT_WATCH_S
+            for waiting in self._waiting:
+                if waiting.since > started_before:
+                    break  # the rest are younger
+                if waiting.watcher is None:
+                    waiting.watch()
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -84,6 +113,7 @@ class InferFastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._in_flight = 0  # requests of this process between reading their body and answering
+        self._watch = _DisconnectWatch()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -114,20 +144,20 @@ class InferFastPath:
                 # the latency of what was admitted stay bounded under any overload.
                 raise Overloaded(f"the gateway is at its limit of {limit} requests in flight; retry shortly")
             self._in_flight += 1
-            watch = _DisconnectWatch(receive)
+            waiting = self._watch.add(receive)
             try:
                 if encoding:
                     body = decompress(body, encoding, state.settings.max_input_bytes)
                 result = await state.dataplane.infer(name, version or None, body, header_length)
             except asyncio.CancelledError:
-                if not watch.disconnected:
+                if not waiting.disconnected:
                     raise
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()  # our own cancellation: the client is gone, there is nobody to answer
                 return
             finally:
-                watch.close()
+                self._watch.remove(waiting)
                 self._in_flight -= 1
         except ServingError as exc:
             retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None

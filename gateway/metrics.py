@@ -34,9 +34,10 @@ _COUNTERS = [
 
 
 class _Snapshot(Collector):
-    def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int) -> None:
+    def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int) -> None:
         self.rows = rows  # (model, version, decoded stats hash, queue depth)
         self.workers = workers
+        self.unclaimed = unclaimed
 
     def collect(self) -> Any:
         labels = ["model", "version"]
@@ -59,6 +60,9 @@ class _Snapshot(Collector):
         yield fail
         yield pending
         yield GaugeMetricFamily("fleet_workers", "Live workers (fresh heartbeat)", value=self.workers)
+        yield CounterMetricFamily("fleet_unclaimed_replies", "Replies this gateway received for requests no longer "
+                                  "waiting: duplicates (a message computed twice after a claim), or late (after 504 "
+                                  "or a disconnect); dropped", value=self.unclaimed)
 
 
 async def metrics(request: Request) -> Response:
@@ -78,7 +82,7 @@ async def metrics(request: Request) -> Response:
         for v in st.catalog.view(n).entry.versions:
             rows.append((n, v, raw, depth))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(rows, st.catalog.workers))
+    registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
 

@@ -6,12 +6,16 @@ A message is named by (lane, entry id): entry ids are unique only within one str
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
 
+from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import GROUP, Keys
 from fleet.stats import BatchSample, field, increments
@@ -22,6 +26,7 @@ REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above an
 # A reply stream nobody reads any more (its gateway or job is gone) disappears after this. NX: the
 # reader's own, shorter refresh cycle is never disturbed; this only covers a key the XADD recreated.
 ORPHAN_REPLY_TTL_S = 3600
+FINISH_RETRY_S = 30.0
 
 MessageId = tuple[int, bytes]  # (lane, stream entry id)
 
@@ -49,6 +54,19 @@ class StreamConsumer:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    async def join_when_reachable(self) -> None:
+        """join(), retried while Redis is starting or loading its AOF; an error that retrying cannot fix
+        (a refused ACL) is raised."""
+        backoff = Backoff()
+        while True:
+            try:
+                await self.join()
+                return
+            except (RedisConnectionError, TimeoutError, OSError) as exc:
+                delay = backoff.next_delay()
+                log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.model, exc, delay)
+                await asyncio.sleep(delay)
 
     async def read(self, lane: int, count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
         """Up to `count` new messages of `lane` as ((lane, entry id), payload)."""
@@ -93,6 +111,24 @@ class StreamConsumer:
             last = field(sample.version, "last_inference") if sample.requests_ok else ""
             pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
         await pipe.execute()
+
+    async def finish_retrying(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
+                              samples: list[BatchSample]) -> None:
+        """finish(), retried with capped backoff while Redis is away (a restart): computed replies are
+        written once it is back, for up to FINISH_RETRY_S; after that the error is raised and the messages
+        stay pending (another worker, or this one, claims and recomputes them)."""
+        backoff = Backoff()
+        give_up_at = time.monotonic() + FINISH_RETRY_S
+        while True:
+            try:
+                await self.finish(replies, messages, samples)
+                return
+            except (RedisError, OSError) as exc:
+                if time.monotonic() > give_up_at:
+                    raise
+                delay = backoff.next_delay()
+                log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, exc, delay)
+                await asyncio.sleep(delay)
 
     async def claim(self, min_idle_ms: int, count: int) -> list[tuple[MessageId, bytes | None, int]]:
         """Take over messages other consumers left pending for min_idle_ms, highest lane first:

@@ -46,21 +46,26 @@ def _kind_matches(produced: np.dtype, declared: Datatype) -> bool:
     """Whether an output of `produced` may be cast to the declared type: within a kind (FP64 -> FP32,
     INT64 -> INT32, as numpy defaults produce) yes; across kinds (FP64 -> INT32, numbers <-> BYTES) no,
     since that would silently change values. Triton does not cast outputs at all."""
+    if produced == declared.numpy:
+        return True  # the common case, without numpy's casting machinery
     if declared.name == "BYTES" or produced.kind in ("O", "S", "U"):
         return declared.name == "BYTES" and produced.kind in ("O", "S", "U")
     return bool(np.can_cast(produced, declared.numpy, casting="same_kind"))
 
 
 def _shape_error(spec: ModelSpec, ts: TensorSpec, env: RequestEnvelope, shape: tuple[int, ...]) -> str | None:
-    """Why an output's shape contradicts its config dims (and the request's batch size), or None."""
+    """Why an output's shape contradicts its config dims (and the request's batch size), or None.
+    Per output of every request: the passing case builds nothing."""
     if ts.is_shape_tensor or ts.reshape is not None:
         return None  # the model produces another shape than `dims` by design
-    expected = [WILDCARD_DIM, *ts.dims] if spec.max_batch_size > 0 else list(ts.dims)
-    ragged = any(t.allow_ragged_batch for t in spec.inputs)
-    if spec.max_batch_size > 0 and not ragged:
-        expected[0] = env.batch_rows(True)
-    if len(shape) == len(expected) and all(e == WILDCARD_DIM or e == d for e, d in zip(expected, shape, strict=True)):
-        return None
+    dims = ts.dims
+    batched = spec.max_batch_size > 0
+    rest = shape[1:] if batched else shape
+    if len(rest) == len(dims) and all(d == WILDCARD_DIM or d == r for d, r in zip(dims, rest, strict=True)):
+        rows = env.batch_rows(True) if batched else None
+        if rows is None or shape[0] == rows or any(t.allow_ragged_batch for t in spec.inputs):
+            return None
+    expected = [env.batch_rows(True), *dims] if batched else list(dims)
     return (f"model '{spec.name}' returned output '{ts.name}' with shape {list(shape)}, but its config "
             f"(and the request's batch size) makes it {expected}")
 

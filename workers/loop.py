@@ -6,7 +6,7 @@ A batch runs on a free instance's own thread, so `instance_group.count` instance
 
 One reader per lane feeds the queue, each blocked on its own stream. Read-ahead is bounded, and a
 lower lane may never fill the room a higher one needs: each lane above has one more batch of room
-than the lane below it (`_room`), so a saturating bulk job (or a flood of low-priority requests)
+than the lane below it (workers/holding.py), so a saturating bulk job (or a flood of low-priority requests)
 delays a higher-priority request by at most the batches already executing. Every lower lane always
 keeps one batch in the queue (the floor in `_room`) so that lane aging (batching.policy) can promote
 it when higher-priority load saturates the model.
@@ -17,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
@@ -31,10 +30,10 @@ from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
 from fleet.errors import InvalidInput, RequestTimeout, ServingError
 from fleet.model_config import ModelSpec
-from fleet.stats import BatchSample
 from workers import gil
 from workers.consumer import MessageId, StreamConsumer
 from workers.execute import BatchOutcome, run_batch
+from workers.holding import Holding
 from workers.instance import Instance, Job
 from workers.recovery import HungHandler, Recovery, RecoveryConfig
 from workers.samples import batch_sample, rejected_samples
@@ -45,9 +44,6 @@ log = logging.getLogger(__name__)
 # then neither staged behind a running batch nor allowed more than `bulk_share` of the instance.
 ONLINE_QUIET_US = 200_000
 STAGE_DEADLINE_MARGIN_US = 1_000_000
-# Replies computed while Redis is away are kept and written once it is back, for up to this long; after
-# that the messages are left pending (another worker, or this one, claims and recomputes them).
-FINISH_RETRY_S = 30.0
 
 
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
@@ -86,11 +82,6 @@ class ModelLoop:
     policy: BatchPolicy = field(init=False)
     _queued: dict[int, list[_Queued]] = field(init=False, default_factory=dict)
     _free: dict[int, list[Instance]] = field(init=False, default_factory=dict)
-    # Messages this worker holds (queued or executing): a claim must not admit them twice.
-    # Rows are what read-ahead is bounded by: a bulk job's request packs a whole batch of rows.
-    _holding: dict[MessageId, int] = field(init=False, default_factory=dict)  # message -> its rows
-    _held_rows: list[int] = field(init=False, default_factory=list)  # per lane
-    _rows_hint: list[int] = field(init=False, default_factory=list)  # per lane: rows of its last message
     _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     # One per lane reader: a shared event could be cleared by one reader after it was set for another.
     _room_events: list[asyncio.Event] = field(init=False, default_factory=list)
@@ -105,8 +96,10 @@ class ModelLoop:
         self._free = {v: list(insts) for v, insts in self.instances.items()}
         self.bulk_lane = bulk_lane(self.spec)
         self._room_events = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
-        self._held_rows = [0] * (self.bulk_lane + 1)
-        self._rows_hint = [1] * (self.bulk_lane + 1)
+        # Messages this worker holds (queued, staged or executing): a claim must not admit them twice.
+        n_instances = sum(len(i) for i in self.instances.values())
+        per_batch = max(1, self.spec.max_batch_size) if self.policy.dynamic else 1
+        self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * self.read_ahead_batches)
         assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
         lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
         self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
@@ -128,72 +121,25 @@ class ModelLoop:
             self.on_health()
 
     def held_messages(self) -> dict[int, list[bytes]]:
-        by_lane: dict[int, list[bytes]] = {}
-        for lane, entry_id in self._holding:
-            by_lane.setdefault(lane, []).append(entry_id)
-        return by_lane
+        return self.holding.by_lane()
 
     def holds(self, message: MessageId) -> bool:
-        return message in self._holding
+        return message in self.holding
 
     def claim_room(self) -> int:
-        return self._room(0)
+        return self.holding.room(0)
 
     def wake(self) -> None:
         self._wake.set()
 
-    @property
-    def per_batch(self) -> int:
-        return max(1, self.spec.max_batch_size) if self.policy.dynamic else 1
-
-    @property
-    def capacity(self) -> int:
-        """Rows the bulk lane may fill (queued + executing): enough to form the next batches."""
-        n_instances = sum(len(i) for i in self.instances.values())
-        return self.per_batch * n_instances * self.read_ahead_batches
-
-    def held(self) -> int:
-        """Rows this worker holds for the model: queued, staged or executing."""
-        return sum(self._held_rows)
-
-    def held_in(self, lane: int) -> int:
-        return self._held_rows[lane]
-
-    def _hold(self, message: MessageId, rows: int) -> None:
-        self._holding[message] = rows
-        self._held_rows[message[0]] += rows
-        self._rows_hint[message[0]] = rows
-
-    def _release(self, messages: Iterable[MessageId]) -> None:
-        for message in messages:
-            rows = self._holding.pop(message, None)
-            if rows is not None:
-                self._held_rows[message[0]] -= rows
-
-    def _room(self, lane: int) -> int:
-        """How many more rows `lane` may read now: up to its limit (one batch more per lane above the
-        bulk lane), and at least enough to keep one batch of its own queued."""
-        room = self.capacity + self.per_batch * (self.bulk_lane - lane) - self.held()
-        if lane > 0:
-            room = max(room, self.per_batch - self.held_in(lane))
-        return room
-
     async def run(self) -> None:
-        backoff = Backoff()
-        while True:  # Redis may still be starting (or loading its AOF); a refused ACL is not retried
-            try:
-                await self.consumer.join()
-                break
-            except (RedisConnectionError, TimeoutError, OSError) as exc:
-                delay = backoff.next_delay()
-                log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.spec.name, exc, delay)
-                await asyncio.sleep(delay)
+        await self.consumer.join_when_reachable()
         schedulers = [asyncio.create_task(self._schedule(v)) for v in self.instances]
         schedulers += self.recovery.tasks()
         try:
             await asyncio.gather(*(self._read(lane) for lane in range(self.bulk_lane + 1)))
             # Stopping: nothing new is read; finish and answer what this worker holds.
-            while self.held():
+            while self.holding.rows():
                 self._wake.set()
                 await asyncio.sleep(0.01)
         finally:
@@ -214,14 +160,14 @@ class ModelLoop:
         room_event = self._room_events[lane]
         backoff = Backoff()
         while not self._stopping:
-            room = self._room(lane)
+            room = self.holding.room(lane)
             if room <= 0:
                 room_event.clear()
                 await room_event.wait()
                 continue
             try:
                 # Room is in rows; a message holds as many rows as the last one of this lane did.
-                count = max(1, room // self._rows_hint[lane])
+                count = self.holding.messages_to_read(lane, room)
                 messages = await self.consumer.read(lane, count, self.block_ms)
                 backoff.reset()
             except (RedisError, OSError) as exc:
@@ -259,7 +205,7 @@ class ModelLoop:
             deadline, delay = env.expires_us, False
         if lane < self.bulk_lane:
             self._online_seen_us = self.clock.now_us()
-        self._hold(message, rows)
+        self.holding.hold(message, rows)
         self._seq += 1
         queue.append(_Queued(message, env, seq=self._seq, pending=Pending(
             request_id=f"{lane}/{entry_id.decode()}", lane=lane, enqueued_at_us=env.enqueued_at_us,
@@ -380,7 +326,7 @@ class ModelLoop:
         try:
             await self.consumer.finish(replies, [q.message for q in expired], samples)
         finally:
-            self._release(q.message for q in expired)
+            self.holding.release(q.message for q in expired)
             self._freed()
 
     def _online_active(self, now_us: int) -> bool:
@@ -416,7 +362,8 @@ class ModelLoop:
                                   self.clock.now_us())
             poisoned = {batch[i].message for i in result.poisoned}
             replies = [(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)]
-            await self._write(replies, [q.message for q in batch if q.message not in poisoned], [sample])
+            await self.consumer.finish_retrying(replies, [q.message for q in batch if q.message not in poisoned],
+                                                [sample])
             for q in batch:
                 if q.message in poisoned:
                     await self.consumer.dead_letter(q.message, result.replies[batch.index(q)].error_message,
@@ -425,25 +372,9 @@ class ModelLoop:
             # Redis stayed away: the messages stay pending and will be claimed and computed again.
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
         finally:
-            self._release(q.message for q in batch)
+            self.holding.release(q.message for q in batch)
             self._wake.set()
             self._freed()
-
-    async def _write(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
-                     samples: list[BatchSample]) -> None:
-        """consumer.finish, retried while Redis is away (a restart): computed replies are not thrown away."""
-        backoff = Backoff()
-        deadline = self.clock.now_us() + int(FINISH_RETRY_S * 1e6)
-        while True:
-            try:
-                await self.consumer.finish(replies, messages, samples)
-                return
-            except (RedisError, OSError) as exc:
-                if self.clock.now_us() > deadline:
-                    raise
-                delay = backoff.next_delay()
-                log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.spec.name, exc, delay)
-                await asyncio.sleep(delay)
 
     def cancel(self, request_ids: set[str]) -> list[MessageId]:
         """Drop queued requests whose callers went away (disconnected, or the gateway gave up): they are
@@ -463,6 +394,6 @@ class ModelLoop:
                 dropped += [q.message for q in queue if q.env.id in request_ids]
                 queue[:] = keep
         if dropped:
-            self._release(dropped)
+            self.holding.release(dropped)
             self._freed()
         return dropped

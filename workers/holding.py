@@ -1,0 +1,57 @@
+"""What one worker holds of one model, in rows per lane: the bound on its read-ahead.
+
+Rows, not messages: a bulk job's message packs a whole batch. Each lane above the bulk lane has one
+batch more room than the lane below it, so a lower lane may never fill the room a higher one needs, and
+every lower lane keeps at least one batch queued so that lane aging (batching.policy) can promote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from workers.consumer import MessageId
+
+
+class Holding:
+    def __init__(self, lanes: int, per_batch: int, capacity: int) -> None:
+        self.bulk_lane = lanes - 1
+        self.per_batch = per_batch
+        self.capacity = capacity  # rows the bulk lane may fill (queued + executing)
+        self._rows_of: dict[MessageId, int] = {}
+        self._rows = [0] * lanes
+        self._hint = [1] * lanes  # per lane: rows of its last message
+
+    def __contains__(self, message: object) -> bool:
+        return message in self._rows_of
+
+    def hold(self, message: MessageId, rows: int) -> None:
+        self._rows_of[message] = rows
+        self._rows[message[0]] += rows
+        self._hint[message[0]] = rows
+
+    def release(self, messages: Iterable[MessageId]) -> None:
+        for message in messages:
+            rows = self._rows_of.pop(message, None)
+            if rows is not None:
+                self._rows[message[0]] -= rows
+
+    def rows(self) -> int:
+        return sum(self._rows)
+
+    def room(self, lane: int) -> int:
+        """How many more rows `lane` may read now: up to its limit (one batch more per lane above the
+        bulk lane), and at least enough to keep one batch of its own queued."""
+        room = self.capacity + self.per_batch * (self.bulk_lane - lane) - self.rows()
+        if lane > 0:
+            room = max(room, self.per_batch - self._rows[lane])
+        return room
+
+    def messages_to_read(self, lane: int, room: int) -> int:
+        """Messages to ask for to fill `room` rows: each as large as the lane's last one."""
+        return max(1, room // self._hint[lane])
+
+    def by_lane(self) -> dict[int, list[bytes]]:
+        out: dict[int, list[bytes]] = {}
+        for lane, entry_id in self._rows_of:
+            out.setdefault(lane, []).append(entry_id)
+        return out
