@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     # The gateway gives up waiting for a worker's reply after this long (504).
     request_timeout_s: float = 60.0
     max_input_bytes: int = 64 * 1024 * 1024
+    # A request line and headers longer than this are answered 431 (uvicorn itself sets no limit).
+    max_header_bytes: int = 64 * 1024
     # Inference requests one gateway process holds at once; past it, 503 with Retry-After at once.
     max_in_flight: int = 4096
     # Heartbeats: a worker refreshes its key every interval; the key expires after ttl.

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 def serve(settings: Settings) -> int:
     configure_logging(settings)
     app = create_app(settings)
+    CoalescingHttpToolsProtocol.max_head_bytes = settings.max_header_bytes
     # The metrics port serves the same /metrics route over the main app's state.
     metrics_app = Starlette(routes=[metrics_route()])
     metrics_app.state.fleet = app.state.fleet

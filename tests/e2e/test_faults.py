@@ -342,3 +342,26 @@ def test_sigterm_the_gateway_answers_what_it_accepted(cluster: Cluster) -> None:
     cluster.start_gateway()
     cluster.wait_ready()
 
+
+
+def test_an_oversized_request_head_is_431_before_it_is_buffered(cluster: Cluster) -> None:
+    """uvicorn sets no limit on headers; the gateway answers 431 once a head passes FLEET_MAX_HEADER_BYTES
+    (64 KiB) instead of buffering it whole, and a large but legal head still works."""
+    import select
+    import socket
+
+    def send_head(header_bytes: int) -> tuple[bytes, int]:
+        """(the answer, bytes sent before it came): the head goes out in 64 KiB pieces, stopping as soon
+        as the gateway has answered (it closes the connection after a 431)."""
+        head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * header_bytes + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=10) as s:
+            sent = 0
+            while sent < len(head) and not select.select([s], [], [], 0.01)[0]:
+                sent += s.send(head[sent:sent + 65536])
+            return s.recv(4096), sent
+
+    assert send_head(8_000)[0].startswith(b"HTTP/1.1 200")
+    answer, sent = send_head(20_000_000)
+    assert answer.startswith(b"HTTP/1.1 431") and b"exceed the limit of 65536 bytes" in answer
+    assert sent < 2_000_000  # answered long before the 20 MB head was through
+    assert asyncio.run(_infer(cluster, 3.0))[:2] == (200, 3.0)
