@@ -113,8 +113,8 @@ class ModelLoop:
 
     @property
     def healthy(self) -> bool:
-        """Advertised as ready: no instance of it is hung."""
-        return not self.recovery.hung
+        """Advertised as ready: no instance of it is hung or failed to restart."""
+        return not self.recovery.hung and not self.recovery.down
 
     def health_changed(self) -> None:
         if self.on_health is not None:

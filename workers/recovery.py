@@ -53,7 +53,10 @@ class Recovery:
         self.loop = loop
         self.config = config
         self.on_hung = on_hung
-        self.hung: set[str] = set()  # instance names past the watchdog limit
+        # By instance, not name: the versions of a model name their instances alike.
+        self.hung: set[Instance] = set()  # past the watchdog limit
+        self.down: set[Instance] = set()  # their backend could not be restarted
+        self._reviving: set[asyncio.Future[bool]] = set()
 
     def tasks(self) -> list[asyncio.Task[None]]:
         return [asyncio.create_task(self._keep_alive()), asyncio.create_task(self._claim_abandoned()),
@@ -115,31 +118,54 @@ class Recovery:
         await self.loop.consumer.dead_letter(message, reason, payload)
 
     async def _watch(self) -> None:
-        limit_s = self.config.watchdog_s
-        if limit_s <= 0:
-            return
-        killed_at: dict[str, float] = {}
+        limit_s = self.config.watchdog_s  # <= 0: no limit (instances are still revived)
+        killed_at: dict[Instance, float] = {}
         while not self.loop.stopping:
-            await asyncio.sleep(min(1.0, limit_s / 4))
+            await asyncio.sleep(min(1.0, limit_s / 4) if limit_s > 0 else 1.0)
             now = time.monotonic()
             for instance in (i for insts in self.loop.instances.values() for i in insts):
+                self._check_alive(instance)
                 since = instance.running_since
+                if limit_s <= 0:
+                    continue
                 if since is None:
-                    killed_at.pop(instance.name, None)
-                    if instance.name in self.hung:
-                        self.hung.discard(instance.name)
+                    killed_at.pop(instance, None)
+                    if instance in self.hung:
+                        self.hung.discard(instance)
                         log.warning("%s: instance %s finished its batch; the model is advertised again",
                                     self.loop.spec.name, instance.name)
                         self.loop.health_changed()
                     continue
                 # A killed instance retries its batch alone (in the same run): it gets the same limit again.
-                if now - max(since, killed_at.get(instance.name, 0.0)) > limit_s:
-                    killed_at[instance.name] = now
+                if now - max(since, killed_at.get(instance, 0.0)) > limit_s:
+                    killed_at[instance] = now
                     self._hung(instance, now - since)
 
+    def _check_alive(self, instance: Instance) -> None:
+        """A backend whose restart failed (a Python stub whose initialize() now raises) is not advertised;
+        it is tried again each round, on the instance's own thread, until it starts."""
+        if getattr(instance.backend, "alive", True):
+            if instance in self.down:
+                self.down.discard(instance)
+                log.warning("%s: instance %s runs again; the model is advertised again", self.loop.spec.name,
+                            instance.name)
+                self.loop.health_changed()
+            return
+        if instance not in self.down:
+            self.down.add(instance)
+            log.error("%s: instance %s could not be restarted; the model is no longer advertised by this worker",
+                      self.loop.spec.name, instance.name)
+            self.loop.health_changed()
+        revive = getattr(instance.backend, "revive", None)
+        if revive is not None and not self._reviving and not instance.busy:
+            future = asyncio.get_running_loop().run_in_executor(instance.executor, revive)
+            self._reviving.add(future)
+            future.add_done_callback(self._reviving.discard)
+
     def _hung(self, instance: Instance, running_s: float) -> None:
-        if instance.name not in self.hung:
-            self.hung.add(instance.name)
+        first = instance not in self.hung
+        if first:
+            self.hung.add(instance)
             log.error("%s: instance %s has executed one batch for %.0f s (watchdog limit %g s): it is hung; "
                       "the model is no longer advertised by this worker", self.loop.spec.name, instance.name,
                       running_s, self.config.watchdog_s)
@@ -147,7 +173,7 @@ class Recovery:
         kill = getattr(instance.backend, "kill", None)
         if kill is not None:
             kill()  # the call in flight fails as a crash: retried alone up to max_deliveries, then poison
-        elif self.on_hung is not None:
+        elif self.on_hung is not None and first:
             self.on_hung(self.loop, instance)
 
 

@@ -47,3 +47,75 @@ def test_a_configured_claim_timeout_wins() -> None:
     t = ClaimTimeout(floor_ms=3000, fixed_ms=500)
     t.observe(10_000.0)
     assert t.idle_ms == 500
+
+
+class _Backend:
+    def execute(self, items: list[object]) -> list[object]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class _KillableBackend(_Backend):
+    def __init__(self) -> None:
+        self.kills = 0
+
+    def kill(self) -> None:
+        self.kills += 1
+
+
+class _Loop:
+    """What Recovery reads of a ModelLoop for the watchdog."""
+
+    def __init__(self, instance: object) -> None:
+        self.instances = {1: [instance]}
+        self.spec = type("Spec", (), {"name": "m"})()
+        self.stopping = False
+        self.health_changes = 0
+
+    def health_changed(self) -> None:
+        self.health_changes += 1
+
+
+def _watch(backend: _Backend, running_for_s: float, hung: list[object]) -> tuple[_Loop, object]:
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.instance import Instance
+    from workers.recovery import Recovery, RecoveryConfig
+
+    instance = Instance("m_0", backend, ThreadPoolExecutor(1))  # type: ignore[arg-type]
+    instance.running_since = time.monotonic() - running_for_s
+    loop = _Loop(instance)
+    recovery = Recovery(loop, RecoveryConfig(watchdog_s=0.2), lambda lp, inst: hung.append(inst))  # type: ignore[arg-type]
+
+    async def main() -> None:
+        task = asyncio.create_task(recovery._watch())
+        await asyncio.sleep(0.3)
+        assert recovery.hung == {instance}
+        instance.running_since = None  # the batch ended (killed, or it finally returned)
+        await asyncio.sleep(0.15)
+        assert recovery.hung == set()
+        loop.stopping = True
+        await task
+
+    asyncio.run(main())
+    instance.executor.shutdown()
+    return loop, instance
+
+
+def test_the_watchdog_kills_a_hung_instance_it_can_and_readvertises_it_after() -> None:
+    backend = _KillableBackend()
+    hung: list[object] = []
+    loop, _ = _watch(backend, running_for_s=1.0, hung=hung)
+    assert backend.kills >= 1 and hung == []  # killed in place: the worker lives on
+    assert loop.health_changes == 2  # not advertised, then advertised again
+
+
+def test_the_watchdog_hands_an_uninterruptible_instance_to_on_hung_once() -> None:
+    hung: list[object] = []
+    loop, instance = _watch(_Backend(), running_for_s=1.0, hung=hung)
+    assert hung == [instance]  # main.py's handler exits the worker for its supervisor
+    assert loop.health_changes == 2

@@ -166,6 +166,21 @@ class PythonBackend:
             log.exception("cannot restart %s", self._ctx.instance_name)
             self._proc = None  # the next call tries again
 
+    @property
+    def alive(self) -> bool:
+        """False after a restart failed: the worker stops advertising the model until revive() works."""
+        return self._proc is not None
+
+    def revive(self) -> bool:
+        """Start the stub again if it is not running (on the instance's own thread); whether it runs."""
+        if self._proc is None:
+            try:
+                self._start()
+            except Exception as exc:
+                log.warning("%s still cannot be started: %s", self._ctx.instance_name, exc)
+                self._proc = None
+        return self._proc is not None
+
     def kill(self) -> None:
         """The watchdog's way out of a hung execute(): SIGKILL the stub. The call in flight then fails
         as a crash (and is retried alone, up to max_deliveries); the instance restarts. Thread-safe."""
