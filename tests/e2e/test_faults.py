@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +28,19 @@ from tests.support.queue_models import SLEEPER
 
 MODEL = "echo"  # OUT = IN after SLEEP_MS per batch of up to 16
 SLOW = "slow"  # OUT = IN after 1 s, one request at a time
+KILLER = "killer"  # OUT = IN; a negative IN kills the worker process that runs it (SIGKILL to the stub's parent)
+KILLER_PY = """
+import os
+import signal
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()
+        if x[0][0] < 0:
+            os.kill(os.getppid(), signal.SIGKILL)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)])]
+"""
 ENV = {
     "FLEET_CLAIM_MIN_MS": "1000",
     "FLEET_CLAIM_KEEPALIVE_S": "0.25",
@@ -62,6 +76,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     repo = tmp / "models"
     _model(repo, MODEL, sleep_ms=20, max_batch_size=16)
     _model(repo, SLOW, sleep_ms=1000, max_batch_size=1)
+    _model(repo, KILLER, sleep_ms=0, max_batch_size=1)
+    (repo / KILLER / "1" / "model.py").write_text(KILLER_PY)
     c = Cluster(tmp, repo, ENV)
     c.start_redis()
     c.start_gateway()
@@ -100,6 +116,11 @@ async def _infer(c: Cluster, value: float, model: str = MODEL, *, conn: Connecti
 
 def _redis(c: Cluster) -> redis.Redis:
     return redis.Redis.from_url(c.redis_url, protocol=2, decode_responses=True)
+
+
+def _stop_redis(c: Cluster) -> None:
+    assert c.redis is not None
+    c.redis.stop()  # SIGTERM: the server writes its AOF out and exits
 
 
 def _freeze(c: Cluster, frozen: bool) -> None:
@@ -190,7 +211,7 @@ def test_redis_restart_with_aof_loses_nothing_queued(cluster: Cluster) -> None:
         r = _redis(cluster)
         await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 300, 30, "300 requests queued")
         r.close()
-        cluster.redis.stop()  # SIGTERM: the server writes its AOF out and exits
+        _stop_redis(cluster)  # SIGTERM: the server writes its AOF out and exits
         down_at = time.monotonic()
         during = await asyncio.gather(*(_infer(cluster, -1.0) for _ in range(20)))
         assert all(s == 503 and t < 1.0 for s, _, t in during), during
@@ -219,7 +240,7 @@ def test_a_long_redis_outage_fails_waiting_requests_fast(cluster: Cluster) -> No
         r = _redis(cluster)
         await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 50, 30, "50 requests queued")
         r.close()
-        cluster.redis.stop()
+        _stop_redis(cluster)
         results = await asyncio.gather(*waiting)
         assert all(s == 503 and "unreachable" in str(v) for s, v, _ in results), results[:3]
         assert max(t for _, _, t in results) < 5, max(t for _, _, t in results)
@@ -258,7 +279,7 @@ def test_redis_restart_under_live_load_never_hangs(cluster: Cluster) -> None:
         stop_at = time.monotonic() + 6
         loaders = [asyncio.create_task(load(k, stop_at)) for k in range(32)]
         await asyncio.sleep(1.5)
-        cluster.redis.stop()
+        _stop_redis(cluster)
         await asyncio.sleep(1.0)
         cluster.redis = start_server(cluster.tmp / "redis", cluster.redis_port, appendonly=True)
         await asyncio.wait_for(asyncio.gather(*loaders), 60)
@@ -365,3 +386,62 @@ def test_an_oversized_request_head_is_431_before_it_is_buffered(cluster: Cluster
     assert answer.startswith(b"HTTP/1.1 431") and b"exceed the limit of 65536 bytes" in answer
     assert sent < 2_000_000  # answered long before the 20 MB head was through
     assert asyncio.run(_infer(cluster, 3.0))[:2] == (200, 3.0)
+
+
+def test_a_request_that_kills_every_worker_ends_in_the_dead_letters(cluster: Cluster) -> None:
+    """Each worker that takes it dies (SIGKILL); the test restarts them as a supervisor would. After
+    max_deliveries (3) the next claimer dead-letters it and its caller gets a clear error, not a loop."""
+    r = _redis(cluster)
+
+    async def main() -> tuple[int, object, float]:
+        poison = asyncio.create_task(_infer(cluster, -1.0, KILLER))
+        deaths = 0
+        while not poison.done():
+            for w in list(cluster.workers):
+                if w.poll() is not None:
+                    deaths += 1
+                    cluster.workers.remove(w)
+                    cluster.start_worker()  # the supervisor
+            assert deaths <= 3, "delivered more than max_deliveries times"
+            await asyncio.sleep(0.1)
+        print(f"\nworker-killing request: {deaths} workers died, then dead-lettered; "
+              f"its caller answered after {poison.result()[2]:.1f} s")
+        return poison.result()
+
+    status, error, _ = asyncio.run(main())
+    assert status == 500 and "delivered 4 times" in str(error) and "dead letters" in str(error), (status, error)
+    letters: Any = redis.Redis.from_url(cluster.redis_url).xrange(KEYS.dead(KILLER))  # bytes: it holds the payload
+    (letter,) = letters
+    assert b"delivered 4 times" in letter[1][b"reason"]
+    r.delete(KEYS.dead(KILLER))
+    cluster.wait_ready()
+    assert asyncio.run(_infer(cluster, 4.0, KILLER))[:2] == (200, 4.0)
+
+
+def test_a_killed_gateway_loses_nothing_workers_hold(cluster: Cluster) -> None:
+    """SIGKILL the gateway with requests queued: its clients see their connections close; the workers
+    still compute and answer what was queued (to a reply stream that expires), and a new gateway serves."""
+    gateway = cluster.gateway
+    assert gateway is not None
+    r = _redis(cluster)
+    reply_keys = set(r.keys(f"{KEYS.prefix}:reply:*"))
+
+    async def main() -> None:
+        _freeze(cluster, True)
+        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(50)]
+        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 50, 30, "50 requests queued")
+        gateway.kill()
+        results = await asyncio.gather(*tasks)
+        assert all(status == 0 for status, _, _ in results)  # connections closed, no answer invented
+        _freeze(cluster, False)
+        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 0, 30, "the queued requests to be computed")
+
+    asyncio.run(main())
+    gateway.wait(10)
+    (dead_stream,) = reply_keys  # the dead gateway's: still there, holding the 50 replies, and expiring
+    entries: Any = redis.Redis.from_url(cluster.redis_url).xrange(dead_stream)  # bytes: encoded replies
+    assert sum(len(fields) - int(b"hello" in fields) for _, fields in entries) >= 50
+    assert 0 < r.ttl(dead_stream) <= 120
+    cluster.start_gateway()
+    cluster.wait_ready()
+    assert asyncio.run(_infer(cluster, 6.0))[:2] == (200, 6.0)
