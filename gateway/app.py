@@ -47,7 +47,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="fleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     # The routes are plain Starlette routes (the hot path skips FastAPI's machinery), so the document
-    # FastAPI serves at /openapi.json is the protocol's own: KServe's v2 spec, path templates fixed.
+    # FastAPI serves at /openapi.json is written, not generated: KServe's v2 spec (path templates in
+    # OpenAPI form) plus fleet's extension routes (Triton's config/stats/repository, bulk jobs).
     document = json.loads((Path(__file__).parent / "openapi.json").read_text(encoding="utf-8"))
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.state.fleet = state
