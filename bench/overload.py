@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from procs import children
 from rawhttp import Connection
 from served import HOST, ROOT, Fleet
 from summary import print_table
@@ -81,21 +82,14 @@ def rss_mb(pid: int) -> float:
 
 
 def processes(root_pid: int) -> dict[str, int]:
-    """gateway / worker / redis among `fleet up`'s children (read from /proc)."""
+    """gateway / worker / redis among `fleet up`'s children."""
     found: dict[str, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid != root_pid:
-            continue
+    for pid, argv in children(root_pid):
         for role in ("gateway", "worker"):
-            if role.encode() in cmdline:
-                found[role] = int(stat.parent.name)
-        if any(b"valkey-server" in c or b"redis-server" in c for c in cmdline):
-            found["redis"] = int(stat.parent.name)
+            if role.encode() in argv:
+                found[role] = pid
+        if any(b"valkey-server" in a or b"redis-server" in a for a in argv):
+            found["redis"] = pid
     return found
 
 

@@ -9,15 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from bench.procs import children
 from fleet.redis_server import free_port
 from tests.support.model_repo import TRITON_EXAMPLES
+from tests.support.processes import http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,25 +31,8 @@ class RunningSystem:
     log: Path
 
     def children(self, role: str) -> list[int]:
-        """PIDs of this system's child processes running `fleet <role>` (read from /proc)."""
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == self.process.pid and role.encode() in cmdline:
-                pids.append(int(stat.parent.name))
-        return pids
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return int(r.status)
-    except Exception:
-        return 0
+        """PIDs of this system's child processes running `fleet <role>`."""
+        return [pid for pid, argv in children(self.process.pid) if role.encode() in argv]
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +52,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     running = RunningSystem(f"127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics", proc, log)
     deadline = time.monotonic() + 180
-    while _get(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
+    while http_status(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"fleet up did not become ready:\n{log.read_text()[-5000:]}")

@@ -137,6 +137,16 @@ async def _until(check: object, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _queue_while_frozen(c: Cluster, n: int) -> list[asyncio.Task[tuple[int, object, float]]]:
+    """Freeze the workers and send n requests (values 0..n-1); returns once all n are queued in Redis."""
+    _freeze(c, True)
+    tasks = [asyncio.create_task(_infer(c, float(i))) for i in range(n)]
+    r = _redis(c)
+    await _until(lambda: r.xlen(KEYS.queue(MODEL)) == n, 60, f"{n} requests queued")
+    r.close()
+    return tasks
+
+
 def _assert_drained(r: redis.Redis, model: str = MODEL) -> None:
     """Nothing left behind: no queued or pending message, no dead letter."""
     for lane in range(2):
@@ -166,9 +176,7 @@ def test_sigkill_a_worker_with_1000_requests_in_flight(cluster: Cluster) -> None
     before, dropped_before = _executions(cluster), _unclaimed_replies(cluster)
 
     async def main() -> dict[str, float]:
-        _freeze(cluster, True)
-        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(1000)]
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 1000, 60, "1,000 requests queued")
+        tasks = await _queue_while_frozen(cluster, 1000)
         _freeze(cluster, False)
         stream = KEYS.queue(MODEL)
 
@@ -206,11 +214,7 @@ def test_redis_restart_with_aof_loses_nothing_queued(cluster: Cluster) -> None:
     assert cluster.redis is not None
 
     async def main() -> None:
-        _freeze(cluster, True)
-        queued = [asyncio.create_task(_infer(cluster, float(i))) for i in range(300)]
-        r = _redis(cluster)
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 300, 30, "300 requests queued")
-        r.close()
+        queued = await _queue_while_frozen(cluster, 300)
         _stop_redis(cluster)  # SIGTERM: the server writes its AOF out and exits
         down_at = time.monotonic()
         during = await asyncio.gather(*(_infer(cluster, -1.0) for _ in range(20)))
@@ -235,11 +239,7 @@ def test_a_long_redis_outage_fails_waiting_requests_fast(cluster: Cluster) -> No
     assert cluster.redis is not None
 
     async def main() -> None:
-        _freeze(cluster, True)
-        waiting = [asyncio.create_task(_infer(cluster, float(i))) for i in range(50)]
-        r = _redis(cluster)
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 50, 30, "50 requests queued")
-        r.close()
+        waiting = await _queue_while_frozen(cluster, 50)
         _stop_redis(cluster)
         results = await asyncio.gather(*waiting)
         assert all(s == 503 and "unreachable" in str(v) for s, v, _ in results), results[:3]
@@ -346,10 +346,7 @@ def test_sigterm_the_gateway_answers_what_it_accepted(cluster: Cluster) -> None:
     assert gateway is not None
 
     async def main() -> None:
-        _freeze(cluster, True)
-        r = _redis(cluster)
-        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(200)]
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 200, 30, "200 requests queued")
+        tasks = await _queue_while_frozen(cluster, 200)
         gateway.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.5)
         assert gateway.poll() is None  # still answering what it holds
@@ -427,9 +424,7 @@ def test_a_killed_gateway_loses_nothing_workers_hold(cluster: Cluster) -> None:
     reply_keys = set(r.keys(f"{KEYS.prefix}:reply:*"))
 
     async def main() -> None:
-        _freeze(cluster, True)
-        tasks = [asyncio.create_task(_infer(cluster, float(i))) for i in range(50)]
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 50, 30, "50 requests queued")
+        tasks = await _queue_while_frozen(cluster, 50)
         gateway.kill()
         results = await asyncio.gather(*tasks)
         assert all(status == 0 for status, _, _ in results)  # connections closed, no answer invented
