@@ -90,6 +90,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _thawed(cluster: Cluster) -> Iterator[None]:
+    """Whatever a test does, it leaves no worker frozen: a failure must not cascade into the next tests."""
+    yield
+    _freeze(cluster, False)
+
+
 def _body(value: float) -> dict[str, object]:
     return {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
 
@@ -142,8 +149,18 @@ async def _queue_while_frozen(c: Cluster, n: int) -> list[asyncio.Task[tuple[int
     _freeze(c, True)
     tasks = [asyncio.create_task(_infer(c, float(i))) for i in range(n)]
     r = _redis(c)
-    await _until(lambda: r.xlen(KEYS.queue(MODEL)) == n, 60, f"{n} requests queued")
-    r.close()
+
+    def queued() -> bool:
+        early = [t.result() for t in tasks if t.done()]
+        assert not early, f"answered before any worker could run them: {early[:3]}"
+        return bool(r.xlen(KEYS.queue(MODEL)) == n)
+
+    try:
+        await _until(queued, 60, f"{n} requests queued")
+    except AssertionError:
+        raise AssertionError(f"{r.xlen(KEYS.queue(MODEL))} of {n} requests queued after 60 s:\n{c.logs()}") from None
+    finally:
+        r.close()
     return tasks
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from fleet.redis_server import LocalServer, free_port, start_server
 
@@ -68,11 +71,31 @@ class Cluster:
         return proc
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """The gateway is ready and every live worker has loaded every model (a test that freezes or
+        kills workers must not catch one half-started)."""
         deadline = time.monotonic() + timeout_s
-        while http_status(f"{self.base_url}/v2/health/ready") != 200:
+        while http_status(f"{self.base_url}/v2/health/ready") != 200 or not self._workers_loaded():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready within {timeout_s}s:\n{self.logs()}")
             time.sleep(0.1)
+
+    def _workers_loaded(self) -> bool:
+        """Each live worker process has a heartbeat advertising every model of the repository."""
+        models = {p.name for p in self.repository.iterdir() if (p / "config.pbtxt").exists()}
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        try:
+            prefix = self.env.get("FLEET_KEY_PREFIX", "fleet")
+            served: dict[int, set[str]] = {}
+            for key in client.scan_iter(f"{prefix}:worker:*"):
+                beat = client.hgetall(key)
+                if beat.get("pid"):
+                    served[int(beat["pid"])] = {m for m, _ in json.loads(beat.get("models", "[]"))}
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        live = [w.pid for w in self.workers if w.poll() is None]
+        return all(served.get(pid, set()) >= models for pid in live)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self._logs if p.exists())
