@@ -71,10 +71,17 @@ class GatewayState:
         self.catalog.update_from_heartbeats(beats)
 
     async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
         while True:
             await asyncio.sleep(HEARTBEAT_POLL_S)
             try:
                 await self.refresh_readiness()
+                failing_since = None
             except (RedisError, OSError) as exc:
                 log.warning("cannot read worker heartbeats: %s", exc)
-                self.catalog.update_from_heartbeats([])
+                # One failed read (a Redis restart) does not make every model unready: the heartbeats
+                # read last stay valid for as long as their keys would have lived.
+                failing_since = failing_since or loop.time()
+                if loop.time() - failing_since > self.settings.heartbeat_ttl_s:
+                    self.catalog.update_from_heartbeats([])
