@@ -4,7 +4,8 @@
 
 1. Starts `fleet up` (bench/served.py's Fleet: own session, stopped by PID) on a temporary repository
    holding `paced`: a Python-backend model that sleeps 10 ms per batch of up to 8 and answers OUT = IN,
-   with a queue policy of max_queue_size 64 (admission past it: 503 + Retry-After).
+   with a queue policy of max_queue_size 64 (admission past it: 503 + Retry-After); with --in-flight N, no
+   queue limit and the gateway-wide FLEET_MAX_IN_FLIGHT=N admits instead.
 2. Sustainable load: a closed loop of 32 connections for 5 s; its answered requests/s is S.
 3. Overload: an open loop offering factor x S requests/s for --seconds over up to 512 keep-alive
    connections (a request that finds every connection busy is counted as not sent: the client, not
@@ -50,11 +51,12 @@ instance_group [ { kind: KIND_CPU, count: 1 } ]
 """
 
 
-def repository() -> Path:
+def repository(queue_limit: bool) -> Path:
     repo = Path(tempfile.mkdtemp(prefix="fleet-overload-"))
     (repo / MODEL / "1").mkdir(parents=True)
     (repo / MODEL / "1" / "model.py").write_text(MODEL_PY)
-    (repo / MODEL / "config.pbtxt").write_text(CONFIG)
+    config = CONFIG if queue_limit else CONFIG.replace(" default_queue_policy { max_queue_size: 64 }", "")
+    (repo / MODEL / "config.pbtxt").write_text(config)
     return repo
 
 
@@ -175,10 +177,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--port", type=int, default=18100)
     p.add_argument("--max-conns", type=int, default=512)
+    p.add_argument("--in-flight", type=int, default=0,
+                   help="no max_queue_size: admission by the gateway's FLEET_MAX_IN_FLIGHT = this instead")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / f"overload-{time.strftime('%Y%m%d-%H%M%S')}")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    fleet = Fleet(a.port, a.out, 180.0, [MODEL], repositories=[str(repository())])
+    env = {"FLEET_MAX_IN_FLIGHT": str(a.in_flight)} if a.in_flight else {}
+    fleet = Fleet(a.port, a.out, 180.0, [MODEL], env=env, repositories=[str(repository(not a.in_flight))])
     fleet.start()
     try:
         assert fleet.proc is not None
@@ -207,7 +212,9 @@ def main() -> int:
     for role, samples in sorted(memory.items()):
         quarters = " / ".join(f"{samples[min(len(samples) - 1, q * (len(samples) - 1) // 4)]:.0f}" for q in range(5))
         rows.append([f"{role} RSS at 0, 1/4 .. 4/4 of the run (MB)", f"{quarters} (peak {max(samples):.0f})"])
-    print_table(f"overload: {a.factor:g}x the sustainable {sustainable:,.0f} req/s for {a.seconds:g} s", ["", ""], rows)
+    limit = f"FLEET_MAX_IN_FLIGHT={a.in_flight}" if a.in_flight else "max_queue_size 64"
+    print_table(f"overload: {a.factor:g}x the sustainable {sustainable:,.0f} req/s for {a.seconds:g} s ({limit})",
+                ["", ""], rows)
     return 1 if r["wrong"] or r["other"] else 0
 
 
