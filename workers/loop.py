@@ -120,15 +120,6 @@ class ModelLoop:
         if self.on_health is not None:
             self.on_health()
 
-    def held_messages(self) -> dict[int, list[bytes]]:
-        return self.holding.by_lane()
-
-    def holds(self, message: MessageId) -> bool:
-        return message in self.holding
-
-    def claim_room(self) -> int:
-        return self.holding.room(0)
-
     def wake(self) -> None:
         self._wake.set()
 
@@ -364,10 +355,9 @@ class ModelLoop:
             replies = [(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)]
             await self.consumer.finish_retrying(replies, [q.message for q in batch if q.message not in poisoned],
                                                 [sample])
-            for q in batch:
-                if q.message in poisoned:
-                    await self.consumer.dead_letter(q.message, result.replies[batch.index(q)].error_message,
-                                                    encode_request(q.env))
+            for i in result.poisoned:  # answered above; parked so `fleet dead-letters` can show and replay them
+                await self.consumer.dead_letter(batch[i].message, result.replies[i].error_message,
+                                                encode_request(batch[i].env))
         except Exception:
             # Redis stayed away: the messages stay pending and will be claimed and computed again.
             log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))

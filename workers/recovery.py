@@ -66,7 +66,7 @@ class Recovery:
         backoff = Backoff()
         while not self.loop.stopping:
             await asyncio.sleep(self.config.keepalive_s)
-            held = self.loop.held_messages()
+            held = self.loop.holding.by_lane()
             if not held:
                 continue
             try:
@@ -82,13 +82,13 @@ class Recovery:
         backoff = Backoff()
         while not loop.stopping:
             await asyncio.sleep(self.config.claim_interval_s)
-            room = loop.claim_room()
+            room = loop.holding.room(0)
             if room <= 0 or loop.stopping:
                 continue
             try:
                 claimed = await loop.consumer.claim(loop.claim_timeout.idle_ms, room)
                 for message, payload, deliveries in claimed:
-                    if loop.holds(message):
+                    if message in loop.holding:
                         continue  # ours all along (a refresh came late): already queued here
                     if deliveries > self.config.max_deliveries:
                         await self.give_up(message, payload, f"the request was delivered {deliveries} times "
