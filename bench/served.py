@@ -2,12 +2,16 @@
 
     .venv/bin/python bench/served.py [--port 18000] [--conc "1 8 32"] [--interval-ms 3000]
                                      [--models "double mlp"] [--out bench/out/served-TIME] [--no-start]
+                                     [--root CHECKOUT [--python PY]]
 
-1. Unless --no-start: starts `fleet up` itself from the repository root,
-       .venv/bin/python -m fleet up --model-repository model_repository --model-repository bench/model_repository
+1. Unless --no-start: starts `fleet up` itself from the repository root (or from --root CHECKOUT: another
+   checkout's fleet, e.g. a `git worktree` of an older commit, measured by this script the same way),
+       PY -m fleet up --model-repository THIS/model_repository --model-repository THIS/bench/model_repository
            --http-port P --metrics-port P+2 --data-dir <fresh temp dir>
-   in its own session (PID and log in OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until
-   GET /v2/health/ready and GET /v2/models/M/ready answer 200 for every model measured.
+   (PY: --python, else CHECKOUT/.venv/bin/python if there is one, else this checkout's; the model repositories
+   are always this checkout's, so both measure the same models), in its own session (PID and log in
+   OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until GET /v2/health/ready and
+   GET /v2/models/M/ready answer 200 for every model measured.
    With --check N: the anchor kit's check_models.py PORT N first (N simultaneous 1-item requests per model, each
    answer compared with the locally computed reference; checks 'double' and 'mlp' both); stops on a wrong answer.
 2. For each model, each concurrency C: GET /v2/models/M/stats, then
@@ -45,7 +49,8 @@ from summary import print_levels, read_dir  # bench/summary.py
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PA = ROOT / ".tools" / "perf_analyzer" / "perf_analyzer"
-ANCHOR = Path(os.environ.get("K", "/work/shared/anchors/triton"))
+# The Triton anchor kit sits next to the checkout (env K overrides).
+ANCHOR = Path(os.environ.get("K", str(ROOT.parent / "shared" / "anchors" / "triton")))
 HOST = "127.0.0.1"
 
 
@@ -95,14 +100,25 @@ def log_load(out: Path, model: str, conc: int) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def default_python(root: Path) -> str:
+    """root's own venv Python if it has one, else this checkout's: either imports root's fleet, as `fleet up`
+    runs in root with root first on PYTHONPATH (Fleet.start)."""
+    own = root / ".venv" / "bin" / "python"
+    return str(own if own.exists() else ROOT / ".venv" / "bin" / "python")
+
+
 class Fleet:
     """`fleet up` started by this script, stopped by its PID."""
 
     def __init__(self, port: int, out: Path, start_timeout: float, models: list[str],
-                 env: dict[str, str] | None = None, repositories: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, repositories: list[str] | None = None,
+                 root: Path = ROOT, python: str | None = None) -> None:
         self.port, self.out, self.start_timeout, self.models = port, out, start_timeout, models
         self.env = env or {}
-        self.repositories = repositories or ["model_repository", "bench/model_repository"]
+        # Absolute: `fleet up` runs in `root`, which may be another checkout.
+        self.repositories = repositories or [str(ROOT / "model_repository"), str(ROOT / "bench" / "model_repository")]
+        self.root = root.resolve()
+        self.python = python or default_python(self.root)
         self.proc: subprocess.Popen[bytes] | None = None
         self.data_dir: Path | None = None
 
@@ -111,15 +127,19 @@ class Fleet:
             if port_in_use(p):
                 raise SystemExit(f"127.0.0.1:{p} is already in use: pick another --port (or --no-start to measure it)")
         self.data_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
-        cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "fleet", "up",
+        cmd = [self.python, "-m", "fleet", "up",
                *[arg for repo in self.repositories for arg in ("--model-repository", repo)],
                "--http-port", str(self.port), "--metrics-port", str(self.port + 2),
                "--data-dir", str(self.data_dir)]
         log = (self.out / "fleet.log").open("wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=os.environ | self.env)
+        env = os.environ | self.env
+        if self.root != ROOT:  # that checkout's packages first in every process, whatever its working directory
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)
         (self.out / "fleet.pid").write_text(f"{self.proc.pid}\n")
-        print(f"started fleet up (pid {self.proc.pid}, log {self.out / 'fleet.log'}): {' '.join(cmd)}", flush=True)
+        print(f"started fleet up in {self.root} (pid {self.proc.pid}, log {self.out / 'fleet.log'}): {' '.join(cmd)}",
+              flush=True)
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.start_timeout:
             if self.proc.poll() is not None:
@@ -184,6 +204,9 @@ def main() -> None:
     p.add_argument("--models", default="double mlp", help='models, e.g. "double mlp"')
     p.add_argument("--out", type=Path, help="output folder (default bench/out/served-YYYYmmdd-HHMMSS)")
     p.add_argument("--no-start", action="store_true", help="measure a server already running on --port")
+    p.add_argument("--root", type=Path, default=ROOT,
+                   help="the checkout whose fleet to start (default: this one), e.g. a git worktree of an older commit")
+    p.add_argument("--python", help="the Python that runs it (default: ROOT/.venv/bin/python, else this one's)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="first run the anchor's check_models.py PORT N (answers right, also batched); 0 = skip")
@@ -196,7 +219,7 @@ def main() -> None:
     out = (a.out or ROOT / "bench" / "out" / time.strftime("served-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    fleet = None if a.no_start else Fleet(a.port, out, a.start_timeout, models)
+    fleet = None if a.no_start else Fleet(a.port, out, a.start_timeout, models, root=a.root, python=a.python)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -22,6 +22,7 @@ class Admission:
     lane: int
     deadline_us: int | None  # absolute epoch µs; None = never times out while queued
     max_queue_size: int  # the lane's bound at enqueue; 0 = unbounded
+    delay_on_timeout: bool = False  # DELAY: past its deadline it is kept (behind the others), not rejected
 
 
 def _levels(spec: ModelSpec) -> int:
@@ -70,4 +71,5 @@ def admit(spec: ModelSpec, priority: int, timeout_us: int, now_us: int) -> Admis
     if policy.allow_timeout_override and 0 < timeout_us < timeout:
         timeout = timeout_us
     deadline = now_us + timeout if timeout > 0 else None
-    return Admission(lane=lane, deadline_us=deadline, max_queue_size=policy.max_queue_size)
+    return Admission(lane=lane, deadline_us=deadline, max_queue_size=policy.max_queue_size,
+                     delay_on_timeout=policy.delay_on_timeout)

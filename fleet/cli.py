@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_dead_letters(args.model, settings.redis_url_or_default, settings.key_prefix, args.replay)
     if args.command == "jobs-worker":
-        from gateway.jobs.worker import serve as serve_jobs
+        from fleet.jobs.worker import serve as serve_jobs
 
         return serve_jobs(settings)
     from workers.main import serve as serve_worker

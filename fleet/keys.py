@@ -33,7 +33,7 @@ class Keys:
     # which a Redis Cluster allows only within one slot. They are small; the heavy traffic of a job
     # (its results stream, its model's lane) stays spread out.
     def job(self, job_id: str) -> str:
-        """Hash: a bulk job's record and progress (gateway/jobs/records.py)."""
+        """Hash: a bulk job's record and progress (fleet/jobs/records.py)."""
         return f"{self.prefix}:{{jobs}}:job:{job_id}"
 
     def job_errors(self, job_id: str) -> str:
@@ -64,10 +64,13 @@ class Keys:
         return f"{self.prefix}:models"
 
     def worker(self, worker_id: str) -> str:
+        """Hash + TTL: one worker's heartbeat (what it serves, what it has queued)."""
         return f"{self.prefix}:worker:{worker_id}"
 
-    def worker_pattern(self) -> str:
-        return f"{self.prefix}:worker:*"
+    def workers(self) -> str:
+        """Sorted set: every worker id that sent a heartbeat, scored by when it expires (epoch ms): the
+        registry gateways read instead of scanning the keyspace."""
+        return f"{self.prefix}:workers"
 
     def cancel(self) -> str:
         """Pub/sub channel: `[model, request id]` of requests whose callers went away (best effort: a

@@ -3,9 +3,22 @@
 Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway, one worker per
 device and the bulk-job workers as child processes, prefixes their logs with their names, and stops
 everything on Ctrl-C/SIGTERM: children first (they drain and reply to what they hold), the server last.
-A child that dies is restarted, as compose's restart policy does: a worker's pending messages are
-claimed by the others meanwhile, a job worker's job resumes from its progress record. A child that keeps
-dying (CRASH_LOOP_EXITS within CRASH_LOOP_WINDOW_S) stops everything instead: that needs a person.
+
+Supervision, as compose's restart policy does it:
+- A child that dies is restarted: a worker's pending messages are claimed by the others meanwhile, a
+  job worker's job resumes from its progress record. A child that keeps dying (CRASH_LOOP_EXITS within
+  CRASH_LOOP_WINDOW_S) stops everything instead: that needs a person. Exits while Redis is unreachable,
+  or within REDIS_GRACE_S of the embedded one coming back, are not counted: a missing Redis is not the
+  child's fault, and the fleet heals once it is back.
+- The embedded server is restarted too, on the same port and Unix socket with the same data directory,
+  so it replays its AOF and what was queued before it died is answered after.
+- Every child dies with this process, whatever kills it (the OOM killer's SIGKILL included): the kernel
+  sends the Python children SIGKILL (what they held stays pending in Redis) and the server SIGTERM (it
+  writes its AOF out and exits). Children are started from the main thread only, because the kernel
+  ties that signal to the thread that forked them.
+- The data directory is locked (fleet/lifetime.py): a second `fleet up` on it fails at once, naming this
+  one's PID, instead of taking over its Redis socket and AOF. The server inherits the lock, so a new
+  `fleet up` also waits for the old server to finish writing its AOF.
 """
 
 from __future__ import annotations
@@ -18,14 +31,30 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
+import redis
+
+from fleet.lifetime import DataDirInUse, dies_with_this_process, lock_data_dir
 from fleet.redis_server import LocalServer, start_server
 from fleet.settings import Settings
 
 log = logging.getLogger("fleet.up")
+
+RESTART_DELAY_S = 1.0
+CRASH_LOOP_EXITS = 5
+CRASH_LOOP_WINDOW_S = 60.0
+# After the embedded server is back, children may still exit of the outage (a reconnect that gave up).
+REDIS_GRACE_S = 30.0
+# A server replaying a large AOF answers LOADING until done: wait that long before calling it failed.
+REDIS_RESTART_TIMEOUT_S = 300.0
+REDIS_RETRY_MAX_S = 10.0
+# Python children: SIGKILL, nothing to lose (what they hold stays pending in Redis) and ports freed at once.
+CHILD_DEATH_SIGNAL = signal.SIGKILL
+SERVER_DEATH_SIGNAL = signal.SIGTERM
 
 
 def count_devices() -> list[str]:
@@ -33,7 +62,8 @@ def count_devices() -> list[str]:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10,
+                                 preexec_fn=dies_with_this_process(signal.SIGKILL)).stdout
             gpus = [line for line in out.splitlines() if line.startswith("GPU ")]
             if gpus:
                 return [f"cuda:{i}" for i in range(len(gpus))]
@@ -50,11 +80,6 @@ def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> N
             out.flush()
 
 
-RESTART_DELAY_S = 1.0
-CRASH_LOOP_EXITS = 5
-CRASH_LOOP_WINDOW_S = 60.0
-
-
 def _common_args(settings: Settings) -> list[str]:
     args = ["--key-prefix", settings.key_prefix,
             "--log-verbose", str(settings.log_verbose), "--jobs-dir", str(settings.jobs_dir)]
@@ -63,92 +88,171 @@ def _common_args(settings: Settings) -> list[str]:
     return args
 
 
-def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
-    if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
-        settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    lock = threading.Lock()
-    server: LocalServer | None = None
-    redis_url = settings.redis_url
-    if not redis_url:
-        server = start_server(data_dir / "redis", appendonly=True, log_file=None, unix_socket=True)
-        redis_url = server.local_url
-        log.info("up       | embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
-
-    for repo in settings.model_repositories:
-        subprocess.run([sys.executable, "-m", "workers.generate_models", str(repo)], check=False)
-
+def _child_commands(settings: Settings, workers: int | None) -> dict[str, list[str]]:
     devices = count_devices()
     if workers is not None:
         devices = [devices[i % len(devices)] for i in range(max(1, workers))]
     common = _common_args(settings)
-    # The URL may hold a password: children get it in their environment, not on a visible command line.
-    child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
-    specs: list[tuple[str, list[str]]] = [(
-        "gateway",
-        [sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
-         "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host],
-    )]
+    commands = {"gateway": [
+        sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
+        "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host]}
     for i, device in enumerate(devices):
-        specs.append((f"worker-{i}", [sys.executable, "-m", "fleet", "worker", *common, "--device", device]))
+        commands[f"worker-{i}"] = [sys.executable, "-m", "fleet", "worker", *common, "--device", device]
     for i in range(settings.job_workers):
-        specs.append((f"jobs-{i}", [sys.executable, "-m", "fleet", "jobs-worker", *common]))
-    commands = dict(specs)
+        commands[f"jobs-{i}"] = [sys.executable, "-m", "fleet", "jobs-worker", *common]
+    return commands
 
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
-    stopping = threading.Event()
-    exits: dict[str, list[float]] = {}
 
-    def start(name: str) -> subprocess.Popen[bytes]:
+@dataclass
+class _EmbeddedRedis:
+    """The embedded server under supervision: restarted when it dies, with a growing delay while it
+    fails to start (its port taken meanwhile, say)."""
+
+    server: LocalServer
+    down_since: float | None = None
+    back_at: float = float("-inf")
+    next_try: float = 0.0
+    failures: int = 0
+
+    def tend(self, stopping: threading.Event) -> None:
+        if self.server.process.poll() is None:
+            return
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("up       | embedded Redis (pid %d) exited with %s; restarting it on the same port "
+                        "and socket, replaying its AOF", self.server.process.pid, self.server.process.returncode)
+        if now < self.next_try:
+            return
+        started = time.monotonic()
+        try:
+            self.server.restart(startup_timeout_s=REDIS_RESTART_TIMEOUT_S, abort=stopping)
+        except RuntimeError as exc:
+            self.failures += 1
+            delay = min(REDIS_RETRY_MAX_S, RESTART_DELAY_S * 2 ** (self.failures - 1))
+            self.next_try = time.monotonic() + delay
+            log.error("up       | embedded Redis did not restart (%s); trying again in %.0f s", exc, delay)
+            return
+        self.back_at = time.monotonic()
+        log.warning("up       | embedded Redis is back (pid %d, answering %.2f s after its start)",
+                    self.server.process.pid, self.back_at - started)
+        self.down_since, self.failures, self.next_try = None, 0, 0.0
+
+    def excuses_exits(self) -> bool:
+        """Whether a child exiting now may be the outage's doing: down, or back only a moment ago."""
+        return self.down_since is not None or time.monotonic() - self.back_at < REDIS_GRACE_S
+
+
+def _redis_reachable(url: str) -> bool:
+    client = redis.Redis.from_url(url, protocol=2, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@dataclass
+class _Children:
+    commands: dict[str, list[str]]
+    env: dict[str, str]
+    out_lock: threading.Lock = field(default_factory=threading.Lock)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    exits: dict[str, list[float]] = field(default_factory=dict)
+
+    def start(self, name: str) -> None:
+        """From the main thread only (the parent-death signal follows the forking thread)."""
         # Own session: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
-        proc = subprocess.Popen(commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=child_env)
+        proc = subprocess.Popen(self.commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=self.env,
+                                preexec_fn=dies_with_this_process(CHILD_DEATH_SIGNAL))
         assert proc.stdout is not None
-        threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, lock), daemon=True).start()
-        return proc
+        threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, self.out_lock), daemon=True).start()
+        self.procs[name] = proc
+
+    def crash_looping(self, name: str, excused: bool) -> bool:
+        """Records an exit of `name` (unless `excused`); True once it exited too often."""
+        now = time.monotonic()
+        recent = [t for t in self.exits.get(name, []) if now - t < CRASH_LOOP_WINDOW_S]
+        self.exits[name] = recent if excused else [*recent, now]
+        return len(self.exits[name]) >= CRASH_LOOP_EXITS
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: str,
+               stopping: threading.Event) -> None:
+    while not stopping.is_set():
+        if embedded is not None:
+            embedded.tend(stopping)
+        for name, proc in list(children.procs.items()):
+            if proc.poll() is None or stopping.is_set():
+                continue
+            excused = (embedded is not None and embedded.excuses_exits()) or not _redis_reachable(redis_url)
+            if children.crash_looping(name, excused):
+                log.error("up       | %s exited %d times within %.0f s (last status %s); stopping everything",
+                          name, CRASH_LOOP_EXITS, CRASH_LOOP_WINDOW_S, proc.returncode)
+                stopping.set()
+                return
+            if not stopping.wait(RESTART_DELAY_S):
+                log.warning("up       | %s exited with %s%s; restarting it", name, proc.returncode,
+                            " (Redis unavailable: not counted as a crash)" if excused else "")
+                children.start(name)
+        stopping.wait(0.5)
+
+
+def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        data_lock = lock_data_dir(data_dir)
+    except DataDirInUse as exc:
+        log.error("up       | %s", exc)
+        return 1
+    if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
+        settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
+    stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stopping.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    embedded: _EmbeddedRedis | None = None
+    redis_url = settings.redis_url
+    if not redis_url:
+        server = start_server(data_dir / "redis", appendonly=True, log_file=None, unix_socket=True,
+                              parent_death_signal=SERVER_DEATH_SIGNAL, pass_fds=(data_lock.fd,))
+        embedded = _EmbeddedRedis(server)
+        redis_url = server.local_url
+        log.info("up       | embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
+    for repo in settings.model_repositories:
+        subprocess.run([sys.executable, "-m", "workers.generate_models", str(repo)], check=False,
+                       preexec_fn=dies_with_this_process(CHILD_DEATH_SIGNAL))
+    # The URL may hold a password: children get it in their environment, not on a visible command line.
+    child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
+    children = _Children(_child_commands(settings, workers), child_env)
     try:
-        for name, _ in specs:
-            children.append((name, start(name)))
+        for name in children.commands:
+            if not stopping.is_set():  # (Ctrl-C while the server started or models were generated)
+                children.start(name)
         log.info("up       | serving %s on http://%s:%d (metrics :%d); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
                  settings.http_port, settings.metrics_port)
-        while not stopping.is_set():
-            for i, (name, proc) in enumerate(children):
-                if proc.poll() is None:
-                    continue
-                now = time.monotonic()
-                recent = [t for t in exits.get(name, []) if now - t < CRASH_LOOP_WINDOW_S] + [now]
-                exits[name] = recent
-                if len(recent) >= CRASH_LOOP_EXITS:
-                    log.error("up       | %s exited %d times within %.0f s (last status %s); stopping everything",
-                              name, len(recent), CRASH_LOOP_WINDOW_S, proc.returncode)
-                    stopping.set()
-                    break
-                if not stopping.wait(RESTART_DELAY_S):
-                    log.warning("up       | %s exited with %s; restarting it", name, proc.returncode)
-                    children[i] = (name, start(name))
-            stopping.wait(0.5)
+        _supervise(children, embedded, redis_url, stopping)
     finally:
-        _stop_children(children)
-        if server is not None:
-            server.stop()
+        children.stop()
+        if embedded is not None:
+            embedded.server.stop()
+        data_lock.release()
     return 0
-
-
-def _stop_children(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: float = 15.0) -> None:
-    for _, proc in children:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for _, proc in children:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -8,6 +8,12 @@ Contract:
   restricted to what fleet serves: backends python/pytorch/onnxruntime/tensorrt, platforms
   pytorch_libtorch/onnxruntime_onnx/tensorrt_plan/ensemble. One deliberate difference: dynamic
   batching requires max_batch_size > 0 (Triton accepts it and never batches).
+* `batch_input` / `batch_output` (ragged batching, protocol.md §3.6) are checked like Triton core's
+  `ValidateBatchIO` (one source input that exists, data type INT32 or FP32, batch output targets are
+  outputs named once), plus what fleet needs to build them: each batch input has a target name, and no
+  target name is also a model input or another batch input's target. Triton does not require the
+  source input to be `allow_ragged_batch`, and neither does fleet (element counts and item shapes are
+  well defined for any input).
 * `ModelSpec.proto` is normalised like Triton core (`AutoCompleteBackendFields`,
   `NormalizeModelConfig`, `NormalizeInstanceGroup` on a host without GPUs) so that
   `ModelSpec.to_json()` is what Triton answers on GET /v2/models/NAME/config (protocol.md §1.7,
@@ -17,8 +23,9 @@ Contract:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -38,6 +45,7 @@ from fleet.config_checks import (  # noqa: F401  (BACKENDS, PLATFORMS re-exporte
 )
 from fleet.config_json import config_to_json
 from fleet.datatypes import Datatype, from_config
+from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
 
 CONFIG_FILENAME = "config.pbtxt"
@@ -55,6 +63,39 @@ class TensorSpec:
     allow_ragged_batch: bool = False
     is_shape_tensor: bool = False
     reshape: tuple[int, ...] | None = None  # None: no reshape; () is a valid (scalar) reshape
+
+
+class BatchInputKind(StrEnum):
+    """`BatchInput.Kind` of model_config.proto: what a batch input tensor describes."""
+
+    ELEMENT_COUNT = "BATCH_ELEMENT_COUNT"
+    ACCUMULATED_ELEMENT_COUNT = "BATCH_ACCUMULATED_ELEMENT_COUNT"
+    ACCUMULATED_ELEMENT_COUNT_WITH_ZERO = "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO"
+    MAX_ELEMENT_COUNT_AS_SHAPE = "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE"
+    ITEM_SHAPE = "BATCH_ITEM_SHAPE"
+    ITEM_SHAPE_FLATTEN = "BATCH_ITEM_SHAPE_FLATTEN"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInputSpec:
+    """One `batch_input`: a tensor the backend builds from the whole batch, named `target_name` (Triton's
+    backends create only the first of the config's target names), derived from the shapes of
+    `source_input` in every request of the batch (batching.merge.batch_input_parts)."""
+
+    kind: BatchInputKind
+    target_name: str
+    datatype: Datatype  # INT32 or FP32
+    source_input: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutputSpec:
+    """One `batch_output` (kind BATCH_SCATTER_WITH_INPUT_SHAPE, the only kind): each output in
+    `target_names` is cut per request into the shape of its config dims, where every variable dim takes
+    the size of the same dim of that request's `source_input`."""
+
+    target_names: tuple[str, ...]
+    source_input: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +179,11 @@ class ModelSpec:
     version_policy: VersionPolicy
     default_model_filename: str  # config value or the backend default; "" for ensembles
     proto: Any
+    batch_inputs: tuple[BatchInputSpec, ...] = ()
+    batch_outputs: tuple[BatchOutputSpec, ...] = ()
+    # Inputs whose shapes must agree for requests to share a batch (§3.6): shape tensors, and inputs
+    # with a variable dim that are not allow_ragged_batch.
+    equal_shape_inputs: frozenset[str] = frozenset()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -155,10 +201,25 @@ class ModelSpec:
         """Whether batched requests must agree on input shapes (§3.6, Triton core
         SetConfiguredScheduler): a shape tensor input, or a variable-dim input without
         allow_ragged_batch."""
-        return any(
-            t.is_shape_tensor or (WILDCARD_DIM in t.dims and not t.allow_ragged_batch)
-            for t in self.inputs
-        )
+        return bool(self.equal_shape_inputs)
+
+    @property
+    def ragged_inputs(self) -> frozenset[str]:
+        """Inputs with allow_ragged_batch: framework backends get them concatenated as 1-D tensors."""
+        return frozenset(t.name for t in self.inputs if t.allow_ragged_batch)
+
+    def batch_key(self, inputs: Sequence[WireTensor]) -> Hashable:
+        """The scheduler's batch key of a request with these `inputs` (protocol.md §3.6): requests share
+        a batch only if their keys are equal. The key holds the names of the supplied inputs (optional
+        inputs: only requests supplying the same set batch together) and, for each input in
+        `equal_shape_inputs`, its shape without the batch dim. Ragged inputs and fixed-shape inputs
+        never split batches by shape."""
+        names = tuple(sorted(t.name for t in inputs))
+        if not self.equal_shape_inputs:
+            return names, ()
+        skip = 1 if self.max_batch_size > 0 else 0
+        shapes = tuple(sorted((t.name, tuple(t.shape[skip:])) for t in inputs if t.name in self.equal_shape_inputs))
+        return names, shapes
 
     def metadata_shape(self, t: TensorSpec) -> list[int]:
         """Metadata `shape` of a tensor: `dims`, prefixed by -1 when the model batches (§1.5)."""
@@ -194,8 +255,49 @@ def parse_config(text: str, *, source: str, model_name: str) -> ModelSpec:
 
     complete_backend(cfg, model_name, fail)
     validate(cfg, fail)
+    _validate_batch_io(cfg, fail)
     normalise(cfg)
     return _to_spec(cfg)
+
+
+def _validate_batch_io(cfg: Any, fail: Callable[[str], NoReturn]) -> None:
+    """Triton core ValidateBatchIO, plus the target-name checks fleet needs (see the module contract)."""
+    inputs = {io.name for io in cfg.input}
+    outputs = {io.name for io in cfg.output}
+    targets: set[str] = set()
+    for bi in cfg.batch_input:
+        if bi.kind not in pb.BatchInput.Kind.values():
+            fail(f"unknown batch input kind '{bi.kind}'")
+        kind = pb.BatchInput.Kind.Name(bi.kind)
+        if len(bi.source_input) != 1:
+            fail(f"batch input kind '{kind}' expects 1 source input, got {len(bi.source_input)}")
+        if bi.data_type not in (pb.TYPE_INT32, pb.TYPE_FP32):
+            fail("batch input data type must be TYPE_INT32 or TYPE_FP32")
+        if bi.source_input[0] not in inputs:
+            fail(f"unknown source input name '{bi.source_input[0]}'")
+        if not bi.target_name:
+            fail(f"batch input kind '{kind}' must specify 'target_name'")
+        for name in bi.target_name:
+            if name in inputs:
+                fail(f"batch input target name '{name}' is also the name of a model input")
+            if name in targets:
+                fail(f"batch input target name '{name}' can only be specified once")
+            targets.add(name)
+    for bo in cfg.batch_output:
+        if bo.kind not in pb.BatchOutput.Kind.values():
+            fail(f"unknown batch output kind '{bo.kind}'")
+        if len(bo.source_input) != 1:
+            fail(f"batch output kind '{pb.BatchOutput.Kind.Name(bo.kind)}' expects 1 source input, got "
+                 f"{len(bo.source_input)}")
+        if bo.source_input[0] not in inputs:
+            fail(f"unknown source input name '{bo.source_input[0]}'")
+        seen: set[str] = set()
+        for name in bo.target_name:
+            if name not in outputs:
+                fail(f"unknown target output name '{name}'")
+            if name in seen:
+                fail(f"target output name '{name}' can only be specified once")
+            seen.add(name)
 
 
 def _tensor(io: Any, is_input: bool) -> TensorSpec:
@@ -242,6 +344,14 @@ def _to_spec(cfg: Any) -> ModelSpec:
         version_policy=VersionPolicy.from_proto(cfg.version_policy),
         default_model_filename=cfg.default_model_filename,
         proto=cfg,
+        batch_inputs=tuple(
+            BatchInputSpec(BatchInputKind(pb.BatchInput.Kind.Name(bi.kind)), bi.target_name[0],
+                           from_config(pb.DataType.Name(bi.data_type)), bi.source_input[0])
+            for bi in cfg.batch_input),
+        batch_outputs=tuple(BatchOutputSpec(tuple(bo.target_name), bo.source_input[0]) for bo in cfg.batch_output),
+        equal_shape_inputs=frozenset(
+            io.name for io in cfg.input
+            if io.is_shape_tensor or (WILDCARD_DIM in io.dims and not io.allow_ragged_batch)),
     )
 
 

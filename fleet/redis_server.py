@@ -7,11 +7,15 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from fleet.lifetime import dies_with_this_process
 
 
 def find_server_binary() -> str:
@@ -44,6 +48,11 @@ class LocalServer:
     process: subprocess.Popen[bytes]
     port: int
     unix_socket: Path | None = None
+    password: str | None = None
+    # How to start it again: the same command line (port, socket, data dir) and process settings.
+    command: tuple[str, ...] = ()
+    parent_death_signal: int | None = None
+    pass_fds: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
@@ -64,6 +73,48 @@ class LocalServer:
                 self.process.kill()
                 self.process.wait()
 
+    def restart(self, *, startup_timeout_s: float = 10.0, abort: threading.Event | None = None) -> None:
+        """Start the server again after its process ended (reaped here): same port, same Unix socket
+        path (the server unlinks the stale file), same data directory, so it replays its AOF. Returns
+        once it answers PING (not LOADING); raises RuntimeError if it exits, does not answer within
+        `startup_timeout_s`, or `abort` is set meanwhile (the new process is then stopped)."""
+        if self.process.poll() is None:
+            raise RuntimeError(f"{self.command[0]} (pid {self.process.pid}) is still running")
+        self.process = _spawn(self.command, self.parent_death_signal, self.pass_fds)
+        _wait_until_ready(self, startup_timeout_s, abort)
+
+
+def _spawn(command: Sequence[str], parent_death_signal: int | None,
+           pass_fds: Sequence[int]) -> subprocess.Popen[bytes]:
+    # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
+    return subprocess.Popen(
+        list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        pass_fds=tuple(pass_fds),
+        preexec_fn=None if parent_death_signal is None else dies_with_this_process(parent_death_signal))
+
+
+def _wait_until_ready(server: LocalServer, timeout_s: float, abort: threading.Event | None) -> None:
+    client = redis.Redis(host="127.0.0.1", port=server.port, protocol=2, socket_timeout=1,
+                         password=server.password)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            proc = server.process
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server.command[0]} exited with {proc.returncode} at start "
+                                   f"(port {server.port} taken?)")
+            try:
+                client.ping()  # BusyLoadingError (a ConnectionError) while it replays its AOF
+                return
+            except redis.ConnectionError as exc:
+                if time.monotonic() > deadline or (abort is not None and abort.is_set()):
+                    server.stop()
+                    raise RuntimeError(f"{server.command[0]} did not answer on port {server.port} "
+                                       f"within {timeout_s}s") from exc
+                time.sleep(0.02)
+    finally:
+        client.close()
+
 
 def start_server(
     data_dir: Path,
@@ -74,9 +125,14 @@ def start_server(
     startup_timeout_s: float = 10.0,
     unix_socket: bool = False,
     password: str | None = None,
+    parent_death_signal: int | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> LocalServer:
     """Start a server bound to 127.0.0.1 with its files under data_dir; returns once it answers PING.
-    With `unix_socket`, it also listens on `data_dir/redis.sock` (owner only)."""
+    With `unix_socket`, it also listens on `data_dir/redis.sock` (owner only). With
+    `parent_death_signal`, the kernel sends the server that signal when the calling thread's process
+    exits (SIGTERM: it writes its AOF out and exits); call it from a thread that lives as long as the
+    process. `pass_fds` are inherited by the server (a lock it should hold as long as it runs)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     args = [
@@ -95,20 +151,7 @@ def start_server(
     sock = (data_dir / "redis.sock").resolve() if unix_socket else None
     if sock is not None:
         args += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
-    # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    server = LocalServer(proc, port, sock)
-    client = redis.Redis(host="127.0.0.1", port=port, protocol=2, socket_timeout=1, password=password)
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited with {proc.returncode} at start (port {port} taken?)")
-        try:
-            client.ping()
-            client.close()
-            return server
-        except redis.ConnectionError as exc:
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"{args[0]} did not answer on port {port} within {startup_timeout_s}s") from exc
-            time.sleep(0.02)
+    server = LocalServer(_spawn(args, parent_death_signal, pass_fds), port, sock, password, tuple(args),
+                         parent_death_signal, tuple(pass_fds))
+    _wait_until_ready(server, startup_timeout_s, None)
+    return server

@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     claim_keepalive_s: float = 1.0
     claim_interval_s: float = 1.0
     max_deliveries: int = 3
+    # A consumer (a worker's name in a model's group) that holds nothing, has been idle this long and
+    # whose worker has no heartbeat any more is removed from the group.
+    dead_consumer_idle_s: float = 300.0
     # An instance executing one batch longer than this is hung: the worker stops advertising the model
     # and restarts the instance (Python backend: its stub process) or exits for its supervisor.
     watchdog_s: float = 120.0
@@ -75,8 +78,12 @@ class Settings(BaseSettings):
     control_api: bool = False
     # Bulk jobs: uploads and outputs live here (shared by the gateway and the job workers).
     jobs_dir: Path = Path(".fleet/jobs")
-    # Rows a job keeps in flight on the model's lane (flow control: never the whole input in Redis).
+    # Rows a job holds at once, from submitting them until they are written to its output (flow control:
+    # never the whole input in Redis, and bounded memory however long the head of the window waits).
     job_window_rows: int = 4096
+    # A job's request still unanswered after this long is checked: sent again if its lane entry is gone
+    # (its reply was lost), left waiting if the entry is still queued or held by a worker.
+    job_reply_timeout_s: float = Field(default=60.0, gt=0)
     # A job runner holds its job's lease this long between refreshes; a job whose lease lapsed is
     # resumed by another job worker.
     job_lease_ms: int = 10_000

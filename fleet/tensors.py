@@ -1,7 +1,9 @@
 """Tensor codec: numpy arrays <-> raw little-endian row-major bytes, exactly Triton's binary format.
 
 BYTES elements are framed as a 4-byte little-endian length followed by the bytes; BF16 travels as the
-upper 16 bits of a float32. Decoding fixed-size types is zero-copy (np.frombuffer over the payload).
+upper 16 bits of a float32, rounded to nearest even from float32 as torch and ml_dtypes convert it
+(truncation would bias every value towards zero). Decoding fixed-size types is zero-copy
+(np.frombuffer over the payload).
 """
 
 from __future__ import annotations
@@ -63,9 +65,17 @@ def to_bytes(array: np.ndarray, datatype: Datatype) -> bytes:
     if datatype.name == "BYTES":
         return serialize_bytes(array)
     if datatype.name == "BF16":
-        f32 = np.ascontiguousarray(array, dtype="<f4")
-        return (f32.view("<u4") >> 16).astype("<u2").tobytes()
+        return float32_to_bf16(np.ascontiguousarray(array, dtype="<f4")).tobytes()
     return np.ascontiguousarray(array, dtype=datatype.numpy).tobytes()
+
+
+def float32_to_bf16(f32: np.ndarray) -> np.ndarray:
+    """The BF16 bit patterns (uint16) of float32 values, rounded to nearest, ties to even; NaN stays a
+    quiet NaN of its sign (a payload in the low bits must not round into the exponent: -0.0 or inf)."""
+    bits = f32.view("<u4").astype("<u8")
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    nan = ((bits >> 16) & 0x8000).astype("<u2") | np.uint16(0x7FC0)
+    return np.where(np.isnan(f32), nan, rounded)
 
 
 def from_bytes(data: bytes | memoryview, datatype: Datatype, shape: Sequence[int]) -> np.ndarray:

@@ -1,9 +1,13 @@
 """The gateway's Redis I/O: enqueue requests on model streams and the one reply reader per process.
 
 Enqueues issued in the same event-loop turn go out as one pipeline (one round trip for many
-requests). Replies come back on this gateway's own stream, read by a single task that resolves the
-waiting futures by request id: no per-request subscription, no polling. Redis errors become
-BrokerUnavailable here, once.
+requests); each command's own result decides its request's fate, so one refused XADD fails only its
+own caller (the others were enqueued and will be answered). Replies come back on this gateway's own
+stream, read by a single task that resolves the waiting futures by request id: no per-request
+subscription, no polling. Request ids carry a nonce drawn at each start, so a gateway restarted with
+the same FLEET_GATEWAY_ID never takes an old reply for a new request; its reader starts after a marker
+it writes at start. Redis errors become BrokerUnavailable here, once. The broker also keeps this
+process's estimate of Redis's clock (fleet/redis_time.py), the time base of every envelope.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import asyncio
 import json
 import logging
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -19,13 +25,18 @@ from redis.exceptions import RedisError
 
 from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, decode_reply
-from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull
+from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
 from fleet.keys import GROUP, Keys
+from fleet.redis_clients import unrecoverable
+from fleet.redis_time import RedisClock
+from fleet.stats import BatchSample, increments
+from fleet.supervision import Supervisor
 
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after this
 SWEEP_S = 0.25  # how often waiters past their timeout are failed
+CLOCK_SAMPLE_EVERY = 8  # sweeps between two samples of Redis's clock (2 s)
 
 # A bounded lane (max_queue_size): enqueue only while fewer than ARGV[1] requests wait for a worker, in
 # the same round trip as the other XADDs. "Waiting" = entries not yet delivered to a worker (the stream
@@ -40,17 +51,51 @@ return redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
 """
 
 
+# REJECT for a request no worker has read: at its queue deadline, the gateway deletes it from its lane
+# if it is still undelivered (its id is past the group's last-delivered id) and counts it as rejected in
+# the model's statistics, atomically: a worker that read it first rejects (or runs) it instead. Without
+# this, a request waiting in Redis behind a full worker would be answered only once a worker has room.
+# KEYS[1] = lane stream, KEYS[2] = the model's stats hash (same hash tag); ARGV[1] = entry id, then
+# field/delta pairs. Returns 1 if it was deleted (the caller answers the timeout), else 0.
+_REJECT_UNREAD = f"""
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local last = '0-0'
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return 0 end
+for _, g in ipairs(groups) do
+  local info = {{}}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  if info['name'] == '{GROUP}' then last = info['last-delivered-id'] end
+end
+local ms, seq = parse(ARGV[1])
+local lms, lseq = parse(last)
+if ms < lms or (ms == lms and seq <= lseq) then return 0 end
+if redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])[1] == nil then return 0 end
+-- Counted first: under maxmemory HINCRBY may be refused, and then nothing has changed.
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('XDEL', KEYS[1], ARGV[1])
+return 1
+"""
+REJECT_RETRY_S = 0.005  # the request's XADD has not come back yet: look again this soon
+
+
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future[ReplyEnvelope]
     expires_at: float  # loop time
     model: str = ""
     entry: tuple[str, bytes] | None = None  # (stream, entry id) once enqueued: what a cancel deletes
+    version: int = 0
+    enqueued_us: int = 0  # Redis's clock
 
 
 class Broker:
     def __init__(self, client: aioredis.Redis, reader_client: aioredis.Redis, keys: Keys, gateway_id: str,
-                 *, block_ms: int, request_timeout_s: float, outage_s: float = 5.0) -> None:
+                 *, block_ms: int, request_timeout_s: float, outage_s: float = 5.0,
+                 on_give_up: Callable[[str, BaseException], None] | None = None) -> None:
         self._client = client
         self._reader_client = reader_client
         self.keys = keys
@@ -68,20 +113,31 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._seq = 0
+        self._boot = uuid.uuid4().hex[:8]  # request ids are unique across restarts with a fixed gateway id
+        self.redis_clock = RedisClock()
+        self.supervisor = Supervisor(f"gateway {gateway_id}", on_give_up=on_give_up)
 
-    def expires_us(self, now_us: int) -> int:
-        """When a request sent at `now_us` is of no use any more: this gateway has answered 504 by then
-        (its sweep runs every SWEEP_S), so a worker that still holds it drops it instead of computing."""
-        return now_us + int((self.timeout_s + SWEEP_S) * 1_000_000)
+    def expires_us(self, enqueued_us: int) -> int:
+        """When a request enqueued at `enqueued_us` (Redis's clock) is of no use any more: this gateway
+        has answered 504 by then (its sweep runs every SWEEP_S), so a worker that still holds it drops it
+        instead of computing."""
+        return enqueued_us + int((self.timeout_s + SWEEP_S) * 1_000_000)
 
     def next_id(self) -> str:
         self._seq += 1
-        return f"{self.gateway_id}:{self._seq}"
+        return f"{self.gateway_id}:{self._boot}:{self._seq}"
 
     async def start(self) -> None:
-        await self.ping()
-        self._tasks = [asyncio.create_task(self._read_replies(), name="reply-reader"),
-                       asyncio.create_task(self._sweep(), name="reply-sweeper")]
+        """Start the reply reader and the sweeper. Redis need not be up: they wait for it with backoff
+        (requests meanwhile fail fast with 503), so a gateway never fails to start for want of Redis."""
+        try:
+            await asyncio.wait_for(self.redis_clock.sample(self._client), 2.0)
+        except (RedisError, OSError, TimeoutError) as exc:
+            if unrecoverable(exc):  # credentials, ACL, TLS: waiting does not fix it
+                raise BrokerUnavailable(f"Redis refuses this gateway: {exc}") from exc
+            log.warning("Redis is not reachable yet (%s); the gateway starts and waits for it", exc)
+        self._tasks = [self.supervisor.start("reply-reader", self._read_replies),
+                       self.supervisor.start("reply-sweeper", self._sweep)]
 
     async def stop(self) -> None:
         self._stopping = True
@@ -101,21 +157,58 @@ class Broker:
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"Redis is not reachable: {exc}") from exc
 
-    def submit(self, request_id: str, stream: str, payload: bytes,
-               max_queue_size: int = 0, model: str = "") -> asyncio.Future[ReplyEnvelope]:
+    def submit(self, request_id: str, stream: str, payload: bytes, max_queue_size: int = 0, model: str = "",
+               *, version: int = 0, enqueued_us: int = 0, reject_at_us: int | None = None,
+               ) -> asyncio.Future[ReplyEnvelope]:
         """Enqueue payload on stream and return the future of its reply.
 
         The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
         event-loop turn go out as one pipeline; if Redis cannot take them, their futures fail with
         BrokerUnavailable; past `max_queue_size` (> 0) waiting requests, with QueueFull at once.
-        The caller must `forget(request_id)` when done (also on cancellation)."""
+        `reject_at_us` (Redis's clock): its queue deadline under REJECT; if no worker has read it by then,
+        it is deleted and fails with RequestTimeout. The caller must `forget(request_id)` when done (also
+        on cancellation)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
-        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model)
+        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model, version=version,
+                                            enqueued_us=enqueued_us)
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
+        if reject_at_us is not None:
+            now = self.redis_clock.to_redis(self.redis_clock.now_us())
+            loop.call_later(max(0.0, (reject_at_us - now) / 1e6), self._reject_if_unread, request_id)
         return fut
+
+    def _reject_if_unread(self, request_id: str) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is None or waiter.future.done() or self._stopping:
+            return
+        if waiter.entry is None:  # not enqueued yet (or it failed, and the caller is being told)
+            asyncio.get_running_loop().call_later(REJECT_RETRY_S, self._reject_if_unread, request_id)
+            return
+        task = asyncio.ensure_future(self._reject_unread(request_id, waiter))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _reject_unread(self, request_id: str, waiter: _Waiter) -> None:
+        assert waiter.entry is not None
+        stream, entry_id = waiter.entry
+        now = self.redis_clock.to_redis(self.redis_clock.now_us())
+        sample = BatchSample(version=waiter.version, batch_size=0, requests_ok=0, requests_failed=1,
+                             request_ns_ok=0, request_ns_failed=max(0, now - waiter.enqueued_us) * 1000, queue_ns=0,
+                             compute_input_ns=0, compute_infer_ns=0, compute_output_ns=0,
+                             finished_ms=now // 1000, requests_rejected=1)
+        args: list[bytes | str | int] = [entry_id]
+        for name, delta in increments(sample).items():
+            args += [name, delta]
+        try:
+            deleted = await self._client.eval(_REJECT_UNREAD, 2, stream, self.keys.stats(waiter.model), *args)
+        except (RedisError, OSError) as exc:
+            log.debug("rejecting %s at its deadline failed: %s (a worker will)", request_id, exc)
+            return
+        if deleted and self._waiters.pop(request_id, None) is waiter and not waiter.future.done():
+            waiter.future.set_exception(RequestTimeout())
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
@@ -160,7 +253,7 @@ class Broker:
                     pipe.eval(_BOUNDED_XADD, 1, stream, bound, payload)
                 else:
                     pipe.xadd(stream, {b"d": payload})
-            results = await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as exc:
             err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")
             for *_, fut in batch:
@@ -171,6 +264,12 @@ class Broker:
             self._down_since = None  # Redis took these: it is back (the reply reader may still be waiting)
             self._redis_back.set()
         for (rid, stream, _, bound, fut), result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                # This XADD alone was refused (out of memory, a wrong-type key): only its caller fails;
+                # the others of the pipeline were enqueued and will be answered.
+                if not fut.done():
+                    fut.set_exception(BrokerUnavailable(f"cannot enqueue the request: Redis refused it ({result})"))
+                continue
             if bound > 0 and result is None:
                 if not fut.done():
                     fut.set_exception(QueueFull())
@@ -180,9 +279,11 @@ class Broker:
                 waiter.entry = (stream, result)
 
     async def _read_replies(self) -> None:
-        # The stream must exist with its TTL before workers write to it.
-        await self._touch_reply_stream()
-        last_id = b"0-0"
+        # The stream must exist with its TTL before workers write to it. Reading starts after the marker
+        # written now: what is older was written for an earlier process with this gateway id (its ids
+        # carry another nonce, so it could never be taken for a reply of ours; it is just skipped). If
+        # Redis is away at start, from the beginning: a reply must never be missed.
+        last_id = await self._touch_reply_stream() or b"0-0"
         next_touch = time.monotonic() + REPLY_TTL_S / 4
         backoff = Backoff()
         loop = asyncio.get_running_loop()
@@ -233,15 +334,18 @@ class Broker:
         else:
             self.unclaimed_replies += 1  # a duplicate or a late reply: dropped
 
-    async def _touch_reply_stream(self) -> None:
+    async def _touch_reply_stream(self) -> bytes | None:
+        """Add a marker entry and refresh the TTL; returns the marker's id (None if Redis is away)."""
         try:
             pipe = self._reader_client.pipeline(transaction=False)
             # An empty stream cannot exist; add and trim a marker so EXPIRE has a key to hold.
             pipe.xadd(self.reply_key, {b"hello": b"1"}, maxlen=100000, approximate=True)
             pipe.expire(self.reply_key, REPLY_TTL_S)
-            await pipe.execute()
+            marker, _ = await pipe.execute()
+            return bytes(marker)
         except (RedisError, OSError) as exc:
             log.warning("cannot refresh the reply stream: %s", exc)
+            return None
 
     async def _reachable(self) -> bool:
         try:
@@ -253,8 +357,15 @@ class Broker:
     async def _sweep(self) -> None:
         """Fail requests whose reply did not come in time: one timer for all, not one per request."""
         loop = asyncio.get_running_loop()
+        sweeps = 0
         while True:
             await asyncio.sleep(SWEEP_S)
+            sweeps += 1
+            if sweeps % CLOCK_SAMPLE_EVERY == 0 and self._down_since is None:
+                try:
+                    await asyncio.wait_for(self.redis_clock.sample(self._client), 1.0)
+                except (RedisError, OSError, TimeoutError):
+                    pass  # the reader notices an outage; the last estimate stays
             now = loop.time()
             down_s = None if self._down_since is None else now - self._down_since
             if down_s is not None and down_s > self.outage_s and await self._reachable():

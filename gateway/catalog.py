@@ -43,6 +43,8 @@ class Catalog:
     ready: set[tuple[str, int]] = field(default_factory=set)
     # model -> reason reported by a worker that failed to load it.
     failures: dict[str, str] = field(default_factory=dict)
+    # (model, version) -> requests the workers hold queued, not yet executing (summed over workers).
+    queued: dict[tuple[str, int], int] = field(default_factory=dict)
     workers: int = 0
 
     @classmethod
@@ -82,10 +84,15 @@ class Catalog:
     def update_from_heartbeats(self, beats: list[dict[bytes, bytes]]) -> None:
         ready: set[tuple[str, int]] = set()
         failures: dict[str, str] = {}
+        queued: dict[tuple[str, int], int] = {}
         for beat in beats:
             for item in json.loads(beat.get(b"models", b"[]")):
                 ready.add((item[0], int(item[1])))
             failures.update(json.loads(beat.get(b"failed", b"{}")))
+            for model, per in json.loads(beat.get(b"queued", b"{}")).items():
+                for version, n in per.items():
+                    queued[(model, int(version))] = queued.get((model, int(version)), 0) + int(n)
         self.ready = ready
         self.failures = failures
+        self.queued = queued
         self.workers = len(beats)

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from fleet.admission import admit
+from fleet.clock import Clock, SystemClock
 from fleet.envelope import RequestEnvelope, encode_request
 from fleet.errors import ModelNotReady, from_code
+from fleet.kserve import parse_infer, render_infer
 from fleet.stats import render_model_stats
 from gateway.broker import Broker
 from gateway.catalog import Catalog
-from gateway.codec import parse_infer, render_infer
 
 
 @dataclass(slots=True)
@@ -25,16 +25,19 @@ class InferResult:
 
 
 class DataPlane:
-    def __init__(self, catalog: Catalog, broker: Broker) -> None:
+    def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None) -> None:
         self.catalog = catalog
         self.broker = broker
+        self.clock = clock or SystemClock()
 
     async def infer(self, model: str, version: str | None, body: bytes, header_length: str | None) -> InferResult:
         view, v = self.catalog.resolve(model, version)
         spec = view.entry.spec
         req = parse_infer(body, header_length, spec)
         rid = self.broker.next_id()
-        now_us = time.time_ns() // 1000
+        # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
+        # the skew between the two (fleet/redis_time.py).
+        now_us = self.broker.redis_clock.to_redis(self.clock.now_us())
         admission = admit(spec, req.priority, req.timeout_us, now_us)
         env = RequestEnvelope(
             id=rid,
@@ -51,8 +54,10 @@ class DataPlane:
             expires_us=self.broker.expires_us(now_us),
         )
         try:
+            reject_at = None if admission.delay_on_timeout else admission.deadline_us
             reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),
-                                             admission.max_queue_size, model)
+                                             admission.max_queue_size, model, version=v, enqueued_us=now_us,
+                                             reject_at_us=reject_at)
         except asyncio.CancelledError:
             # The caller went away: nobody will read a reply, so none should be computed.
             self.broker.cancel(rid)

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.errors import InvalidInput, Overloaded, ServingError, VersionNotFound
-from gateway.codec import compress, decompress, response_encoding
+from fleet.kserve import compress, decompress, response_encoding
 from gateway.errors import status_for
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fleet.admission import lane_count
+from fleet.keys import GROUP
 from fleet.stats import field
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,7 +36,7 @@ _COUNTERS = [
 
 class _Snapshot(Collector):
     def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int) -> None:
-        self.rows = rows  # (model, version, decoded stats hash, queue depth)
+        self.rows = rows  # (model, version, decoded stats hash, pending requests)
         self.workers = workers
         self.unclaimed = unclaimed
 
@@ -65,22 +66,42 @@ class _Snapshot(Collector):
                                   "or a disconnect); dropped", value=self.unclaimed)
 
 
+def _undelivered(length: object, pending: object) -> int:
+    """Entries of a lane no worker has read yet: its length less what the group has delivered and not
+    acknowledged (acknowledged entries are deleted). No group yet: all of them."""
+    n = int(length) if isinstance(length, int) else 0
+    if isinstance(pending, dict):
+        n -= int(pending.get("pending", 0))
+    return max(0, n)
+
+
 async def metrics(request: Request) -> Response:
+    """`nv_inference_pending_request_count` is Triton's: accepted, not yet executing, once per model
+    version (the autoscaling signal). Requests the workers hold are counted by version from their
+    heartbeats; those no worker has read yet are in Redis, where their version is not visible without
+    reading them: they count under the version that serves requests naming none (the latest ready)."""
     st = request.app.state.fleet
-    names = sorted(st.catalog.views)
+    catalog = st.catalog
+    names = sorted(catalog.views)
     pipe = st.client.pipeline(transaction=False)
-    lanes = {n: lane_count(st.catalog.view(n).entry.spec) for n in names}
+    lanes = {n: lane_count(catalog.view(n).entry.spec) for n in names}
     for n in names:
         pipe.hgetall(st.keys.stats(n))
         for lane in range(lanes[n]):
             pipe.xlen(st.keys.queue(n, lane))
-    results = iter(await pipe.execute())
+            pipe.xpending(st.keys.queue(n, lane), GROUP)
+    results = iter(await pipe.execute(raise_on_error=False))
     rows = []
     for n in names:
-        raw = {k.decode(): int(v) for k, v in next(results).items()}
-        depth = sum(int(next(results)) for _ in range(lanes[n]))
-        for v in st.catalog.view(n).entry.versions:
-            rows.append((n, v, raw, depth))
+        stats = next(results)
+        raw = {k.decode(): int(v) for k, v in stats.items()} if isinstance(stats, dict) else {}
+        waiting = sum(_undelivered(next(results), next(results)) for _ in range(lanes[n]))
+        versions = catalog.view(n).entry.versions
+        ready = catalog.ready_versions(n)
+        default = ready[-1] if ready else max(versions)
+        for v in versions:
+            pending = catalog.queued.get((n, v), 0) + (waiting if v == default else 0)
+            rows.append((n, v, raw, pending))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)

@@ -1,11 +1,17 @@
-"""Everything one gateway process holds: settings, catalog, broker, and the readiness refresher."""
+"""Everything one gateway process holds: settings, catalog, broker, and the readiness refresher.
+
+Readiness comes from the workers' heartbeats, found through the registry (`fleet:workers`, a sorted
+set) rather than by scanning the keyspace. The refresher, like the broker's tasks, is supervised: a
+task that keeps dying makes the gateway exit non-zero for its supervisor (`on_give_up`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -18,15 +24,23 @@ from fleet.settings import Settings
 from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
-from gateway.jobs.worker import jobs_context
+from gateway.jobs.service import jobs_context
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_POLL_S = 0.5
+REGISTRY_GRACE_MS = 60_000  # registry entries this far past their expiry are removed (clocks differ)
+
+
+def exit_for_supervisor(what: str, exc: BaseException) -> None:
+    log.critical("%s keeps failing (%r): the gateway exits (status 1) for its supervisor to restart it", what, exc)
+    logging.shutdown()
+    os._exit(1)
 
 
 class GatewayState:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings,
+                 on_give_up: Callable[[str, BaseException], None] = exit_for_supervisor) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         repository = scan(list(settings.model_repositories))
@@ -38,16 +52,20 @@ class GatewayState:
         gateway_id = settings.gateway_id or f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.broker = Broker(self.client, async_client(url), self.keys, gateway_id,
                              block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s,
-                             outage_s=settings.redis_outage_s)
+                             outage_s=settings.redis_outage_s, on_give_up=on_give_up)
         self.dataplane = DataPlane(self.catalog, self.broker)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Start serving; Redis need not be up (readiness stays false until workers are seen)."""
         await self.broker.start()
-        await self.refresh_readiness()
-        self._refresher = asyncio.create_task(self._refresh_loop(), name="readiness")
+        try:
+            await self.refresh_readiness()
+        except (RedisError, OSError) as exc:
+            log.warning("cannot read worker heartbeats yet: %s", exc)
+        self._refresher = self.broker.supervisor.start("readiness", self._refresh_loop)
         log.info("gateway %s serving %d models: %s", self.broker.gateway_id, len(self.catalog.views),
                  ", ".join(sorted(self.catalog.views)))
 
@@ -62,12 +80,16 @@ class GatewayState:
         return await model_statistics(self.catalog, self.client, self.keys.stats, name, version)
 
     async def refresh_readiness(self) -> None:
-        """Read every live worker's heartbeat; an expired key means that worker is gone."""
-        keys = [k async for k in self.client.scan_iter(match=self.keys.worker_pattern(), count=1000)]
+        """Read every registered worker's heartbeat; an expired key means that worker is gone (and its
+        registry entry is dropped once well past its expiry)."""
+        registry = self.keys.workers()
+        now_ms = int(time.time() * 1000)
+        ids: list[bytes] = await self.client.zrangebyscore(registry, now_ms - REGISTRY_GRACE_MS, "+inf")  # type: ignore[assignment]
         pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        beats = [b for b in await pipe.execute() if b] if keys else []
+        for worker_id in ids:
+            pipe.hgetall(self.keys.worker(worker_id.decode()))
+        pipe.zremrangebyscore(registry, "-inf", now_ms - REGISTRY_GRACE_MS)
+        beats = [b for b in (await pipe.execute())[:-1] if b]
         self.catalog.update_from_heartbeats(beats)
 
     async def _refresh_loop(self) -> None:

@@ -1,23 +1,25 @@
-"""A worker's Redis I/O on one model's lane streams: join the consumer group on each, read, and finish
-a batch (replies + XACK + XDEL + statistics) in one pipelined round trip. Acknowledged only after the
-replies are written, so a worker that dies leaves its messages pending for another to claim.
+"""A worker's Redis I/O on one model's lane streams: join the consumer group, read, write replies, ack,
+refresh and claim pending messages, dead-letter. No policy: workers/custody.py decides what to call.
 
-A message is named by (lane, entry id): entry ids are unique only within one stream."""
+A message is named by (lane, entry id): entry ids are unique only within one stream.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
+from batching.holding import MessageId
 from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import GROUP, Keys
+from fleet.redis_clients import unrecoverable
 from fleet.stats import BatchSample, field, increments
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,8 @@ REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above an
 # A reply stream nobody reads any more (its gateway or job is gone) disappears after this. NX: the
 # reader's own, shorter refresh cycle is never disturbed; this only covers a key the XADD recreated.
 ORPHAN_REPLY_TTL_S = 3600
-FINISH_RETRY_S = 30.0
 
-MessageId = tuple[int, bytes]  # (lane, stream entry id)
+__all__ = ["Claimed", "MessageId", "StreamConsumer", "Written"]
 
 # KEYS[1] = stats hash; ARGV = last_inference field ("" = leave), its value, then field/delta pairs.
 _COUNT_BATCH = """
@@ -36,6 +37,60 @@ if ARGV[1] ~= "" then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 0
 """
+
+# Keepalive: restart the idle time of the messages this consumer still owns (XCLAIM JUSTID to itself:
+# no delivery counted), and say which another consumer owns now (it claimed them after this one stalled
+# past the claim timeout): a plain XCLAIM with min-idle 0 would take them back from it. A held message
+# pending for nobody (acknowledged by another, or its delivery lost in a Redis restart) is neither: it
+# stays held and is answered (its XACK is then a no-op, or acknowledges its new delivery to us).
+# KEYS[1] = stream; ARGV = group, consumer, then the ids held.
+_KEEP = """
+local keep, lost = {}, {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] then
+    if p[1][2] == ARGV[2] then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+  end
+end
+for i = 1, #keep, 1000 do
+  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
+  for j = i, math.min(i + 999, #keep) do args[#args + 1] = keep[j] end
+  args[#args + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(args))
+end
+return lost
+"""
+
+# Claim: XAUTOCLAIM from the caller's cursor, with each claimed entry's exact delivery count (XAUTOCLAIM
+# itself does not report it; poison detection depends on it). Atomic: nobody refreshes or claims between.
+# KEYS[1] = stream; ARGV = group, consumer, min idle ms, cursor, count.
+# Returns {next cursor, entries, delivery counts, ids deleted from the stream while pending}.
+_CLAIM = """
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+local counts = {}
+for i, e in ipairs(r[2]) do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
+  counts[i] = p[1] and p[1][4] or 1
+end
+return {r[1], r[2], counts, r[3] or {}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    message: MessageId
+    payload: bytes | None
+    deliveries: int  # including this claim
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What one `write` got through: replies by index into the list given, and whether the batch's
+    statistics were counted."""
+
+    replies: frozenset[int]
+    samples: bool
+    error: BaseException | None  # the first failure, if any
 
 
 class StreamConsumer:
@@ -45,6 +100,7 @@ class StreamConsumer:
         self.model = model
         self.streams = [keys.queue(model, lane) for lane in range(lanes)]
         self.consumer = consumer
+        self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
 
     async def join(self) -> None:
         for stream in self.streams:
@@ -56,14 +112,15 @@ class StreamConsumer:
                     raise
 
     async def join_when_reachable(self) -> None:
-        """join(), retried while Redis is starting or loading its AOF; an error that retrying cannot fix
-        (a refused ACL) is raised."""
+        """join(), retried with backoff while Redis is away, starting or loading its AOF."""
         backoff = Backoff()
         while True:
             try:
                 await self.join()
                 return
             except (RedisConnectionError, TimeoutError, OSError) as exc:
+                if unrecoverable(exc):
+                    raise  # a refused password or certificate: waiting does not fix it
                 delay = backoff.next_delay()
                 log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.model, exc, delay)
                 await asyncio.sleep(delay)
@@ -84,25 +141,18 @@ class StreamConsumer:
                 out.append(((lane, entry_id), fields.get(b"d") if fields else None))
         return out
 
-    async def finish(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
-                     samples: list[BatchSample]) -> None:
-        """Write every reply, then ack and delete the messages, and count the batch: one round trip."""
+    async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample]) -> Written:
+        """Write replies (one stream entry per reply stream, one field per reply) and count the batch's
+        statistics, in one round trip; each command's own result is checked, so a reply Redis refused
+        (out of memory, a wrong-type key) is reported as not written while the others are."""
         pipe = self._client.pipeline(transaction=False)
-        # One stream entry per gateway per batch, one field per reply: a batch costs one XADD per
-        # gateway, not one per request.
-        by_stream: dict[str, dict[Any, Any]] = {}
-        for reply_to, reply in replies:
-            fields = by_stream.setdefault(reply_to, {})
-            fields[b"d%d" % len(fields)] = encode_reply(reply)
-        for reply_to, fields in by_stream.items():
-            pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)
+        by_stream: dict[str, list[int]] = {}
+        for index, (reply_to, _) in enumerate(replies):
+            by_stream.setdefault(reply_to, []).append(index)
+        for reply_to, indices in by_stream.items():
+            fields = {b"d%d" % n: encode_reply(replies[i][1]) for n, i in enumerate(indices)}
+            pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)  # type: ignore[arg-type]
             pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
-        by_lane: dict[int, list[bytes]] = {}
-        for lane, entry_id in messages:
-            by_lane.setdefault(lane, []).append(entry_id)
-        for lane, ids in by_lane.items():
-            pipe.xack(self.streams[lane], GROUP, *ids)
-            pipe.xdel(self.streams[lane], *ids)
         for sample in samples:
             # One server-side script call instead of ~17 HINCRBYs (all on the model's one hash key).
             args: list[bytes | str | int] = []
@@ -110,52 +160,73 @@ class StreamConsumer:
                 args += [name, delta]
             last = field(sample.version, "last_inference") if sample.requests_ok else ""
             pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
+        results = await pipe.execute(raise_on_error=False)
+        written: set[int] = set()
+        error: BaseException | None = None
+        for n, indices in enumerate(by_stream.values()):
+            result = results[2 * n]
+            if isinstance(result, BaseException):
+                error = error or result
+            else:
+                written.update(indices)
+        counted = all(not isinstance(r, BaseException) for r in results[2 * len(by_stream):])
+        if not counted and error is None:
+            error = next(r for r in results[2 * len(by_stream):] if isinstance(r, BaseException))
+        return Written(frozenset(written), counted, error)
+
+    async def ack(self, messages: list[MessageId]) -> None:
+        """Acknowledge and delete: only for messages whose reply is written (or that need none)."""
+        if not messages:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        by_lane: dict[int, list[bytes]] = {}
+        for lane, entry_id in messages:
+            by_lane.setdefault(lane, []).append(entry_id)
+        for lane, ids in by_lane.items():
+            pipe.xack(self.streams[lane], GROUP, *ids)
+            pipe.xdel(self.streams[lane], *ids)
         await pipe.execute()
 
-    async def finish_retrying(self, replies: list[tuple[str, ReplyEnvelope]], messages: list[MessageId],
-                              samples: list[BatchSample]) -> None:
-        """finish(), retried with capped backoff while Redis is away (a restart): computed replies are
-        written once it is back, for up to FINISH_RETRY_S; after that the error is raised and the messages
-        stay pending (another worker, or this one, claims and recomputes them)."""
-        backoff = Backoff()
-        give_up_at = time.monotonic() + FINISH_RETRY_S
-        while True:
-            try:
-                await self.finish(replies, messages, samples)
-                return
-            except (RedisError, OSError) as exc:
-                if time.monotonic() > give_up_at:
-                    raise
-                delay = backoff.next_delay()
-                log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, exc, delay)
-                await asyncio.sleep(delay)
+    async def keep(self, held: dict[int, list[bytes]]) -> list[MessageId]:
+        """Restart the idle time of the messages this consumer holds and still owns; returns the held
+        messages another consumer owns now (it claimed them after this worker stalled)."""
+        pipe = self._client.pipeline(transaction=False)
+        lanes = sorted(held)
+        for lane in lanes:
+            pipe.eval(_KEEP, 1, self.streams[lane], GROUP, self.consumer, *held[lane])
+        results = await pipe.execute()
+        return [(lane, entry_id) for lane, lost in zip(lanes, results, strict=True) for entry_id in lost]
 
-    async def claim(self, min_idle_ms: int, count: int) -> list[tuple[MessageId, bytes | None, int]]:
-        """Take over messages other consumers left pending for min_idle_ms, highest lane first:
-        (message, payload, deliveries)."""
-        out: list[tuple[MessageId, bytes | None, int]] = []
+    async def claim(self, min_idle_ms: int, count: int) -> list[Claimed]:
+        """Take over messages other consumers left pending for `min_idle_ms`, highest lane first, each lane
+        from where its last claim stopped (so every orphan is reached, however many there are)."""
+        out: list[Claimed] = []
         for lane, stream in enumerate(self.streams):
             if len(out) >= count:
                 break
-            result: Any = await self._client.xautoclaim(stream, GROUP, self.consumer, min_idle_ms,
-                                                         start_id="0-0", count=count - len(out))
-            entries = [(eid, fields.get(b"d") if fields else None) for eid, fields in result[1] if eid]
-            if not entries:
-                continue
-            pending: Any = await self._client.xpending_range(stream, GROUP, min=entries[0][0],
-                                                              max=entries[-1][0], count=len(entries) * 2,
-                                                              consumername=self.consumer)
-            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-            out.extend(((lane, eid), payload, deliveries.get(eid, 1)) for eid, payload in entries)
+            cursor, entries, counts, _deleted = await self._client.eval(
+                _CLAIM, 1, stream, GROUP, self.consumer, min_idle_ms, self._cursors[lane], count - len(out))
+            self._cursors[lane] = cursor
+            for (entry_id, fields), deliveries in zip(entries, counts, strict=True):
+                payload = _field(fields, b"d")
+                out.append(Claimed((lane, entry_id), payload, int(deliveries)))
         return out
 
-    async def keep(self, held: dict[int, list[bytes]]) -> None:
-        """Restart the idle time of messages this consumer holds (lane -> entry ids), so no other worker
-        claims them while they wait here. JUSTID: no delivery is counted."""
-        pipe = self._client.pipeline(transaction=False)
-        for lane, ids in held.items():
-            pipe.xclaim(self.streams[lane], GROUP, self.consumer, 0, list[Any](ids), justid=True)
-        await pipe.execute()
+    async def prune_consumers(self, live: set[str], min_idle_ms: int) -> list[str]:
+        """Remove consumers of dead workers (not in `live`) that hold nothing and have been idle long."""
+        removed: list[str] = []
+        for stream in self.streams:
+            try:
+                consumers: Any = await self._client.xinfo_consumers(stream, GROUP)
+            except ResponseError:
+                continue  # no group yet
+            for c in consumers:
+                name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+                if name == self.consumer or name in live or int(c["pending"]) or int(c["idle"]) < min_idle_ms:
+                    continue
+                await self._client.xgroup_delconsumer(stream, GROUP, name)
+                removed.append(name)
+        return removed
 
     async def dead_letter(self, message: MessageId, reason: str, payload: bytes | None) -> None:
         """Park a message nobody could answer with the reason (and its payload, so `fleet dead-letters
@@ -165,11 +236,26 @@ class StreamConsumer:
         fields: dict[bytes, bytes | int] = {b"id": entry_id, b"lane": lane, b"reason": reason.encode()}
         if payload is not None:
             fields[b"d"] = payload
+        await self._client.xadd(self._keys.dead(self.model), fields, maxlen=10_000, approximate=True)  # type: ignore[arg-type]
         pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._keys.dead(self.model), fields, maxlen=10_000, approximate=True)  # type: ignore[arg-type]
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         await pipe.execute()
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _field(fields: Any, name: bytes) -> bytes | None:
+    """A field of an entry as a script returns it: a flat [name, value, ...] list (or nil)."""
+    if not fields:
+        return None
+    if isinstance(fields, dict):
+        value = fields.get(name)
+        return value if isinstance(value, bytes) else None
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == name:
+            value = fields[i + 1]
+            return value if isinstance(value, bytes) else None
+    return None
+

@@ -118,7 +118,7 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
 def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) -> BatchOutcome:
     """Never raises: every failure becomes an error reply for the requests it touched."""
     t0 = time.perf_counter_ns()
-    to_arrays = not getattr(backend, "takes_wire", False)
+    to_arrays = not backend.takes_wire
     items: list[InferenceItem] = []
     early: dict[int, ReplyEnvelope] = {}
     for i, env in enumerate(envs):

@@ -1,6 +1,10 @@
-"""The worker's heartbeat: `fleet:worker:<id>` (hash + TTL) says which (model, version) pairs it serves.
+"""The worker's heartbeat: `fleet:worker:<id>` (hash + TTL) says which (model, version) pairs it serves
+and how many requests it has queued per version; `fleet:workers` (sorted set, scored by expiry) lists
+the workers, so gateways read the heartbeats without scanning the keyspace. A worker that dies stops
+refreshing and its key expires; the gateways' reads drop it from the registry.
 
-Gateways read these to answer readiness; a worker that dies stops refreshing and its key expires."""
+Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's deadlines are read in.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +12,49 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.keys import Keys
+from fleet.redis_time import RedisClock
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
     def __init__(self, client: aioredis.Redis, keys: Keys, worker_id: str, device: str,
-                 interval_s: float, ttl_s: float) -> None:
+                 interval_s: float, ttl_s: float, redis_clock: RedisClock | None = None) -> None:
         self._client = client
+        self._keys = keys
+        self.worker_id = worker_id
         self.key = keys.worker(worker_id)
         self._device = device
         self._interval_s = interval_s
         self._ttl_ms = int(ttl_s * 1000)
+        self.redis_clock = redis_clock or RedisClock()
         self.ready: list[tuple[str, int]] = []
         self.failed: dict[str, str] = {}
-        # A loaded model is advertised only while this says so (its instances are not hung).
+        # A loaded model is advertised only while this says so (its tasks run, it can read its streams,
+        # its instances are not hung).
         self.healthy: Callable[[str], bool] = lambda name: True
+        # model -> version -> requests queued here (not yet executing): the pending count gateways report.
+        self.queued: Callable[[], dict[str, dict[int, int]]] = dict
 
     async def beat(self) -> None:
-        pipe = self._client.pipeline(transaction=True)
+        queued = {m: {str(v): n for v, n in per.items() if n} for m, per in self.queued().items()}
+        pipe = self._client.pipeline(transaction=False)
         pipe.hset(self.key, mapping={
             "models": json.dumps([m for m in self.ready if self.healthy(m[0])]),
             "failed": json.dumps(self.failed),
+            "queued": json.dumps({m: per for m, per in queued.items() if per}),
             "device": self._device,
             "pid": str(os.getpid()),
         })
         pipe.pexpire(self.key, self._ttl_ms)
+        pipe.zadd(self._keys.workers(), {self.worker_id: int(time.time() * 1000) + self._ttl_ms})
         await pipe.execute()
 
     async def beat_quietly(self) -> None:
@@ -48,16 +63,28 @@ class Heartbeat:
         except (RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
 
+    async def sample_clock(self) -> None:
+        try:
+            await self.redis_clock.sample(self._client)
+        except (RedisError, OSError) as exc:
+            log.debug("cannot sample Redis's clock: %s", exc)
+
     async def run(self) -> None:
         while True:
-            try:
-                await self.beat()
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat failed: %s", exc)
+            await self.beat_quietly()
+            await self.sample_clock()
             await asyncio.sleep(self._interval_s)
 
     async def clear(self) -> None:
         try:
-            await self._client.delete(self.key)
+            pipe = self._client.pipeline(transaction=False)
+            pipe.delete(self.key)
+            pipe.zrem(self._keys.workers(), self.worker_id)
+            await pipe.execute()
         except (RedisError, OSError):
             pass
+
+    async def live_workers(self) -> set[str]:
+        """Ids of workers whose heartbeat was refreshed within the last minute (generous: clocks differ)."""
+        ids = await self._client.zrangebyscore(self._keys.workers(), int(time.time() * 1000) - 60_000, "+inf")
+        return {i.decode() if isinstance(i, bytes) else str(i) for i in ids}

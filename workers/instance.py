@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
+from batching.scheduler import Batch
 from workers.backends.base import Backend
 from workers.execute import BatchOutcome
 
@@ -27,7 +27,7 @@ class Job:
     """One batch for one instance: `run` computes it on the instance thread."""
 
     version: int
-    batch: list[Any]  # the loop's queued entries, returned to it with the outcome
+    batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome
     run: Callable[[], BatchOutcome]
 
 

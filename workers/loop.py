@@ -1,15 +1,15 @@
-"""The async driver of one model on one worker: read -> decide (batching.policy) -> execute -> finish.
+"""The driver of one model on one worker: feeds the schedulers (batching.scheduler, one per version) events
+from custody and the instances, carries out their actions, and supervises its own tasks. No policy of
+its own: what to batch, stage, expire or release is the scheduler's; which messages are held, refreshed,
+claimed and acknowledged is custody's.
 
-The only place in the worker that waits. The policy is asked what to do whenever something changes (an
-arrival, a freed instance, a timer); it answers Dispatch, Wait(until) or Reject, and this loop acts.
-A batch runs on a free instance's own thread, so `instance_group.count` instances run concurrently.
+Tasks (each under fleet.supervision: logged and restarted with backoff if it dies, the model
+unadvertised meanwhile, the worker exits for its supervisor if one keeps dying): one reader per lane,
+the driver, keepalive, claims, the watchdog. The driver itself never waits on Redis: replies are
+written by custody in the background, so a Redis error can never stop scheduling.
 
-One reader per lane feeds the queue, each blocked on its own stream. Read-ahead is bounded, and a
-lower lane may never fill the room a higher one needs: each lane above has one more batch of room
-than the lane below it (workers/holding.py), so a saturating bulk job (or a flood of low-priority requests)
-delays a higher-priority request by at most the batches already executing. Every lower lane always
-keeps one batch in the queue (the floor in `_room`) so that lane aging (batching.policy) can promote
-it when higher-priority load saturates the model.
+Times: the envelope's times are in Redis's clock (fleet/redis_time.py); they are converted to this
+process's clock once, on admission. A request's queue delay counts from when the gateway enqueued it.
 """
 
 from __future__ import annotations
@@ -18,94 +18,114 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from batching.policy import BatchPolicy, Dispatch, Pending, Reject, Wait, decide
+from batching.holding import Holding, MessageId
+from batching.policy import BatchPolicy, Pending
+from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, SchedulerConfig, Stage, Unstage
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
-from fleet.claims import ClaimTimeout
 from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
-from fleet.errors import InvalidInput, RequestTimeout, ServingError
+from fleet.errors import InvalidInput, RequestTimeout
 from fleet.model_config import ModelSpec
+from fleet.redis_time import RedisClock
+from fleet.supervision import Supervisor
 from workers import gil
-from workers.consumer import MessageId, StreamConsumer
+from workers.consumer import StreamConsumer
+from workers.custody import Answer, Custody, CustodyConfig, LiveWorkers
 from workers.execute import BatchOutcome, run_batch
-from workers.holding import Holding
 from workers.instance import Instance, Job
-from workers.recovery import HungHandler, Recovery, RecoveryConfig
 from workers.samples import batch_sample, rejected_samples
+from workers.watchdog import HungHandler, Watchdog
 
 log = logging.getLogger(__name__)
 
-# Online traffic counts as present for this long after an online request arrived: bulk batches are
-# then neither staged behind a running batch nor allowed more than `bulk_share` of the instance.
-ONLINE_QUIET_US = 200_000
-STAGE_DEADLINE_MARGIN_US = 1_000_000
+# Below this, a wait is spun on the event loop instead of a timer: uvloop's timers have millisecond
+# resolution (a 0.1 ms timer fires at once, a 0.8 ms one after ~1.1 ms), and Triton's delays are µs.
+SPIN_BELOW_S = 0.002
 
 
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
     db = spec.dynamic_batching
+    bulk = bulk_lane(spec)
     if db is None or spec.max_batch_size == 0:
-        return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False, aging_us=aging_us)
+        return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False, aging_us=aging_us, bulk_lane=bulk)
     return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=db.preferred_batch_sizes,
-                       max_queue_delay_us=db.max_queue_delay_us, aging_us=aging_us)
+                       max_queue_delay_us=db.max_queue_delay_us, aging_us=aging_us, bulk_lane=bulk)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    block_ms: int = 1000
+    read_ahead_batches: int = 2
+    aging_us: int = 0
+    bulk_share: float = 1.0
+    watchdog_s: float = 120.0
+    custody: CustodyConfig = CustodyConfig()
 
 
 @dataclass(slots=True)
-class _Queued:
+class _Held:
+    """A request this worker holds, as the driver knows it."""
+
     message: MessageId
     env: RequestEnvelope
+    version: int
     pending: Pending
-    seq: int  # admission order: restores the queue's order when a staged batch is taken back
 
 
-@dataclass
+def _order(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 class ModelLoop:
-    """One model's loop on this worker; `instances` maps each loaded version to its instances."""
+    """One model's driver on this worker; `instances` maps each loaded version to its instances."""
 
-    spec: ModelSpec
-    instances: dict[int, list[Instance]]
-    consumer: StreamConsumer
-    clock: Clock
-    block_ms: int = 1000
-    read_ahead_batches: int = 2
-    recovery_config: RecoveryConfig = field(default_factory=RecoveryConfig)
-    on_hung: HungHandler | None = None
-    on_health: Callable[[], None] | None = None  # the model's health changed (heartbeat it now)
-    aging_us: int = 0
-    # The most of the instance's time bulk batches take while online requests are coming in (see
-    # _on_done). Below 1 only on CPU devices, where bulk compute competes for the cores online needs.
-    bulk_share: float = 1.0
-    policy: BatchPolicy = field(init=False)
-    _queued: dict[int, list[_Queued]] = field(init=False, default_factory=dict)
-    _free: dict[int, list[Instance]] = field(init=False, default_factory=dict)
-    _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
-    # One per lane reader: a shared event could be cleared by one reader after it was set for another.
-    _room_events: list[asyncio.Event] = field(init=False, default_factory=list)
-    _stopping: bool = field(init=False, default=False)
-    _seq: int = field(init=False, default=0)
-    _online_seen_us: int = field(init=False, default=0)  # when a request of an online lane last arrived
-    _bulk_after_us: int = field(init=False, default=0)  # while online is about, no bulk batch before this
+    def __init__(self, spec: ModelSpec, instances: dict[int, list[Instance]], consumer: StreamConsumer,
+                 clock: Clock, redis_clock: RedisClock, config: LoopConfig = LoopConfig(), *,
+                 on_hung: HungHandler | None = None, on_health: Callable[[], None] | None = None,
+                 on_give_up: Callable[[str, BaseException], None] | None = None,
+                 live_workers: LiveWorkers | None = None) -> None:
+        self.spec = spec
+        self.instances = instances
+        self.clock = clock
+        self.redis_clock = redis_clock
+        self.config = config
+        self.bulk_lane = bulk_lane(spec)
+        assert len(consumer.streams) == lane_count(spec), "consumer built for another lane count"
+        policy = policy_for(spec, config.aging_us)
+        preserve = spec.dynamic_batching is not None and spec.dynamic_batching.preserve_ordering
+        self.schedulers = {v: Scheduler(SchedulerConfig(policy, len(insts), self.bulk_lane, config.bulk_share,
+                                                        preserve_ordering=preserve))
+                           for v, insts in instances.items()}
+        n_instances = sum(len(i) for i in instances.values())
+        per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
+        self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
+        self.custody = Custody(consumer, self.holding, config.custody, admit=self.admit, lost=self._lost,
+                               released=self._freed, live_workers=live_workers)
+        self.watchdog = Watchdog(spec.name, [i for insts in instances.values() for i in insts], config.watchdog_s,
+                                 on_hung=on_hung, on_health=on_health)
+        self.supervisor = Supervisor(f"model '{spec.name}'", on_give_up=on_give_up)
+        self._on_health = on_health or (lambda: None)
+        self._preserve_ordering = preserve
+        self._delay_lanes = frozenset(lane for lane in range(self.bulk_lane)
+                                      if lane_policy(spec, lane).delay_on_timeout)
+        self._held: dict[str, _Held] = {}  # by Pending.request_id
+        self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
+        self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
+        self._lost_ids: set[str] = set()  # claimed by another worker: never acknowledged by this one
+        self._wake = asyncio.Event()
+        self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
+        self._stopping = False
+        self._readers_done = False
 
-    def __post_init__(self) -> None:
-        self.policy = policy_for(self.spec, self.aging_us)
-        self._queued = {v: [] for v in self.instances}
-        self._free = {v: list(insts) for v, insts in self.instances.items()}
-        self.bulk_lane = bulk_lane(self.spec)
-        self._room_events = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
-        # Messages this worker holds (queued, staged or executing): a claim must not admit them twice.
-        n_instances = sum(len(i) for i in self.instances.values())
-        per_batch = max(1, self.spec.max_batch_size) if self.policy.dynamic else 1
-        self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * self.read_ahead_batches)
-        assert len(self.consumer.streams) == lane_count(self.spec), "consumer built for another lane count"
-        lane_policies = [lane_policy(self.spec, lane) for lane in range(self.bulk_lane)]
-        self._delay_lanes = frozenset(lane for lane, lp in enumerate(lane_policies) if lp.delay_on_timeout)
-        cfg = self.recovery_config
-        self.claim_timeout = ClaimTimeout(floor_ms=cfg.claim_min_ms, fixed_ms=cfg.claim_idle_ms)
-        self.recovery = Recovery(self, cfg, self.on_hung)
+    @property
+    def consumer(self) -> StreamConsumer:
+        return self.custody.consumer
 
     @property
     def stopping(self) -> bool:
@@ -113,42 +133,53 @@ class ModelLoop:
 
     @property
     def healthy(self) -> bool:
-        """Advertised as ready: no instance of it is hung or failed to restart."""
-        return not self.recovery.hung and not self.recovery.down
+        """Advertised as ready: its tasks run, its instances are not hung or down, it can read."""
+        return self.supervisor.healthy and self.watchdog.healthy and self.custody.reading
 
-    def health_changed(self) -> None:
-        if self.on_health is not None:
-            self.on_health()
+    def queued(self) -> dict[int, int]:
+        """Per version: requests waiting here for an instance (Triton's pending count)."""
+        return {v: s.queued() for v, s in self.schedulers.items()}
 
     def wake(self) -> None:
         self._wake.set()
 
+    # ------------------------------------------------------------------ lifecycle
+
     async def run(self) -> None:
         await self.consumer.join_when_reachable()
-        schedulers = [asyncio.create_task(self._schedule(v)) for v in self.instances]
-        schedulers += self.recovery.tasks()
+        sup = self.supervisor
+        background = [sup.start("keepalive", self.custody.keep_alive),
+                      sup.start("claims", self.custody.claim_abandoned), sup.start("watchdog", self.watchdog.run)]
+        readers = [sup.start(f"reader-{lane}", functools.partial(self._read, lane))
+                   for lane in range(self.bulk_lane + 1)]
+        driver = sup.start("driver", self._drive)
         try:
-            await asyncio.gather(*(self._read(lane) for lane in range(self.bulk_lane + 1)))
-            # Stopping: nothing new is read; finish and answer what this worker holds.
-            while self.holding.rows():
-                self._wake.set()
-                await asyncio.sleep(0.01)
+            await asyncio.gather(*readers)  # they return once stopping
+            self._readers_done = True
+            self._wake.set()
+            await driver  # returns once everything read is answered
+            await self.custody.drained()
+            await background[0]  # keepalive: ends once nothing is held
         finally:
-            for task in schedulers:
+            for task in [*background, *readers, driver]:
                 task.cancel()
-            await asyncio.gather(*schedulers, return_exceptions=True)
+            await asyncio.gather(*background, *readers, driver, return_exceptions=True)
 
     def stop(self) -> None:
+        """Stop reading; finish and answer what is held, then run() returns."""
         self._stopping = True
+        self.custody.stop()
         self._freed()
         self._wake.set()
 
     def _freed(self) -> None:
-        for event in self._room_events:
+        for event in self._room:
             event.set()
 
+    # ------------------------------------------------------------------ reading and admission
+
     async def _read(self, lane: int) -> None:
-        room_event = self._room_events[lane]
+        room_event = self._room[lane]
         backoff = Backoff()
         while not self._stopping:
             room = self.holding.room(lane)
@@ -157,233 +188,213 @@ class ModelLoop:
                 await room_event.wait()
                 continue
             try:
-                # Room is in rows; a message holds as many rows as the last one of this lane did.
-                count = self.holding.messages_to_read(lane, room)
-                messages = await self.consumer.read(lane, count, self.block_ms)
+                messages = await self.custody.read(lane, room, self.config.block_ms)
                 backoff.reset()
             except (RedisError, OSError) as exc:
                 delay = backoff.next_delay()
                 log.warning("%s: read failed (%s); retrying in %.2f s", self.spec.name, exc, delay)
+                if backoff.attempt == 1:
+                    self._on_health()
                 await asyncio.sleep(delay)
                 continue
+            if backoff.attempt:
+                self._on_health()
             for message, payload in messages:
-                await self.admit(message, payload)
-            if messages:
-                self._wake.set()
+                self.admit(message, payload)
 
-    async def admit(self, message: MessageId, payload: bytes | None) -> None:
+    def admit(self, message: MessageId, payload: bytes | None) -> None:
+        """Take a message into custody and its request into its version's scheduler."""
+        if message in self.holding:
+            # Delivered again while held: Redis lost the first delivery (a restart from an AOF a moment
+            # old) and gave it out anew. It is already here; answering it acknowledges the new delivery.
+            return
         try:
             if payload is None:
                 raise InvalidInput("message without a payload")
             env = decode_request(payload)
         except InvalidInput as exc:
             log.error("%s: unreadable message %r: %s", self.spec.name, message, exc)
-            await self.consumer.dead_letter(message, exc.message, payload)
-            return
-        queue = self._queued.get(env.version)
-        if queue is None:
-            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="NOT_FOUND",
-                                  error_message=f"model '{env.model}' version {env.version} is not loaded here")
-            await self.consumer.finish([(env.reply_to, reply)], [message], [])
+            self.custody.park_unreadable(message, exc.message, payload)
             return
         rows = env.batch_rows(self.spec.max_batch_size > 0)
-        key = tuple((t.name, t.shape[1:]) for t in env.inputs) if self.spec.needs_equal_shapes else \
-            tuple(sorted(t.name for t in env.inputs))
-        lane, entry_id = message
-        deadline, delay = env.deadline_us, lane in self._delay_lanes
-        if env.expires_us is not None and (deadline is None or env.expires_us < deadline):
-            # The caller stops waiting before the queue policy would act: drop it then (never DELAY).
-            deadline, delay = env.expires_us, False
-        if lane < self.bulk_lane:
-            self._online_seen_us = self.clock.now_us()
         self.holding.hold(message, rows)
-        self._seq += 1
-        queue.append(_Queued(message, env, seq=self._seq, pending=Pending(
-            request_id=f"{lane}/{entry_id.decode()}", lane=lane, enqueued_at_us=env.enqueued_at_us,
-            deadline_us=deadline, rows=rows, shape_key=key, delay_on_timeout=delay,
-            aging_from_us=self.clock.now_us())))
+        scheduler = self.schedulers.get(env.version)
+        if scheduler is None:
+            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="NOT_FOUND",
+                                  error_message=f"model '{env.model}' version {env.version} is not loaded here")
+            self.custody.finish([Answer(message, env.reply_to, reply)])
+            return
+        lane, entry_id = message
+        to_local = self.redis_clock.to_local
+        deadline = None if env.deadline_us is None else to_local(env.deadline_us)
+        delay = lane in self._delay_lanes
+        if env.expires_us is not None and (deadline is None or to_local(env.expires_us) < deadline):
+            # The caller stops waiting before the queue policy would act: drop it then (never DELAY).
+            deadline, delay = to_local(env.expires_us), False
+        now = self.clock.now_us()
+        pending = Pending(request_id=f"{lane}/{entry_id.decode()}", lane=lane,
+                          enqueued_at_us=min(now, to_local(env.enqueued_at_us)), deadline_us=deadline, rows=rows,
+                          shape_key=self.spec.batch_key(env.inputs), delay_on_timeout=delay, aging_from_us=now)
+        self._held[pending.request_id] = _Held(message, env, env.version, pending)
+        scheduler.arrive(pending, _order(entry_id), now)
+        self._wake.set()
 
-    async def _schedule(self, version: int) -> None:
-        queue = self._queued[version]
-        free = self._free[version]
-        instances = self.instances[version]
-        loop = asyncio.get_running_loop()
+    def cancel(self, request_ids: set[str]) -> None:
+        """Callers went away (disconnected, or the gateway gave up): drop their requests if not started."""
+        by_version: dict[int, set[str]] = {}
+        for held in self._held.values():
+            if held.env.id in request_ids:
+                by_version.setdefault(held.version, set()).add(held.pending.request_id)
+        for version, ids in by_version.items():
+            self.schedulers[version].cancel(ids)
+        if by_version:
+            self._wake.set()
+
+    def _lost(self, messages: list[MessageId]) -> None:
+        """Another worker claimed these (this one stalled): drop those not started, never ack them."""
+        ids = {f"{lane}/{entry_id.decode()}" for lane, entry_id in messages}
+        by_version: dict[int, set[str]] = {}
+        for rid in ids & self._held.keys():
+            self._lost_ids.add(rid)
+            by_version.setdefault(self._held[rid].version, set()).add(rid)
+        for version, group in by_version.items():
+            self.schedulers[version].cancel(group)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the driver
+
+    async def _drive(self) -> None:
         while True:
-            self._unstage_if_outranked(version, queue)
-            if not queue:
-                await self._sleep(None)
-                continue
             now = self.clock.now_us()
-            stageable = None if free else next((i for i in instances if i.busy and i.staged is None), None)
-            if not free and stageable is None:
-                await self._sleep_busy(queue, now)
+            acted = False
+            wake: int | None = None
+            for version, scheduler in self.schedulers.items():
+                plan = scheduler.step(now)
+                if plan.actions:
+                    acted = True
+                    for action in plan.actions:
+                        self._apply(version, scheduler, action, now)
+                if plan.wake_at_us is not None:
+                    wake = plan.wake_at_us if wake is None else min(wake, plan.wake_at_us)
+            if acted:
                 continue
-            decision = decide(self.policy, [q.pending for q in queue], now)
-            if isinstance(decision, Reject):
-                await self._reject(queue, decision)
-            elif isinstance(decision, Dispatch):
-                if now < self._bulk_after_us and self._online_active(now) and \
-                        all(p.lane == self.bulk_lane for p in decision.items):
-                    await self._sleep((self._bulk_after_us - now) / 1e6)
-                    continue
-                if not free and not self._stageable(decision):
-                    await self._sleep_busy(queue, now)
-                    continue
-                chosen = {p.request_id for p in decision.items}
-                batch = [q for q in queue if q.pending.request_id in chosen]
-                target = free[-1] if free else stageable
-                assert target is not None
-                job = Job(version, batch, functools.partial(run_batch, self.spec, target.backend,
-                                                            [q.env for q in batch]))
-                if any(q.pending.lane == self.bulk_lane for q in batch):
-                    gil.bulk_batch_started(now)
-                else:
-                    gil.maybe_restore(now)
-                if free:
-                    free.pop().start(job, loop, self._on_done, self._on_idle)
-                elif not target.stage(job):
-                    await asyncio.sleep(0)  # it went idle just now; its on_idle call is queued
-                    continue
-                queue[:] = [q for q in queue if q.pending.request_id not in chosen]
-            elif isinstance(decision, Wait):
-                await self._sleep((decision.until_us - now) / 1e6)
-
-    def _stageable(self, decision: Dispatch) -> bool:
-        """Whether a batch may wait behind a running one instead of in the queue: only if it is full
-        (the largest preferred size, or 1 without batching) - a batch that could still grow is formed
-        when an instance frees up, as Triton does - and none of it can time out before it runs (expiry
-        is checked only while queued; a staged batch starts within one batch time)."""
-        full = 1 if not self.policy.dynamic or self.policy.max_batch_size == 0 else \
-            max(self.policy.preferred_batch_sizes, default=self.policy.max_batch_size)
-        if any(p.lane == self.bulk_lane for p in decision.items) and self._online_active(self.clock.now_us()):
-            # Online traffic is about: a bulk batch waits in the queue, where an online request that
-            # arrives while the instance computes still goes first (a staged batch it could only
-            # overtake if the loop got there before the instance thread).
-            return False
-        now_us = self.clock.now_us()
-        return sum(p.rows for p in decision.items) >= full and all(
-            p.deadline_us is None or p.delay_on_timeout or p.deadline_us - now_us > STAGE_DEADLINE_MARGIN_US
-            for p in decision.items)
-
-    def _unstage_if_outranked(self, version: int, queue: list[_Queued]) -> None:
-        """A staged batch goes back to the queue when a request of a higher lane is waiting."""
-        for instance in self.instances[version]:
-            staged = instance.staged
-            if staged is None or not queue:
-                continue
-            if min(q.pending.lane for q in queue) < max(q.pending.lane for q in staged.batch):
-                job = instance.unstage()
-                if job is not None:
-                    queue.extend(job.batch)
-                    queue.sort(key=lambda q: q.seq)
-
-    async def _sleep_busy(self, queue: list[_Queued], now: int) -> None:
-        # Nothing can run now, but a timed-out request is still answered at its deadline, not when an
-        # instance frees up (REJECT never waits for compute).
-        nearest = self._nearest_reject_deadline(queue)
-        if nearest is not None and nearest <= now:
-            decision = decide(self.policy, [q.pending for q in queue], now)
-            if isinstance(decision, Reject):
-                await self._reject(queue, decision)
+            if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                 return
-        await self._sleep(None if nearest is None else (nearest - now) / 1e6)
+            await self._nap(None if wake is None else (wake - now) / 1e6)
 
-    def _nearest_reject_deadline(self, queue: list[_Queued]) -> int | None:
-        deadlines = [q.pending.deadline_us for q in queue
-                     if q.pending.deadline_us is not None and not q.pending.delay_on_timeout]
-        return min(deadlines, default=None)
-
-    async def _sleep(self, timeout_s: float | None) -> None:
-        """Until something changes (arrival, freed instance) or `timeout_s` passes."""
+    async def _nap(self, timeout_s: float | None) -> None:
+        """Until an event (arrival, finished batch, idle instance) or `timeout_s`."""
         self._wake.clear()
         if timeout_s is None:
             await self._wake.wait()
-            return
-        try:
-            await asyncio.wait_for(self._wake.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            pass
+        elif timeout_s >= SPIN_BELOW_S:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout_s - SPIN_BELOW_S / 2)
+            except TimeoutError:
+                pass
+        else:
+            # Sub-millisecond: yield to the loop once per turn (other tasks run) until the time comes.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + timeout_s
+            while not self._wake.is_set() and loop.time() < until:
+                await asyncio.sleep(0)
 
-    async def _reject(self, queue: list[_Queued], decision: Reject) -> None:
-        chosen = {p.request_id for p in decision.items}
-        expired = [q for q in queue if q.pending.request_id in chosen]
-        queue[:] = [q for q in queue if q.pending.request_id not in chosen]
-        err: ServingError = RequestTimeout()
-        replies = [(q.env.reply_to, ReplyEnvelope(id=q.env.id, model_version=q.env.version,
-                                                  error_code=err.code.value, error_message=err.message))
-                   for q in expired]
-        now_us = self.clock.now_us()
-        samples = rejected_samples([q.env for q in expired], now_us)
-        try:
-            await self.consumer.finish(replies, [q.message for q in expired], samples)
-        finally:
-            self.holding.release(q.message for q in expired)
-            self._freed()
+    def _apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
+        if isinstance(action, Run):
+            self._start(version, action.instance, action.batch, now)
+        elif isinstance(action, Stage):
+            job = self._job(version, action.instance, action.batch)
+            if not self.instances[version][action.instance].stage(job):
+                self._jobs.pop((version, action.batch.id), None)
+                scheduler.stage_refused(action.instance, action.batch.id)
+        elif isinstance(action, Unstage):
+            taken = self.instances[version][action.instance].unstage()
+            if taken is not None:
+                self._jobs.pop((version, action.batch.id), None)
+            scheduler.unstaged(action.instance, action.batch.id, taken is not None)
+        elif isinstance(action, Expire):
+            self._expire(action.items, now)
+        elif isinstance(action, Drop):
+            self._drop(action.items)
+        elif isinstance(action, Release):
+            for batch_id in action.batches:
+                self._release(version, batch_id)
 
-    def _online_active(self, now_us: int) -> bool:
-        return now_us - self._online_seen_us < ONLINE_QUIET_US
+    def _job(self, version: int, index: int, batch: Batch) -> Job:
+        envs = [self._held[p.request_id].env for p in batch.items]
+        backend = self.instances[version][index].backend
+        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs))
+        self._jobs[(version, batch.id)] = job
+        if any(p.lane == self.bulk_lane for p in batch.items):
+            gil.bulk_batch_started(self.clock.now_us())
+        else:
+            gil.maybe_restore(self.clock.now_us())
+        return job
 
-    def _on_done(self, job: Job, result: BatchOutcome | BaseException, started_us: int) -> None:
-        """On the loop, as soon as an instance has computed a batch: write its replies."""
-        self.claim_timeout.observe((self.clock.now_us() - started_us) / 1000)
-        if self.bulk_share < 1 and all(q.pending.lane == self.bulk_lane for q in job.batch):
-            # While online requests come in, each bulk batch is followed by idle time in proportion, so
-            # bulk uses at most `bulk_share` of the instance. On a CPU worker a bulk batch occupies a
-            # core the online path (gateway, Redis, this loop) needs. Measured on 2 cores (bench/bulk.py,
-            # mlp, online C=4 while a job saturates the lane): online p99 12.5 ms with no limit, 8-10 ms
-            # at a share of 0.5, 6.6-7.0 ms at 0.35 (idle: 3.9-5 ms), bulk then at 0.2x direct.
-            now_us = self.clock.now_us()
-            self._bulk_after_us = now_us + int((now_us - started_us) * (1 - self.bulk_share) / self.bulk_share)
-        self._wake.set()  # a staging slot may be free again
-        asyncio.create_task(self._finish(job, result, started_us))
+    def _start(self, version: int, index: int, batch: Batch, now: int) -> None:
+        instance = self.instances[version][index]
+        instance.start(self._job(version, index, batch), asyncio.get_running_loop(),
+                       functools.partial(self._on_done, version, index),
+                       functools.partial(self._on_idle, version, index))
 
-    def _on_idle(self, instance: Instance) -> None:
-        for version, insts in self.instances.items():
-            if instance in insts and not instance.busy and instance not in self._free[version]:
-                self._free[version].append(instance)
+    def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
+                 started_us: int) -> None:
+        """On the loop, as soon as an instance has computed a batch."""
+        now = self.clock.now_us()
+        self.custody.claim_timeout.observe((now - started_us) / 1000)
+        batch: Batch = job.batch
+        self._outcomes[(version, batch.id)] = (result, started_us)
+        self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake.set()
 
-    async def _finish(self, job: Job, result: BatchOutcome | BaseException, started_us: int) -> None:
-        batch = job.batch
-        try:
-            if isinstance(result, BaseException):
-                raise result
-            envs = [q.env for q in batch]
-            sample = batch_sample(job.version, self.spec.max_batch_size > 0, envs, result, started_us,
-                                  self.clock.now_us())
-            poisoned = {batch[i].message for i in result.poisoned}
-            replies = [(e.reply_to, r) for e, r in zip(envs, result.replies, strict=True)]
-            await self.consumer.finish_retrying(replies, [q.message for q in batch if q.message not in poisoned],
-                                                [sample])
-            for i in result.poisoned:  # answered above; parked so `fleet dead-letters` can show and replay them
-                await self.consumer.dead_letter(batch[i].message, result.replies[i].error_message,
-                                                encode_request(batch[i].env))
-        except Exception:
-            # Redis stayed away: the messages stay pending and will be claimed and computed again.
-            log.exception("%s: batch of %d could not be finished", self.spec.name, len(batch))
-        finally:
-            self.holding.release(q.message for q in batch)
-            self._wake.set()
-            self._freed()
+    def _on_idle(self, version: int, index: int, instance: Instance) -> None:
+        self.schedulers[version].idle(index)
+        self._wake.set()
 
-    def cancel(self, request_ids: set[str]) -> list[MessageId]:
-        """Drop queued requests whose callers went away (disconnected, or the gateway gave up): they are
-        never computed. Returns their messages, for the caller to acknowledge."""
-        dropped: list[MessageId] = []
-        for version, instances in self.instances.items():
-            for instance in instances:
-                staged = instance.staged
-                if staged is not None and any(q.env.id in request_ids for q in staged.batch):
-                    job = instance.unstage()  # back to the queue, where it is dropped below
-                    if job is not None:
-                        self._queued[version].extend(job.batch)
-                        self._queued[version].sort(key=lambda q: q.seq)
-        for queue in self._queued.values():
-            keep = [q for q in queue if q.env.id not in request_ids]
-            if len(keep) != len(queue):
-                dropped += [q.message for q in queue if q.env.id in request_ids]
-                queue[:] = keep
-        if dropped:
-            self.holding.release(dropped)
-            self._freed()
-        return dropped
+    # ------------------------------------------------------------------ answering
+
+    def _forget(self, items: tuple[Pending, ...]) -> list[_Held]:
+        return [self._held.pop(p.request_id) for p in items]
+
+    def _expire(self, items: tuple[Pending, ...], now: int) -> None:
+        held = self._forget(items)
+        err = RequestTimeout()
+        answers = [Answer(h.message, h.env.reply_to,
+                          ReplyEnvelope(id=h.env.id, model_version=h.env.version, error_code=err.code.value,
+                                        error_message=err.message))
+                   for h in held]
+        self.custody.finish(answers, rejected_samples([h.env for h in held], self._envelope_times(held), now))
+
+    def _drop(self, items: tuple[Pending, ...]) -> None:
+        held = self._forget(items)
+        lost = [h.message for h in held if h.pending.request_id in self._lost_ids]
+        self._lost_ids -= {h.pending.request_id for h in held}
+        self.custody.release(lost)  # another worker owns these now: released, never acknowledged
+        self.custody.finish([], [], [h.message for h in held if h.message not in lost])
+
+    def _release(self, version: int, batch_id: int) -> None:
+        job = self._jobs.pop((version, batch_id))
+        result, started_us = self._outcomes.pop((version, batch_id))
+        batch: Batch = job.batch
+        held = self._forget(batch.items)
+        self._lost_ids -= {h.pending.request_id for h in held}
+        if isinstance(result, BaseException):
+            # run_batch never raises; an error here is a bug in the instance plumbing. The messages stay
+            # pending (released, not acknowledged) and are claimed and computed again.
+            log.error("%s: batch of %d failed outside the model: %r", self.spec.name, len(held), result)
+            self.custody.release([h.message for h in held])
+            return
+        envs = [h.env for h in held]
+        sample = batch_sample(version, self.spec.max_batch_size > 0, envs, result,
+                              self._envelope_times(held), started_us, self.clock.now_us())
+        poisoned = set(result.poisoned)
+        answers = [Answer(h.message, h.env.reply_to, reply,
+                          park=reply.error_message if i in poisoned else None,
+                          payload=encode_request(h.env) if i in poisoned else None)
+                   for i, (h, reply) in enumerate(zip(held, result.replies, strict=True))]
+        self.custody.finish(answers, [sample], ordered=self._preserve_ordering)
+
+    def _envelope_times(self, held: list[_Held]) -> list[int]:
+        """When each request was enqueued, on this process's clock."""
+        return [self.redis_clock.to_local(h.env.enqueued_at_us) for h in held]
+

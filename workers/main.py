@@ -19,16 +19,17 @@ from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.logs import configure_logging
-from fleet.redis_clients import async_client
+from fleet.redis_clients import async_client, wait_for_redis
+from fleet.redis_time import RedisClock
 from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
 from workers.backends import load_backend
 from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
+from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
-from workers.loop import ModelLoop
-from workers.recovery import RecoveryConfig
+from workers.loop import LoopConfig, ModelLoop
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
@@ -67,41 +68,61 @@ def close_instances(instances: dict[int, list[Instance]]) -> None:
 
 async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> int:
     """Serve until `stop` is set, then drain: answer everything held, ack, remove the heartbeat.
-    Returns the exit status: 1 if a model's loop failed (a refused ACL, a bug), so a supervisor sees it."""
+    Returns the exit status: 1 if a model's loop failed for good (a refused ACL, a bug that keeps
+    killing one of its tasks), so a supervisor sees it. A missing Redis is never a reason to exit:
+    every loop waits for it with backoff."""
     keys = Keys(settings.key_prefix)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     url = settings.redis_url_or_default
     control = async_client(url)
-    heartbeat = Heartbeat(control, keys, worker_id, device, settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
+    redis_clock = RedisClock()
+    heartbeat = Heartbeat(control, keys, worker_id, device, settings.heartbeat_interval_s, settings.heartbeat_ttl_s,
+                          redis_clock)
     repository = scan(list(settings.model_repositories))
     heartbeat.failed.update(repository.errors)
+    try:
+        await wait_for_redis(control, f"worker {worker_id}")
+    except RedisError as exc:
+        log.critical("worker %s cannot use Redis: %s", worker_id, exc)
+        await control.aclose()
+        return 1
+    await heartbeat.sample_clock()
     beat_task = asyncio.create_task(heartbeat.run())
 
     loops: list[ModelLoop] = []
     tasks: list[asyncio.Task[None]] = []
     by_name: dict[str, ModelLoop] = {}
     heartbeat.healthy = lambda name: name not in by_name or by_name[name].healthy
-    recovery = RecoveryConfig(claim_idle_ms=settings.claim_idle_ms, claim_min_ms=settings.claim_min_ms,
-                              keepalive_s=settings.claim_keepalive_s, claim_interval_s=settings.claim_interval_s,
-                              max_deliveries=settings.max_deliveries, watchdog_s=settings.watchdog_s)
+    heartbeat.queued = lambda: {name: loop.queued() for name, loop in by_name.items()}
+    custody = CustodyConfig(claim_idle_ms=settings.claim_idle_ms, claim_min_ms=settings.claim_min_ms,
+                            keepalive_s=settings.claim_keepalive_s, claim_interval_s=settings.claim_interval_s,
+                            max_deliveries=settings.max_deliveries, dead_consumer_idle_s=settings.dead_consumer_idle_s)
+    config = LoopConfig(block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
+                        aging_us=settings.lane_aging_ms * 1000, watchdog_s=settings.watchdog_s, custody=custody,
+                        bulk_share=settings.bulk_share_cpu if device == "cpu" else 1.0)
 
     failures: list[BaseException] = []
 
-    def on_loop_done(task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None or stop.is_set():
+    def fail(what: str, exc: BaseException) -> None:
+        if stop.is_set():
             return
-        failures.append(task.exception())  # type: ignore[arg-type]
-        log.critical("%s failed: %r; the worker stops", task.get_name(), task.exception())
+        failures.append(exc)
+        log.critical("%s failed for good: %r; the worker stops (exit status 1) for its supervisor", what, exc)
         stop.set()
+
+    def on_loop_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            fail(task.get_name(), task.exception())  # type: ignore[arg-type]
 
     def beat_now() -> None:
         asyncio.ensure_future(heartbeat.beat_quietly())
 
-    def exit_hung(loop: ModelLoop, instance: Instance) -> None:
-        log.critical("worker %s exits: instance %s of '%s' is hung in code that cannot be interrupted; "
-                     "what this worker held is claimed by other workers", worker_id, instance.name, loop.spec.name)
+    def exit_hung(instance: Instance) -> None:
+        log.critical("worker %s exits: instance %s is hung in code that cannot be interrupted; "
+                     "what this worker held is claimed by other workers", worker_id, instance.name)
         logging.shutdown()
         os._exit(EXIT_HUNG)
+
     for name, entry in sorted(repository.models.items()):
         if stop.is_set():
             break
@@ -111,20 +132,18 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
             log.error("model '%s' failed to load: %s", name, exc)
             heartbeat.failed[name] = str(exc)
             continue
-        # Each model reads on its own connections (a pool): its two readers block in XREADGROUP.
+        # Each model reads on its own connections (a pool): its readers block in XREADGROUP.
         client = async_client(url)
         consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec))
-        loop = ModelLoop(entry.spec, instances, consumer, SystemClock(),
-                         block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
-                         recovery_config=recovery, on_hung=exit_hung, on_health=beat_now,
-                         aging_us=settings.lane_aging_ms * 1000,
-                         bulk_share=settings.bulk_share_cpu if device == "cpu" else 1.0)
+        loop = ModelLoop(entry.spec, instances, consumer, SystemClock(), redis_clock, config,
+                         on_hung=exit_hung, on_health=beat_now, on_give_up=fail,
+                         live_workers=heartbeat.live_workers)
         loops.append(loop)
         by_name[name] = loop
-        tasks.append(asyncio.create_task(loop.run(), name=f"model-{name}"))
+        tasks.append(asyncio.create_task(loop.run(), name=f"model '{name}'"))
         tasks[-1].add_done_callback(on_loop_done)
         heartbeat.ready.extend((name, v) for v in instances)
-        await heartbeat.beat()
+        await heartbeat.beat_quietly()
         log.info("model '%s' ready: versions %s, %d instance(s) each", name, list(instances),
                  len(next(iter(instances.values()))))
     log.info("worker %s on %s serving %d models", worker_id, device, len(loops))
@@ -166,11 +185,8 @@ async def listen_for_cancellations(url: str, keys: Keys, loops: dict[str, ModelL
                 except (ValueError, TypeError):
                     continue
                 loop = loops.get(model) if isinstance(model, str) else None
-                if loop is None:
-                    continue
-                dropped = loop.cancel({request_id})
-                if dropped:
-                    await loop.consumer.finish([], dropped, [])
+                if loop is not None:
+                    loop.cancel({request_id})
         except (RedisError, OSError) as exc:
             log.warning("cancellation listener: %s", exc)
         finally:

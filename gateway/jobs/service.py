@@ -1,9 +1,9 @@
 """Bulk job operations behind /v2/jobs, HTTP-free and synchronous (the routes run them in a thread):
-create (idempotent by id), cancel, read, uploads, and the recovery of jobs whose runner died."""
+create (idempotent by id) and queue the first run, cancel, read, uploads. The runner, the records and
+the RQ setup they share with the job workers live in fleet/jobs/."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,19 +13,17 @@ from typing import Any
 import redis
 
 from fleet.errors import InvalidInput, NotFound, NotReadyYet
+from fleet.jobs.formats import open_input
+from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
+from fleet.jobs.recovery import queue_run
+from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
 from fleet.model_config import ModelSpec
 from fleet.paths import contained, inside_any
-from gateway.jobs.formats import open_input
-from gateway.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, TERMINAL, JobStore, check_id, view
-from gateway.jobs.rq_setup import enqueue_run, fetch
-from gateway.jobs.runner import JobOptions
-
-log = logging.getLogger(__name__)
+from fleet.settings import Settings
 
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".npy": "array", ".npz": "array"}
 OUTPUT_FORMATS = {"jsonl": ".jsonl", "npy": ".npy", "npz": ".npz"}
-_WAITING = frozenset({"queued", "deferred", "scheduled"})  # RQ statuses of a run not yet picked up
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +38,11 @@ class JobsContext:
     @property
     def store(self) -> JobStore:
         return JobStore(self.client, self.keys)
+
+
+def jobs_context(client: redis.Redis, settings: Settings) -> JobsContext:
+    return JobsContext(client, Keys(settings.key_prefix), Path(settings.jobs_dir).resolve(),
+                       JobOptions.from_settings(settings), tuple(Path(d).resolve() for d in settings.job_input_dirs))
 
 
 def _input_path(ctx: JobsContext, spec_input: Any) -> Path:
@@ -107,15 +110,10 @@ def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: 
         record = ctx.store.get(job_id)
         assert record is not None
         return view(record, ctx.store.errors(job_id)), False
-    _queue_run(ctx, job_id, attempt=1)
+    queue_run(ctx.client, ctx.keys, ctx.options, job_id, attempt=1)
     record = ctx.store.get(job_id)
     assert record is not None
     return view(record, []), True
-
-
-def _queue_run(ctx: JobsContext, job_id: str, attempt: int) -> None:
-    rq_id = enqueue_run(ctx.client, ctx.keys, job_id, attempt, ctx.options.to_json())
-    ctx.store.update(job_id, {"rq_job": rq_id, "attempts": attempt})
 
 
 def get_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
@@ -159,36 +157,3 @@ def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path]:
     directory = ctx.jobs_dir / "uploads"
     directory.mkdir(parents=True, exist_ok=True)
     return token, directory / f"{token}{suffix}"
-
-
-def recover_orphans(ctx: JobsContext, now: float | None = None) -> list[str]:
-    """Re-queue jobs that should be running but whose runner is gone.
-
-    A job is orphaned when it is queued or running, nobody holds its lease, its record has not been
-    updated for a lease period, and its current RQ run is not waiting in the queue (a job worker died
-    with it, or RQ lost it). One job worker wins the recovery key and queues the next attempt."""
-    now = time.time() if now is None else now
-    lease_s = ctx.options.lease_ms / 1000
-    recovered = []
-    # Only the unfinished jobs: the history of finished ones is never read again here.
-    for record in ctx.store.get_many(ctx.store.unfinished_ids()):
-        job_id = record["id"]
-        if record["state"] in TERMINAL:
-            continue
-        if ctx.client.exists(ctx.keys.job_lease(job_id)):
-            continue
-        last = max(record.get("updated_at") or 0, record.get("created_at") or 0)
-        if now - last < lease_s:
-            continue
-        run = fetch(ctx.client, record["rq_job"]) if record.get("rq_job") else None
-        if run is not None and run.get_status(refresh=True) in _WAITING:
-            continue
-        if not ctx.client.set(ctx.keys.job_recovery(job_id), "1", nx=True, px=ctx.options.lease_ms):
-            continue
-        attempt = int(record.get("attempts") or 0) + 1
-        log.warning("job %s: its runner is gone (last progress %.0f s ago); queueing run %d",
-                    job_id, now - last, attempt)
-        _queue_run(ctx, job_id, attempt)
-        ctx.store.update(job_id, {"updated_at": now})
-        recovered.append(job_id)
-    return recovered

@@ -1,16 +1,37 @@
-"""`fleet up` as a supervisor: a worker killed with SIGKILL is restarted, readiness reports the truth
-meanwhile (nothing serves the models), and the restarted worker serves them again."""
+"""`fleet up` as a supervisor, faults injected by PID into real processes:
+- a worker killed with SIGKILL is restarted, readiness reports the truth meanwhile (nothing serves the
+  models), and the restarted worker serves them again;
+- `fleet up` itself killed with SIGKILL (as the OOM killer does) leaves no process behind, and a new one
+  starts on the same ports and data directory;
+- its embedded Redis killed with SIGKILL is restarted on the same socket with its AOF: requests queued
+  before are answered after, and no other process stops;
+- a second `fleet up` on the same data directory fails at once, naming the first one's PID.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
-from tests.e2e.conftest import RunningSystem
+import pytest
+import redis
+
+from bench.procs import children
+from fleet.keys import Keys
+from fleet.redis_server import free_port
+from tests.e2e.conftest import ROOT, RunningSystem
+from tests.support.queue_models import sleeper_repository
 
 
 def _status(url: str) -> int:
@@ -46,3 +67,197 @@ def test_a_killed_worker_is_restarted_and_readiness_follows(system: RunningSyste
     with urllib.request.urlopen(req, timeout=30) as r:
         doc = json.loads(r.read())
     assert {o["name"]: o["data"] for o in doc["outputs"]} == {"OUTPUT0": [3] * 16, "OUTPUT1": [-1] * 16}
+
+
+# --- fleet up's own lifetime, on a one-model repository (`slow`: OUT = IN after SLEEP_MS, one at a time) ---
+
+MODEL = "slow"
+OUTAGE_S = 6.0
+
+
+@dataclass
+class Fleet:
+    """One `fleet up` started by a test, with its own ports and data directory."""
+
+    proc: subprocess.Popen[bytes]
+    http_port: int
+    metrics_port: int
+    data_dir: Path
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def child(self, role: bytes) -> int:
+        (pid,) = [pid for pid, argv in children(self.proc.pid) if role in b" ".join(argv)]
+        return pid
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while _status(f"{self.base}/v2/health/ready") != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"fleet up (exit status {self.proc.poll()}) not ready:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=str(self.data_dir / "redis" / "redis.sock"), protocol=2,
+                           socket_timeout=5)
+
+
+def _fleet_up_command(repo: Path, http_port: int, metrics_port: int, data_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "fleet", "up", "--model-repository", str(repo), "--http-port", str(http_port),
+            "--metrics-port", str(metrics_port), "--data-dir", str(data_dir), "--workers", "1"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")} | extra
+
+
+class StartFleet(Protocol):
+    def __call__(self, repo: Path, *, http_port: int | None = None, metrics_port: int | None = None,
+                 data_dir: Path | None = None, **env: str) -> Fleet: ...
+
+
+@pytest.fixture
+def start_fleet(tmp_path: Path) -> Iterator[StartFleet]:
+    """Starts `fleet up` (ready on return) and stops every one still running at the end with Ctrl-C."""
+    started: list[Fleet] = []
+
+    def start(repo: Path, *, http_port: int | None = None, metrics_port: int | None = None,
+              data_dir: Path | None = None, **env: str) -> Fleet:
+        http_port, metrics_port = http_port or free_port(), metrics_port or free_port()
+        data_dir = data_dir or tmp_path / "data"
+        log = tmp_path / f"fleet-{len(started)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(_fleet_up_command(repo, http_port, metrics_port, data_dir), cwd=ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT, env=_env(**env))
+        fleet = Fleet(proc, http_port, metrics_port, data_dir, log)
+        started.append(fleet)
+        fleet.wait_ready()
+        return fleet
+
+    yield start
+    for fleet in started:
+        if fleet.proc.poll() is None:
+            fleet.proc.send_signal(signal.SIGINT)
+    for fleet in started:
+        try:
+            fleet.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            fleet.proc.kill()
+            fleet.proc.wait()
+            pytest.fail(f"fleet up did not stop on Ctrl-C:\n{fleet.tail()}")
+
+
+def _tree(pid: int) -> dict[int, bytes]:
+    """Every descendant of pid: {pid: argv joined by spaces}."""
+    found: dict[int, bytes] = {}
+    for child, argv in children(pid):
+        found[child] = b" ".join(argv)
+        found |= _tree(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _infer(base: str, value: float, timeout_s: float = 90.0) -> tuple[int, object]:
+    body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]})
+    req = urllib.request.Request(f"{base}/v2/models/{MODEL}/infer", data=body.encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return int(r.status), json.loads(r.read())["outputs"][0]["data"][0]
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError as exc:
+        return 0, repr(exc)
+
+
+def test_a_sigkilled_fleet_up_leaves_nothing_running_and_a_new_one_starts(start_fleet: StartFleet,
+                                                                         tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, MODEL, sleep_ms=10, dynamic_batching="")
+    first = start_fleet(repo)
+    tree = _tree(first.proc.pid)
+    for role in (b"valkey-server", b"fleet gateway", b"fleet worker", b"fleet jobs-worker", b"python_stub"):
+        assert any(role in argv for argv in tree.values()), f"no {role!r} among {sorted(tree.values())}"
+
+    first.proc.kill()
+    first.proc.wait()
+    deadline = time.monotonic() + 10
+    while left := {pid: argv for pid, argv in tree.items() if _running(pid)}:
+        assert time.monotonic() < deadline, f"still running 10 s after fleet up was SIGKILLed: {left}"
+        time.sleep(0.1)
+
+    # Same ports, same data directory (its lock died with its holders): a new fleet starts and serves.
+    second = start_fleet(repo, http_port=first.http_port, metrics_port=first.metrics_port, data_dir=first.data_dir)
+    assert _infer(second.base, 4.0) == (200, 4.0)
+
+
+def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: StartFleet, tmp_path: Path) -> None:
+    """kill -9 on valkey-server: fleet up restarts it on the same socket, replaying its AOF; requests
+    queued before are answered after, no other process stops, readiness and service come back."""
+    repo = sleeper_repository(tmp_path, MODEL, sleep_ms=1500, dynamic_batching="")
+    # Callers waiting through the restart keep waiting (the default gives up after 5 s of outage).
+    fleet = start_fleet(repo, FLEET_REDIS_OUTAGE_S="30", FLEET_REQUEST_TIMEOUT_S="90")
+    server = fleet.child(b"valkey-server")
+    others = {role: fleet.child(role) for role in (b"fleet gateway", b"fleet worker", b"fleet jobs-worker")}
+    queue = Keys("fleet").queue(MODEL)
+
+    client = fleet.redis()
+    with ThreadPoolExecutor(3) as pool:
+        queued = [pool.submit(_infer, fleet.base, float(v)) for v in (1, 2, 3)]
+        deadline = time.monotonic() + 10
+        while client.xlen(queue) < 3:  # all three in the stream (the first one executing, for 1.5 s)
+            done = [f.result() for f in queued if f.done()]
+            assert time.monotonic() < deadline and not done, f"not queued: {done}"
+            time.sleep(0.02)
+        client.close()
+        # Held (SIGSTOP) for a moment, fleet up restarts the server only after an outage longer than a
+        # heartbeat's TTL (5 s), as a slow restart would: long enough for any process that gives up on
+        # Redis to do so.
+        os.kill(fleet.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(server, signal.SIGKILL)
+            time.sleep(OUTAGE_S)
+        finally:
+            os.kill(fleet.proc.pid, signal.SIGCONT)
+        results = [f.result(timeout=120) for f in queued]
+
+    assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{fleet.tail()}"
+    assert f"embedded Redis (pid {server}) exited with -9; restarting it" in fleet.log.read_text()
+    assert fleet.child(b"valkey-server") != server
+    deadline = time.monotonic() + 30
+    while _status(f"{fleet.base}/v2/health/ready") != 200:
+        assert time.monotonic() < deadline, f"not ready again:\n{fleet.tail()}"
+        time.sleep(0.2)
+    assert _infer(fleet.base, 7.0, timeout_s=30) == (200, 7.0), fleet.tail()
+    assert fleet.proc.poll() is None
+    # A Redis outage stops no process: the same gateway, worker and job worker throughout.
+    assert {role: fleet.child(role) for role in others} == others, fleet.tail()
+
+
+def test_a_second_fleet_up_on_the_same_data_dir_fails_at_once(start_fleet: StartFleet, tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, MODEL, sleep_ms=10, dynamic_batching="")
+    first = start_fleet(repo)
+    server = first.child(b"valkey-server")
+    t0 = time.monotonic()
+    second = subprocess.run(_fleet_up_command(repo, free_port(), free_port(), first.data_dir), cwd=ROOT,
+                            capture_output=True, env=_env(), timeout=60)
+    took_s = time.monotonic() - t0
+    output = (second.stdout + second.stderr).decode(errors="replace")
+    assert second.returncode != 0, output
+    assert f"PID {first.proc.pid}" in output and "in use" in output, output
+    assert took_s < 15, took_s  # at once: before starting anything (a Python start on a busy machine)
+    # The first one keeps its Redis (socket and AOF untouched) and serves on.
+    assert first.child(b"valkey-server") == server
+    assert _infer(first.base, 5.0) == (200, 5.0)

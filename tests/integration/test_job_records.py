@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
+from fleet.jobs.recovery import recover_orphans
+from fleet.jobs.rq_setup import fetch, jobs_queue
+from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer, start_server
-from gateway.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
-from gateway.jobs.rq_setup import fetch, jobs_queue
-from gateway.jobs.runner import JobOptions
-from gateway.jobs.service import JobsContext, recover_orphans
 
 FIELDS = {"model": "mlp", "version": 1, "priority": 0, "input": "/x.npy", "input_kind": "array",
           "output": "/o.npy", "output_format": "npy", "max_failures": -1}
@@ -69,12 +69,11 @@ def test_records_survive_a_restart_with_aof(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_a_job_whose_runner_died_is_queued_again_once(redis_server: LocalServer, key_prefix: str,
-                                                      tmp_path: Path) -> None:
+def test_a_job_whose_runner_died_is_queued_again_once(redis_server: LocalServer, key_prefix: str) -> None:
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     keys = Keys(key_prefix)
-    ctx = JobsContext(client, keys, tmp_path, JobOptions(key_prefix, [], 64, lease_ms=1000))
-    store = ctx.store
+    options = JobOptions(key_prefix, [], 64, lease_ms=1000)
+    store = JobStore(client, keys)
     store.create("orphan", FIELDS)
     store.transition("orphan", RUNNING, (QUEUED,), {"created_at": time.time() - 9, "updated_at": time.time() - 5,
                                                    "attempts": 1})
@@ -82,10 +81,17 @@ def test_a_job_whose_runner_died_is_queued_again_once(redis_server: LocalServer,
     store.transition("alive", RUNNING, (QUEUED,), {"created_at": time.time() - 9, "updated_at": time.time() - 5})
     client.set(keys.job_lease("alive"), "runner", px=10_000)  # its runner holds the lease
     store.create("fresh", FIELDS)  # just created: its first run is not late yet
-    assert recover_orphans(ctx) == ["orphan"]
-    assert recover_orphans(ctx) == []  # the recovery key and the queued run keep others off it
+    assert recover_orphans(client, keys, options) == ["orphan"]
+    assert recover_orphans(client, keys, options) == []  # the recovery key and the queued run keep others off it
     record = store.get("orphan")
     assert record is not None and record["attempts"] == 2 and record["rq_job"] == "orphan-run2"
     run = fetch(client, "orphan-run2")
     assert run is not None and run.args == ["orphan", JobOptions(key_prefix, [], 64, 1000).to_json()]
     assert jobs_queue(client, keys).count == 1
+
+
+def test_job_options_travel_as_json_and_older_runs_get_the_default_reply_timeout() -> None:
+    options = JobOptions("p", ["/repo"], 64, lease_ms=1000, reply_timeout_s=2.5)
+    assert JobOptions.from_json(options.to_json()) == options
+    queued_before = {k: v for k, v in options.to_json().items() if k != "reply_timeout_s"}  # an RQ job queued
+    assert JobOptions.from_json(queued_before).reply_timeout_s == 60.0  # by a version without the option

@@ -14,6 +14,7 @@ import httpx
 from fleet.redis_server import LocalServer
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
+from tests.support.timed_repo import Execution, timed_repository, timed_request
 
 
 def run(redis_server: LocalServer, key_prefix: str, repo: Path,
@@ -86,32 +87,75 @@ def test_reject_timeouts_never_reach_the_model(redis_server: LocalServer, key_pr
     run(redis_server, key_prefix, repo, body)
 
 
-def test_delay_timeouts_still_run(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "delaying", sleep_ms=150, dynamic_batching="""
-        default_queue_policy { default_timeout_microseconds: 50000 timeout_action: DELAY }""")
+def test_delay_serves_expired_requests_behind_unexpired_ones(redis_server: LocalServer, key_prefix: str,
+                                                            tmp_path: Path) -> None:
+    # Triton's DELAY: a request whose queue timeout expires is not rejected; it stays eligible, behind every
+    # unexpired request of its level. Without a timeout (FIFO) "late" would run first; under REJECT it
+    # would get a 503. "late" has another shape than the others, so it can never share their batch: the
+    # order of executions alone shows who was served first.
+    repo = timed_repository(tmp_path, "delaying", max_batch_size=4, dynamic_batching="""
+        default_queue_policy { default_timeout_microseconds: 600000 timeout_action: DELAY }""")
 
     async def body(s: InProcessSystem) -> None:
-        results = await asyncio.gather(*(timed_post(s.client, "delaying", request(i)) for i in range(4)))
-        assert [r.status_code for r, _ in results] == [200] * 4
-        assert [r.json()["outputs"][0]["data"] for r, _ in results] == [[0.0], [1.0], [2.0], [3.0]]
-        assert (await stats(s.client, "delaying"))["execution_count"] == 4
+        async def post(sleep_ms: float, width: int = 1) -> Execution:
+            r = await s.client.post("/v2/models/delaying/infer", json=timed_request(sleep_ms, width=width))
+            assert r.status_code == 200, r.text
+            return Execution.of(r.json())
+
+        busy = asyncio.create_task(post(1000))  # holds the only instance for 1 s
+        await asyncio.sleep(0.1)
+        late = asyncio.create_task(post(1, width=2))  # queued; its 600 ms expire while "busy" still runs
+        await asyncio.sleep(0.7)
+        # Queued after "late" expired, and well inside their own 600 ms when the instance frees up.
+        fresh = [asyncio.create_task(post(2)), asyncio.create_task(post(3))]
+        done = await asyncio.gather(busy, late, *fresh)
+        served = [e.value for e in sorted(done, key=lambda e: e.order)]
+        assert served[0] == 1000 and set(served[1:3]) == {2, 3} and served[3] == 1, done
+        assert done[1].start_ns >= max(e.end_ns for e in done[2:]), done  # a later execution, not a batch-mate
+        st = await stats(s.client, "delaying")
+        assert st["inference_stats"]["success"]["count"] == 4 and st["inference_stats"]["fail"]["count"] == 0
 
     run(redis_server, key_prefix, repo, body)
 
 
 def test_request_timeout_may_only_shorten_the_default(redis_server: LocalServer, key_prefix: str,
                                                       tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "override", sleep_ms=300, dynamic_batching="""
-        default_queue_policy { default_timeout_microseconds: 1000000 allow_timeout_override: true }""")
+    # A request's `timeout` (µs) replaces the default only when shorter (allow_timeout_override); a longer
+    # one is ignored. Each rejection must come at the deadline that only that rule explains.
+    default_s = 0.6
+    repo = timed_repository(tmp_path, "override", max_batch_size=4, dynamic_batching=f"""
+        default_queue_policy {{ default_timeout_microseconds: {int(default_s * 1e6)}
+                                allow_timeout_override: true }}""")
 
     async def body(s: InProcessSystem) -> None:
-        first = asyncio.create_task(timed_post(s.client, "override", request(0)))
-        await asyncio.sleep(0.1)
-        short, long = await asyncio.gather(timed_post(s.client, "override", request(1, timeout=50_000)),
-                                           timed_post(s.client, "override", request(2, timeout=5_000_000)))
-        assert (await first)[0].status_code == 200
-        assert short[0].status_code == 503 and short[1] < 0.25  # 50 ms < the 1 s default: honoured
-        assert long[0].status_code == 200  # 5 s > the default: ignored, and 1 s is plenty here
+        async def post(sleep_ms: float, **parameters: Any) -> tuple[httpx.Response, float]:
+            return await timed_post(s.client, "override", timed_request(sleep_ms, **parameters))
+
+        def rejected(result: tuple[httpx.Response, float]) -> float:
+            response, elapsed = result
+            assert response.status_code == 503 and response.json()["error"] == "Request timeout expired", \
+                response.text
+            return elapsed
+
+        # 1. The instance is busy for 400 ms: a 100 ms override expires while queued, the 600 ms default
+        # does not (that one is served once the instance frees up).
+        busy = asyncio.create_task(post(400))
+        await asyncio.sleep(0.05)
+        short, plain = await asyncio.gather(post(1, timeout=100_000), post(2))
+        assert (await busy)[0].status_code == 200
+        assert plain[0].status_code == 200, plain[0].text
+        assert 0.1 - 0.005 <= rejected(short) < default_s, short[1]
+
+        # 2. The instance is busy for 1.2 s: a 5 s override cannot lengthen the 600 ms default, so the
+        # request is rejected at 600 ms, long before the instance could have served it.
+        busy = asyncio.create_task(post(1200))
+        await asyncio.sleep(0.05)
+        long = await post(3, timeout=5_000_000)
+        assert default_s - 0.005 <= rejected(long) < 1.0, long[1]
+        assert (await busy)[0].status_code == 200
+
+        st = await stats(s.client, "override")
+        assert st["inference_stats"]["success"]["count"] == 3 and st["inference_stats"]["fail"]["count"] == 2
 
     run(redis_server, key_prefix, repo, body)
 

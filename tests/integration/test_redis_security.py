@@ -36,7 +36,7 @@ def acl_rules(prefix: str, password: str) -> list[str]:
     @pubsub the job worker and the workers' cancellation listener, without @scripting fleet's Lua."""
     return ["on", f">{password}", "resetkeys", f"~{prefix}:*", "~rq:*", "resetchannels", f"&{prefix}:*", "&rq:*",
             "nocommands", "+@read", "+@write", "+@scripting", "+@transaction", "+@pubsub", "+@connection",
-            "-@dangerous", "+info"]
+            "-@dangerous", "+info", "+time"]
 
 
 @pytest.fixture

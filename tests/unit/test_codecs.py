@@ -23,8 +23,8 @@ from fleet.envelope import (
     encode_request,
 )
 from fleet.errors import ErrorCode, InvalidInput, Unsupported
+from fleet.kserve import parse_infer, render_infer
 from fleet.model_config import parse_config
-from gateway.codec import parse_infer, render_infer
 from gateway.errors import STATUS
 
 FIXED = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
@@ -54,11 +54,16 @@ def test_bytes_round_trip(shape: tuple[int, ...], data: st.DataObject) -> None:
     assert back.shape == tuple(shape) and back.reshape(-1).tolist() == items
 
 
-def test_bf16_is_upper_half_of_fp32() -> None:
-    x = np.array([1.0, -2.5, 3.140625], dtype=np.float32)
+def test_bf16_is_upper_half_of_fp32_rounded_to_nearest_even() -> None:
+    x = np.array([1.0, -2.5, 3.140625], dtype=np.float32)  # exact in BF16
     raw = tensors.to_bytes(x, BY_NAME["BF16"])
     assert raw == (x.view(np.uint32) >> 16).astype("<u2").tobytes()
     np.testing.assert_array_equal(tensors.from_bytes(raw, BY_NAME["BF16"], [3]), x)
+    # 0x3F808000 is halfway between 0x3F80 and 0x3F81: ties go to the even one; just above, up.
+    ties = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0xBF80FFFF], dtype=np.uint32).view(np.float32)
+    assert list(tensors.float32_to_bf16(ties)) == [0x3F80, 0x3F82, 0x3F81, 0xBF81]
+    special = np.array([np.inf, -np.inf, np.nan, -np.nan, 3.4e38], dtype=np.float32)
+    assert list(tensors.float32_to_bf16(special)) == [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F80]
 
 
 def test_bad_sizes_and_framing_are_invalid_input() -> None:
@@ -202,7 +207,7 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
     import gzip
     import zlib
 
-    from gateway.codec import decompress
+    from fleet.kserve import decompress
 
     body = json.dumps({"inputs": good_inputs()}).encode()
     packed = {"gzip": gzip.compress, "deflate": zlib.compress, None: lambda b: b}[encoding](body)
@@ -219,7 +224,7 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
 def test_a_decompression_bomb_stops_at_the_body_limit() -> None:
     import gzip
 
-    from gateway.codec import decompress
+    from fleet.kserve import decompress
 
     bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~64 KB
     assert len(bomb) < 100_000
@@ -285,7 +290,7 @@ def test_hostile_requests_only_raise_serving_errors(doc: dict[str, object], tail
     ("identity;q=0.1, gzip", "gzip"), ("gzip;q=abc, deflate", "deflate"),
 ])
 def test_response_encoding_negotiation(header: str | None, expected: str | None) -> None:
-    from gateway.codec import response_encoding
+    from fleet.kserve import response_encoding
 
     assert response_encoding(header) == expected
 

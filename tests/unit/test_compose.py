@@ -4,6 +4,9 @@ The file is validated by the `compose-spec` package (the compose specification's
 checked for what the schema cannot know: every `depends_on` target exists, Redis persists with AOF, the
 published ports and mounts match the flags, and each service's command line is one that `fleet`'s own
 parser accepts, as the container would run it (ENTRYPOINT + command).
+
+Also: package indexes are build arguments without a host default, and no project file names a package
+registry host or an absolute path of the machine it was written on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import io
 import json
 import os
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -351,3 +356,114 @@ def test_worker_mounts_the_repository_and_drains_on_stop(services: dict[str, Any
     source, _ = mounts(worker)["/models"]
     assert source == "./model_repository"
     assert worker["stop_grace_period"] == "30s"
+
+
+# ── package indexes and machine paths ────────────────────────────────────────
+
+# Where packages (and images, and model weights) are downloaded from: the deployer picks these, so the
+# project names none. A documentation link to one of these hosts would be flagged too; none is needed.
+REGISTRY_HOSTS = re.compile(
+    r"(?<![\w-])(?:[\w-]+\.)*(?:pypi\.org|pythonhosted\.org|pypi\.python\.org|download\.pytorch\.org"
+    r"|anaconda\.(?:org|com)|registry\.npmjs\.org|pypi\.nvidia\.com|ngc\.nvidia\.com|nvcr\.io|ghcr\.io"
+    r"|quay\.io|docker\.io|huggingface\.co|crates\.io|rubygems\.org|proxy\.golang\.org)\b",
+    re.IGNORECASE,
+)
+# Absolute paths of a particular machine (the checkout, a home directory, /opt installs); the project
+# refers to its neighbours relative to the checkout (`../shared/...`).
+MACHINE_PATHS = re.compile(r"(?<![\w.~])/(?:work|root|home|opt|Users)/")
+# (file, exact text) pairs that match but are not this machine's: the image's own user's home.
+ALLOWED = {("Dockerfile", "/home/fleet")}
+
+
+def offending_lines(name: str, text: str) -> list[str]:
+    """`name:line: text` for each line naming a registry host or a machine path (ALLOWED aside)."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        hits = [m.group(0) for m in REGISTRY_HOSTS.finditer(line)]
+        hits += [line[m.start():].split()[0] for m in MACHINE_PATHS.finditer(line)]
+        if any(not any(name == file and hit.startswith(allowed) for file, allowed in ALLOWED) for hit in hits):
+            found.append(f"{name}:{number}: {line.strip()[:160]}")
+    return found
+
+
+def project_files() -> list[str]:
+    """Tracked files plus new ones not ignored (git ls-files), that exist now; skips without git."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: no file list")
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                         capture_output=True, check=True).stdout
+    return [name for name in out.decode().split("\0") if name and (ROOT / name).is_file()]
+
+
+def test_no_project_file_names_a_registry_host_or_a_machine_path() -> None:
+    this_file = Path(__file__).resolve().relative_to(ROOT).as_posix()  # it spells the patterns out
+    found = []
+    for name in project_files():
+        if name == this_file:
+            continue
+        data = (ROOT / name).read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary (an ONNX model, say)
+        found += offending_lines(name, data.decode(errors="replace"))
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "RUN pip install torch --index-url https://download.pytorch.org/whl/cpu",
+    "extra-index-url = https://pypi.org/simple",
+    "K=${K:-/work/shared/anchors/triton}",
+    'ANCHOR = Path("/root/anchors")',
+    "see /home/alice/notes",
+])
+def test_the_check_catches_hosts_and_paths(line: str) -> None:
+    assert offending_lines("x", line) != []
+
+
+@pytest.mark.parametrize("line", [
+    "K=${K:-$ROOT/../shared/anchors/triton}",
+    "https://github.com/kubeflow/kfserving/blob/master/docs/predict-api/v2/required_api.md",
+    "bench/model_repository/double/",
+    "FLEET_JOB_INPUT_DIRS='[\"/data/in\"]'",
+])
+def test_the_check_lets_relative_paths_and_other_hosts_pass(line: str) -> None:
+    assert offending_lines("x", line) == []
+
+
+def test_the_image_user_home_is_allowed_only_in_the_dockerfile() -> None:
+    line = "WORKDIR /home/fleet"
+    assert offending_lines("Dockerfile", line) == []
+    assert offending_lines("README.md", line) != []
+
+
+def dockerfile_args() -> dict[str, str | None]:
+    """ARG name -> default (None: no default)."""
+    args: dict[str, str | None] = {}
+    for instruction in join_continuations(DOCKERFILE.read_text()):
+        m = re.match(r"(?i)^ARG\s+(\w+)(?:=(.*))?$", instruction)
+        if m:
+            args[m.group(1)] = m.group(2)
+    return args
+
+
+def test_index_urls_are_build_arguments_without_a_default() -> None:
+    args = dockerfile_args()
+    assert args.get("TORCH_INDEX_URL") == "" and args.get("INDEX_URL") == "", args
+    assert args.get("TORCH_VARIANT") == "cpu", "the default image must be the CPU one"
+    runs = [i for i in join_continuations(DOCKERFILE.read_text()) if re.match(r"(?i)^RUN\s", i)]
+    # Each pip install takes an index only when one is given (empty: pip's own default), never a host.
+    for run in runs:
+        optional = re.findall(r'\$\{(\w+):\+--index-url "\$\{(\w+)\}"\}', run)
+        assert run.count("--index-url") == len(optional), run
+        assert all(a == b and args.get(a) == "" for a, b in optional), run
+        assert "://" not in run, run
+    # The torch it installed is checked against the variant: a CPU image never ships a CUDA torch.
+    assert any("torch.version.cuda" in run and "TORCH_VARIANT" in run for run in runs)
+
+
+def test_compose_passes_index_urls_from_the_environment(services: dict[str, Any]) -> None:
+    for name, variant, torch_var in (("gateway", "cpu", "TORCH_CPU_INDEX_URL"),
+                                     ("worker", "cuda", "TORCH_CUDA_INDEX_URL")):
+        args = services[name]["build"]["args"]
+        assert args["TORCH_VARIANT"] == variant, name
+        assert args["TORCH_INDEX_URL"] == f"${{{torch_var}:-}}", name
+        assert args["INDEX_URL"] == "${INDEX_URL:-}", name

@@ -9,7 +9,7 @@ import numpy as np
 from fleet.envelope import RequestEnvelope, WireTensor
 from fleet.errors import InvalidInput
 from fleet.model_config import parse_config
-from workers.backends.base import InferenceItem, ItemResult
+from workers.backends.base import Backend, InferenceItem, InProcessBackend, ItemResult
 from workers.execute import run_batch
 
 SPEC = parse_config('backend: "python"\nmax_batch_size: 4\n'
@@ -22,7 +22,7 @@ def env(rid: str, values: tuple[float, float], datatype: str = "FP32") -> Reques
                            inputs=[WireTensor("IN", datatype, (1, 2), struct.pack("<2f", *values))])
 
 
-class WireEcho:
+class WireEcho(InProcessBackend):
     """Answers with float64 wire outputs (not the declared FP32), or an error for negative input."""
 
     takes_wire = True
@@ -49,3 +49,21 @@ def test_wire_backend_outputs_are_cast_to_the_declared_type_and_kept_in_order() 
     assert a.outputs is not None and a.outputs[0].datatype == "FP32"
     assert struct.unpack("<2f", a.outputs[0].data) == (2.0, 4.0)
     assert n.error_code == "INVALID_ARG" and c.ok
+
+
+class ArrayDoubler(InProcessBackend):
+    """A backend that takes decoded arrays (the InProcessBackend default)."""
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        assert all(item.inputs for item in items)  # decoded for it
+        return [ItemResult(outputs={"OUT": item.inputs["IN"] * 2}) for item in items]
+
+    def close(self) -> None:
+        pass
+
+
+def test_run_batch_decodes_inputs_for_a_backend_that_does_not_take_wire() -> None:
+    backend: Backend = ArrayDoubler()
+    assert not backend.takes_wire
+    (reply,) = run_batch(SPEC, backend, [env("a", (1.5, 2))]).replies
+    assert reply.outputs is not None and struct.unpack("<2f", reply.outputs[0].data) == (3.0, 4.0)

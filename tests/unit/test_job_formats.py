@@ -16,9 +16,9 @@ from fleet import tensors
 from fleet.datatypes import BY_NAME
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
+from fleet.jobs import inputs as inputs_module
+from fleet.jobs.formats import InputItem, explode, group_items, open_input, open_output, pack, unpack
 from fleet.model_config import ModelSpec, parse_config
-from gateway.jobs import inputs as inputs_module
-from gateway.jobs.formats import InputItem, explode, group_items, open_input, open_output, pack, unpack
 from tests.support.model_repo import python_config
 
 MULTI = """backend: "python"

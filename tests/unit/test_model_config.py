@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.datatypes import BY_NAME
+from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
 from fleet.model_config import ModelSpec, VersionPolicy, load_config, parse_config
 from tests.support.model_repo import TRITON_EXAMPLES, python_config
@@ -341,3 +342,106 @@ def test_version_policy_properties(available: set[int], n: int, wanted: set[int]
     assert VersionPolicy("all").select(available) == tuple(sorted(available))
     specific = VersionPolicy("specific", versions=tuple(wanted)).select(available)
     assert specific == tuple(sorted(available & wanted))
+
+
+# ---------------------------------------------------------------- batch_input / batch_output, batch key
+
+RAGGED_IO = (
+    'backend: "python"\nmax_batch_size: 8\n'
+    'input [ { name: "R", data_type: TYPE_FP32, dims: [ -1 ], allow_ragged_batch: true },'
+    ' { name: "V", data_type: TYPE_FP32, dims: [ -1, 2 ] }, { name: "F", data_type: TYPE_INT32, dims: [ 3 ] },'
+    ' { name: "O", data_type: TYPE_FP32, dims: [ 2 ], optional: true } ]\n'
+    'output [ { name: "Y", data_type: TYPE_FP32, dims: [ -1 ] } ]\n'
+)
+
+
+def batch_input(kind: str = "BATCH_ACCUMULATED_ELEMENT_COUNT", target: str = 'target_name: "IDX"',
+                dtype: str = "TYPE_INT32", source: str = 'source_input: "R"') -> str:
+    return f"batch_input [ {{ kind: {kind} {target} data_type: {dtype} {source} }} ]\n"
+
+
+BATCH_IO_ERRORS = [
+    (batch_input(source=""), "batch input kind 'BATCH_ACCUMULATED_ELEMENT_COUNT' expects 1 source input, got 0"),
+    (batch_input(kind="BATCH_ITEM_SHAPE", source='source_input: [ "R", "V" ]'),
+     "'BATCH_ITEM_SHAPE' expects 1 source input, got 2"),
+    (batch_input(dtype="TYPE_INT64"), "batch input data type must be TYPE_INT32 or TYPE_FP32"),
+    (batch_input(source='source_input: "NOPE"'), "unknown source input name 'NOPE'"),
+    (batch_input(target=""), "must specify 'target_name'"),
+    (batch_input(target='target_name: "V"'), "batch input target name 'V' is also the name of a model input"),
+    (batch_input() + batch_input(kind="BATCH_ELEMENT_COUNT"), "target name 'IDX' can only be specified once"),
+    ('batch_output [ { target_name: "Z" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "R" } ]\n',
+     "unknown target output name 'Z'"),
+    ('batch_output [ { target_name: [ "Y", "Y" ] source_input: "R" } ]\n', "'Y' can only be specified once"),
+    ('batch_output [ { target_name: "Y" source_input: "NOPE" } ]\n', "unknown source input name 'NOPE'"),
+    ('batch_output [ { target_name: "Y" } ]\n', "expects 1 source input, got 0"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BATCH_IO_ERRORS)
+def test_batch_io_errors(extra: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(RAGGED_IO + extra)
+
+
+def test_batch_inputs_and_outputs_parse_and_render_like_triton() -> None:
+    spec = parse(RAGGED_IO + batch_input(kind="BATCH_ITEM_SHAPE", dtype="TYPE_FP32")
+                 + 'batch_output [ { target_name: "Y" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "R" } ]\n')
+    (bi,) = spec.batch_inputs
+    assert (bi.kind.value, bi.target_name, bi.datatype.name, bi.source_input) == ("BATCH_ITEM_SHAPE", "IDX",
+                                                                               "FP32", "R")
+    assert [(bo.target_names, bo.source_input) for bo in spec.batch_outputs] == [(("Y",), "R")]
+    assert spec.ragged_inputs == {"R"}
+    doc = spec.to_json()
+    # Triton's ModelConfigToJson: enums by name, repeated names as lists, fields in .proto order.
+    assert doc["batch_input"] == [{"kind": "BATCH_ITEM_SHAPE", "target_name": ["IDX"], "data_type": "TYPE_FP32",
+                                   "source_input": ["R"]}]
+    assert doc["batch_output"] == [{"target_name": ["Y"], "kind": "BATCH_SCATTER_WITH_INPUT_SHAPE",
+                                    "source_input": ["R"]}]
+    assert list(doc["batch_input"][0]) == ["kind", "target_name", "data_type", "source_input"]
+
+
+def test_a_batch_input_may_read_a_non_ragged_input() -> None:
+    # Triton requires nothing of the source input: element counts and item shapes exist for any input.
+    spec = parse(RAGGED_IO + batch_input(kind="BATCH_ELEMENT_COUNT", source='source_input: "F"'))
+    assert spec.batch_inputs[0].source_input == "F"
+
+
+def wire(name: str, *shape: int) -> WireTensor:
+    return WireTensor(name, "FP32", shape, b"")
+
+
+def test_batch_key_compares_only_non_ragged_variable_shapes() -> None:
+    spec = parse(RAGGED_IO)
+    assert spec.equal_shape_inputs == {"V"} and spec.needs_equal_shapes
+
+    def key(*inputs: WireTensor) -> object:
+        return spec.batch_key(list(inputs))
+
+    base = key(wire("R", 1, 5), wire("V", 1, 3, 2), wire("F", 1, 3))
+    # Ragged R and fixed F never split a batch, nor do batch sizes or the order inputs come in.
+    assert key(wire("R", 2, 9), wire("V", 2, 3, 2), wire("F", 2, 3)) == base
+    assert key(wire("F", 1, 3), wire("R", 1, 1), wire("V", 4, 3, 2)) == base
+    # A variable, non-ragged input of another shape does; so does another set of supplied inputs.
+    assert key(wire("R", 1, 5), wire("V", 1, 4, 2), wire("F", 1, 3)) != base
+    assert key(wire("R", 1, 5), wire("V", 1, 3, 2), wire("F", 1, 3), wire("O", 1, 2)) != base
+
+
+def test_batch_key_without_equal_shape_inputs_is_the_set_of_names() -> None:
+    spec = parse('backend: "python"\nmax_batch_size: 8\n'
+                 'input [ { name: "R", data_type: TYPE_FP32, dims: [ -1 ], allow_ragged_batch: true },'
+                 ' { name: "F", data_type: TYPE_FP32, dims: [ 2 ], optional: true } ]\n')
+    assert not spec.needs_equal_shapes
+    assert spec.batch_key([wire("R", 1, 3)]) == spec.batch_key([wire("R", 3, 1)])
+    assert spec.batch_key([wire("R", 1, 3)]) != spec.batch_key([wire("R", 1, 3), wire("F", 1, 2)])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=2), st.lists(st.integers(0, 4), min_size=2, max_size=2),
+       st.integers(1, 3), st.integers(1, 3))
+def test_batch_key_equal_iff_the_non_ragged_variable_shapes_agree(
+    v1: list[int], v2: list[int], r1: int, r2: int,
+) -> None:
+    spec = parse(RAGGED_IO)
+    k1 = spec.batch_key([wire("R", 1, r1), wire("V", 1, *v1), wire("F", 1, 3)])
+    k2 = spec.batch_key([wire("R", 1, r2), wire("V", 2, *v2), wire("F", 1, 3)])
+    assert (k1 == k2) == (v1 == v2)

@@ -10,12 +10,12 @@ import pytest
 import redis
 
 from fleet.errors import InvalidInput, NotFound
+from fleet.jobs.records import COMPLETED, QUEUED, RUNNING
+from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
 from fleet.paths import contained, inside_any
 from fleet.redis_server import LocalServer
 from gateway.jobs import service
-from gateway.jobs.records import COMPLETED, QUEUED, RUNNING
-from gateway.jobs.runner import JobOptions
 from gateway.jobs.service import JobsContext
 
 

@@ -1,4 +1,5 @@
-"""The pure parts of recovery: reconnect backoff and the claim timeout derived from execution times."""
+"""The pure parts of recovery: reconnect backoff, the claim timeout derived from execution times, and the
+watchdog's decisions on a fake clock."""
 
 from __future__ import annotations
 
@@ -50,14 +51,26 @@ def test_a_configured_claim_timeout_wins() -> None:
 
 
 class _Backend:
+    takes_wire = False
+    interruptible = False
+    alive = True
+
     def execute(self, items: list[object]) -> list[object]:
         return []
+
+    def revive(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        raise AssertionError("an uninterruptible backend is never killed")
 
     def close(self) -> None:
         pass
 
 
 class _KillableBackend(_Backend):
+    interruptible = True
+
     def __init__(self) -> None:
         self.kills = 0
 
@@ -65,57 +78,43 @@ class _KillableBackend(_Backend):
         self.kills += 1
 
 
-class _Loop:
-    """What Recovery reads of a ModelLoop for the watchdog."""
-
-    def __init__(self, instance: object) -> None:
-        self.instances = {1: [instance]}
-        self.spec = type("Spec", (), {"name": "m"})()
-        self.stopping = False
-        self.health_changes = 0
-
-    def health_changed(self) -> None:
-        self.health_changes += 1
-
-
-def _watch(backend: _Backend, running_for_s: float, hung: list[object]) -> tuple[_Loop, object]:
-    import asyncio
-    import time
+def _watch(backend: _Backend, hung: list[object]) -> tuple[int, object]:
+    """Drive the watchdog on a fake monotonic clock: a batch running past the limit, then ending."""
     from concurrent.futures import ThreadPoolExecutor
 
     from workers.instance import Instance
-    from workers.recovery import Recovery, RecoveryConfig
+    from workers.watchdog import Watchdog
 
     instance = Instance("m_0", backend, ThreadPoolExecutor(1))  # type: ignore[arg-type]
-    instance.running_since = time.monotonic() - running_for_s
-    loop = _Loop(instance)
-    recovery = Recovery(loop, RecoveryConfig(watchdog_s=0.2), lambda lp, inst: hung.append(inst))  # type: ignore[arg-type]
+    changes = [0]
 
-    async def main() -> None:
-        task = asyncio.create_task(recovery._watch())
-        await asyncio.sleep(0.3)
-        assert recovery.hung == {instance}
-        instance.running_since = None  # the batch ended (killed, or it finally returned)
-        await asyncio.sleep(0.15)
-        assert recovery.hung == set()
-        loop.stopping = True
-        await task
+    def health_changed() -> None:
+        changes[0] += 1
 
-    asyncio.run(main())
+    dog = Watchdog("m", [instance], watchdog_s=0.2, on_hung=hung.append, on_health=health_changed)
+    instance.running_since = 100.0
+    dog.check(100.1)
+    assert dog.hung == set() and dog.healthy  # within the limit
+    dog.check(100.3)
+    assert dog.hung == {instance} and not dog.healthy
+    dog.check(100.35)  # still running, not yet another limit since the kill
+    instance.running_since = None  # the batch ended (killed, or it finally returned)
+    dog.check(100.4)
+    assert dog.hung == set() and dog.healthy
     instance.executor.shutdown()
-    return loop, instance
+    return changes[0], instance
 
 
 def test_the_watchdog_kills_a_hung_instance_it_can_and_readvertises_it_after() -> None:
     backend = _KillableBackend()
     hung: list[object] = []
-    loop, _ = _watch(backend, running_for_s=1.0, hung=hung)
-    assert backend.kills >= 1 and hung == []  # killed in place: the worker lives on
-    assert loop.health_changes == 2  # not advertised, then advertised again
+    changes, _ = _watch(backend, hung)
+    assert backend.kills == 1 and hung == []  # killed in place: the worker lives on
+    assert changes == 2  # not advertised, then advertised again
 
 
 def test_the_watchdog_hands_an_uninterruptible_instance_to_on_hung_once() -> None:
     hung: list[object] = []
-    loop, instance = _watch(_Backend(), running_for_s=1.0, hung=hung)
+    changes, instance = _watch(_Backend(), hung)
     assert hung == [instance]  # main.py's handler exits the worker for its supervisor
-    assert loop.health_changes == 2
+    assert changes == 2

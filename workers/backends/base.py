@@ -3,20 +3,26 @@
 An instance executes a list of requests (the batch the policy formed) and returns exactly one result per
 request, in order. Framework backends merge the list into batch tensors and split the outputs back;
 the Python backend hands the list to `TritonPythonModel.execute` as Triton does.
+
+Ragged batches (protocol.md §3.6): framework backends get each allow_ragged_batch input as one 1-D
+tensor of every request's elements, plus the config's `batch_input` tensors computed over the batch
+(`batch_tensors`); outputs named by a `batch_output` are scattered back by the source input's shape of
+each request, the others are split by rows as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from batching.merge import merge, split
+from batching.merge import batch_input_parts, merge, scatter, split
+from fleet.config_checks import WILDCARD_DIM
 from fleet.envelope import WireTensor
-from fleet.errors import InferenceFailed, ServingError
+from fleet.errors import InferenceFailed, InvalidInput, ServingError
 from fleet.model_config import ModelSpec
 
 
@@ -50,12 +56,50 @@ class LoadContext:
 
 
 class Backend(Protocol):
-    """`takes_wire` (class attribute, default False): the backend reads `InferenceItem.wire` instead of
-    decoded arrays, so a process hop forwards the envelope's bytes without decoding and re-encoding."""
+    """A loaded model instance. Its capabilities are members, read directly by the worker:
+
+    * `takes_wire`: the backend reads `InferenceItem.wire` instead of decoded arrays, so a process hop
+      forwards the envelope's bytes without decoding and re-encoding them.
+    * `interruptible`: `kill()` can interrupt an `execute()` that hangs (the Python backend's stub is
+      a process); in-process backends cannot be interrupted, so a hung one costs the worker.
+    * `alive`: False after a restart failed; the worker stops advertising the model until `revive()`.
+    * `revive()`: start the instance again if it is not running (on its own thread); whether it runs.
+    * `kill()`: interrupt a hung `execute()` (thread-safe; a no-op where not `interruptible`).
+
+    `InProcessBackend` holds the defaults of a backend that runs in the worker process.
+    """
+
+    takes_wire: ClassVar[bool]
+    interruptible: ClassVar[bool]
+
+    @property
+    def alive(self) -> bool: ...
+
+    def revive(self) -> bool: ...
+
+    def kill(self) -> None: ...
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]: ...
 
     def close(self) -> None: ...
+
+
+class InProcessBackend:
+    """Defaults for backends that run in the worker process (TorchScript, ONNX): they take decoded
+    arrays, never die on their own (a crash takes the worker with it) and cannot be interrupted."""
+
+    takes_wire: ClassVar[bool] = False
+    interruptible: ClassVar[bool] = False
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def revive(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        pass
 
 
 def failed(items: list[InferenceItem], exc: BaseException) -> list[ItemResult]:
@@ -71,15 +115,72 @@ def int_parameter(spec: ModelSpec, key: str, default: int) -> int:
         return default
 
 
+def batch_tensors(spec: ModelSpec, shapes: Sequence[dict[str, Sequence[int]]]) -> list[dict[str, np.ndarray]]:
+    """The config's `batch_input` tensors for a batch whose requests have input `shapes` (name -> shape,
+    one dict per request): one dict per request, target name -> that request's part
+    (batching.merge.batch_input_parts); concatenated along axis 0 they are the batch tensors. Raises
+    InvalidInput if a request lacks a batch input's source input."""
+    parts: list[dict[str, np.ndarray]] = [{} for _ in shapes]
+    for bi in spec.batch_inputs:
+        missing = [i for i, s in enumerate(shapes) if bi.source_input not in s]
+        if missing:
+            raise InvalidInput(f"batch input '{bi.target_name}' of model '{spec.name}' needs input "
+                               f"'{bi.source_input}' in every request of the batch")
+        sources = [s[bi.source_input] for s in shapes]
+        for part, value in zip(parts, batch_input_parts(bi.kind, bi.datatype.numpy, sources), strict=True):
+            part[bi.target_name] = value
+    return parts
+
+
+def _scatter_shapes(spec: ModelSpec, output: str, source: str, items: list[InferenceItem]) -> list[list[int]]:
+    """Each request's shape of a BATCH_SCATTER_WITH_INPUT_SHAPE output: its config shape (with the batch
+    dim), every variable dim taken from the same dim of the request's source input (Triton's naive
+    mapping)."""
+    ts = spec.output(output)
+    assert ts is not None  # config validation: batch output targets are outputs
+    dims = list(ts.reshape if ts.reshape is not None else ts.dims)
+    pattern = ([WILDCARD_DIM] if spec.max_batch_size > 0 else []) + dims
+    shapes = []
+    for item in items:
+        src = item.inputs[source].shape
+        if any(d == WILDCARD_DIM and i >= len(src) for i, d in enumerate(pattern)):
+            raise InvalidInput(f"output '{output}' cannot take its shape {pattern} from input '{source}' "
+                               f"of shape {list(src)}")
+        shapes.append([src[i] if d == WILDCARD_DIM else d for i, d in enumerate(pattern)])
+    return shapes
+
+
+def _split_outputs(
+    spec: ModelSpec, outputs: dict[str, np.ndarray], items: list[InferenceItem]
+) -> list[dict[str, np.ndarray]]:
+    scattered: dict[str, list[np.ndarray]] = {}
+    for bo in spec.batch_outputs:
+        for name in bo.target_names:
+            if name in outputs:
+                scattered[name] = scatter(outputs[name], _scatter_shapes(spec, name, bo.source_input, items))
+    if spec.max_batch_size > 0:
+        rows = [next(iter(i.inputs.values())).shape[0] for i in items]
+        plain = split({k: v for k, v in outputs.items() if k not in scattered}, rows)
+    else:
+        plain = [{k: v for k, v in outputs.items() if k not in scattered}]
+    # Keep the model's output order (ItemResult.outputs).
+    return [{k: scattered[k][i] if k in scattered else plain[i][k] for k in outputs} for i in range(len(items))]
+
+
 def run_merged(
     spec: ModelSpec, items: list[InferenceItem], run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 ) -> list[ItemResult]:
-    """Framework backends: one forward pass over the concatenated batch, outputs split per request."""
+    """Framework backends: one forward pass over the concatenated batch, outputs split per request.
+    Ragged inputs go in as 1-D concatenations, with the config's batch inputs beside them."""
     try:
-        if spec.max_batch_size > 0:
-            rows = [next(iter(i.inputs.values())).shape[0] for i in items]
-            outputs = run(merge([i.inputs for i in items]))
-            return [ItemResult(outputs=o) for o in split(outputs, rows)]
-        return [ItemResult(outputs=run(i.inputs)) for i in items]
+        groups = [items] if spec.max_batch_size > 0 else [[i] for i in items]  # no batching: one at a time
+        results: list[ItemResult] = []
+        for group in groups:
+            batch = merge([i.inputs for i in group], spec.ragged_inputs)
+            if spec.batch_inputs:
+                parts = batch_tensors(spec, [{k: v.shape for k, v in i.inputs.items()} for i in group])
+                batch.update(merge(parts))
+            results += [ItemResult(outputs=o) for o in _split_outputs(spec, run(batch), group)]
+        return results
     except Exception as exc:  # a bad batch fails its own requests, never the worker
         return failed(items, exc)

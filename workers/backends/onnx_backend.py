@@ -5,10 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from fleet.errors import ConfigError
-from workers.backends.base import InferenceItem, ItemResult, LoadContext, int_parameter, run_merged
+from workers.backends.base import (
+    InferenceItem,
+    InProcessBackend,
+    ItemResult,
+    LoadContext,
+    int_parameter,
+    run_merged,
+)
 
 
-class OnnxBackend:
+class OnnxBackend(InProcessBackend):
     def __init__(self, ctx: LoadContext) -> None:
         import onnxruntime as ort
 
@@ -25,8 +32,10 @@ class OnnxBackend:
         self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         model_inputs = {i.name for i in self._session.get_inputs()}
         missing = [t.name for t in spec.inputs if t.name not in model_inputs]
+        missing += [b.target_name for b in spec.batch_inputs if b.target_name not in model_inputs]
         if missing:
-            raise ConfigError(f"{spec.name}: config inputs {missing} are not inputs of {path.name}")
+            raise ConfigError(f"{spec.name}: config inputs (or batch inputs) {missing} are not inputs of "
+                              f"{path.name}")
         self._spec = spec
         self._output_names = [t.name for t in spec.outputs]
 

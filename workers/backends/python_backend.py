@@ -6,6 +6,17 @@ worker's problem: a stub that dies is restarted. When a call fails as a whole (t
 raised or returned the wrong number of responses) for a batch of several requests, each request is run
 again alone, so only the one at fault gets the error. A request that kills the stub each time it runs
 alone is tried `max_deliveries` times, then answered with PoisonRequest (the loop dead-letters it).
+
+Batch inputs (config `batch_input`, ragged batching): execute() gets a list of separate requests, each
+with its own tensors, as in Triton; each request also carries its part of every batch input tensor,
+computed over the requests of this call (workers.backends.base.batch_tensors: e.g. for
+BATCH_ACCUMULATED_ELEMENT_COUNT, request i's tensor is [end offset of its elements]), read with
+`pb_utils.get_input_tensor_by_name(request, target_name)`. Concatenating the parts over `requests` gives
+the tensor a framework backend receives. (Triton's own Python backend creates no batch inputs at all.)
+
+Stubs die with their worker: each is started from one spawner thread that lives as long as the worker
+process and arms the kernel's parent-death signal (SIGKILL) first thing, so a worker killed with
+SIGKILL leaves no stub behind, even one busy in execute() (an idle one would also see its pipe close).
 """
 
 from __future__ import annotations
@@ -16,15 +27,32 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fleet.envelope import WireTensor
-from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, from_code
-from workers.backends.base import InferenceItem, ItemResult, LoadContext
+from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, ServingError, from_code
+from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 log = logging.getLogger(__name__)
+
+# The kernel sends a child its parent-death signal when the *thread* that forked it exits, not only when
+# the process does. Stubs are started on load (a loader thread), on restart and on revive (instance
+# threads), so they are all forked from this one thread instead, which lives as long as the process.
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="python-stub-spawner")
+        spawner = _spawner
+    return spawner.submit(subprocess.Popen, argv, pass_fds=pass_fds).result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +64,8 @@ class _CallFailed:
 
 
 class PythonBackend:
-    takes_wire = True  # the stub gets the envelope's tensor bytes as they are
+    takes_wire: ClassVar[bool] = True  # the stub gets the envelope's tensor bytes as they are
+    interruptible: ClassVar[bool] = True  # kill() ends a hung execute(): the stub is a process
 
     def __init__(self, ctx: LoadContext) -> None:
         self._ctx = ctx
@@ -50,9 +79,10 @@ class PythonBackend:
         ctx = self._ctx
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.backends.python_stub", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w),
+        self._proc = _spawn(
+            [sys.executable, "-m", "workers.backends.python_stub", str(to_child_r), str(from_child_w),
+             str(os.getpid())],
+            (to_child_r, from_child_w),
         )
         os.close(to_child_r)
         os.close(from_child_w)
@@ -134,10 +164,14 @@ class PythonBackend:
             except Exception as exc:
                 return _CallFailed(InferenceFailed(f"the Python model instance {self._ctx.instance_name} "
                                                    f"cannot be started: {exc}"), crashed=False)
+        try:
+            extra = self._batch_inputs(items)
+        except ServingError as exc:
+            return _CallFailed(InferenceFailed(exc.message), crashed=False)
         requests = [
-            {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire],
+            {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
              "o": item.requested_outputs, "p": item.parameters}
-            for item in items
+            for item, more in zip(items, extra, strict=True)
         ]
         try:
             reply = self._roundtrip({"op": "execute", "requests": requests})
@@ -150,6 +184,16 @@ class PythonBackend:
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
             return _CallFailed(InferenceFailed(reply["error"]), crashed=False)
         return [self._result(r) for r in reply["responses"]]
+
+    def _batch_inputs(self, items: list[InferenceItem]) -> list[list[list[Any]]]:
+        """Each request's parts of the config's batch inputs, as wire tensors (computed from shapes only)."""
+        spec = self._ctx.spec
+        if not spec.batch_inputs:
+            return [[] for _ in items]
+        parts = batch_tensors(spec, [{t.name: t.shape for t in item.wire} for item in items])
+        by_name = {b.target_name: b.datatype for b in spec.batch_inputs}
+        return [[[name, by_name[name].name, list(arr.shape), arr.astype(by_name[name].numpy).tobytes()]
+                 for name, arr in part.items()] for part in parts]
 
     @staticmethod
     def _result(raw: dict[str, Any]) -> ItemResult:

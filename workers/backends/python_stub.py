@@ -4,7 +4,10 @@ It imports the model's model.py with fleet's `triton_python_backend_utils` on sy
 frames from the worker: init, execute (a list of requests -> one response per request), finalize.
 User code runs here, so its crash, leak or GIL use costs this instance, not the worker.
 
-    python -m workers.backends.python_stub FD_IN FD_OUT
+    python -m workers.backends.python_stub FD_IN FD_OUT WORKER_PID
+
+It dies with the worker: first thing, it asks the kernel for SIGKILL when its parent goes (and kills
+itself if the worker WORKER_PID is already gone), so a hung execute() cannot outlive a killed worker.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from fleet import tensors
+from fleet.lifetime import die_with_parent
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 SHIM_DIR = Path(__file__).parent / "python_shim"
@@ -137,6 +141,9 @@ class Stub:
 
 
 def main(argv: list[str]) -> int:
+    # Armed after exec, not in a preexec_fn (unsafe in the threaded worker); the PID check covers a
+    # worker that died before this line.
+    die_with_parent(signal.SIGKILL, int(argv[3]))
     # The worker decides when this instance stops (finalize or closing the pipe), not a terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp = os.fdopen(int(argv[1]), "rb", buffering=0)

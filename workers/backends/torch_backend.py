@@ -1,7 +1,8 @@
 """`pytorch_libtorch`: a TorchScript model.pt run in the worker process (torch releases the GIL).
 
-Inputs are fed positionally in config order; the output (tensor, tuple or list) maps to the config's
-outputs in order, as Triton's libtorch backend does without INPUT__i naming.
+Inputs are fed positionally in config order, then the config's batch inputs in config order; the output
+(tensor, tuple or list) maps to the config's outputs in order, as Triton's libtorch backend does without
+INPUT__i naming.
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from typing import Any
 import numpy as np
 
 from fleet.errors import ConfigError
-from workers.backends.base import InferenceItem, ItemResult, LoadContext, int_parameter, run_merged
+from workers.backends.base import (
+    InferenceItem,
+    InProcessBackend,
+    ItemResult,
+    LoadContext,
+    int_parameter,
+    run_merged,
+)
 
 
-class TorchBackend:
+class TorchBackend(InProcessBackend):
     def __init__(self, ctx: LoadContext) -> None:
         import torch
 
@@ -36,6 +44,7 @@ class TorchBackend:
         module = torch.jit.load(str(path), map_location=self._device)  # type: ignore[no-untyped-call]
         self._module = module.eval()
         self._spec = spec
+        self._arg_names = [t.name for t in spec.inputs] + [b.target_name for b in spec.batch_inputs]
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
@@ -43,8 +52,8 @@ class TorchBackend:
             torch.set_num_threads(self._threads)
             self._configured.done = True
         args = []
-        for t in self._spec.inputs:
-            arr = inputs[t.name]
+        for name in self._arg_names:
+            arr = inputs[name]
             if not arr.flags.writeable:
                 arr = arr.copy()  # torch.from_numpy refuses read-only buffers (zero-copy decode)
             args.append(torch.from_numpy(arr).to(self._device))

@@ -1,52 +1,46 @@
-"""The bulk job runner: the RQ job function that streams a job's input through the model's lane.
+"""One run of a bulk job over its items: send requests, collect replies, write outputs in input order.
 
-One runner per job at a time (the job's lease). It reads the input lazily, packs compatible rows
-into multi-row requests (one request per full batch, so per-item overhead is paid once per batch),
-keeps at most `window_rows` rows in flight on the lane (flow control: the input is never all in memory
-or in Redis), collects replies from the job's own results stream, writes outputs strictly in input
-order and records progress in Redis several times a second.
+Flow control: at most `window_rows` rows are held, counted from the moment a row is submitted until it
+is written to the output, not merely until it is answered. Answered rows waiting behind an unanswered
+head still count, so however long the head takes, the runner holds (and Redis queues) at most a window
+of rows and their replies.
 
-Resume: progress (`written`, `in_offset`, `out_offset`) is saved only after the output it describes
-has been flushed, so a runner killed at any moment leaves a record that a later runner can trust: it
-truncates the output to `out_offset`, reads the input from `in_offset` and resubmits what was in
-flight. Request ids are derived from item positions (`<job>:<first index>+<count>`), so a reply to
-the dead runner's request is accepted for the same group; each item is written once, and computed at
-most once more than needed. A packed request that fails is retried item by item, so one bad row
-fails alone.
+Liveness: a request without a reply `reply_timeout_s` after it was sent is checked. If its stream entry
+still exists (queued on the lane, or held by a worker that has not replied yet), it is not lost and its
+timer restarts. If the entry is gone and no reply came, it is sent again with the same request id.
+Workers write a reply before they delete its request (one ordered pipeline), and the check reads
+the results stream after looking for the entry, in the same round trip; so "gone and unanswered" means
+the reply is lost: trimmed or deleted from the results stream, or the lane and results lost in a Redis
+restart without AOF.
+
+Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
+the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
+first reply wins and later duplicates are dropped, and each item is written once, in input order.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from fleet.admission import bulk_lane, level_lane
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, decode_reply, encode_request
-from fleet.errors import InvalidInput, ServingError
-from fleet.keys import Keys
+from fleet.errors import InvalidInput
+from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
+from fleet.jobs.records import CANCELLED, COMPLETED, FAILED
 from fleet.model_config import ModelSpec
-from fleet.repository import scan
-from gateway.jobs.formats import (
-    InputItem,
-    JobInput,
-    JobOutput,
-    explode,
-    group_items,
-    open_input,
-    open_output,
-    pack,
-    unpack,
-)
-from gateway.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
+from fleet.redis_time import RedisClock
+
+if TYPE_CHECKING:
+    from fleet.jobs.runner import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -59,35 +53,6 @@ INTERRUPTED = "interrupted"
 # job stays `running` with its lease released, and the next job worker resumes it.
 STOP = threading.Event()
 
-# KEYS[1] = lease; ARGV[1] = token, ARGV[2] = ttl ms. Refresh only our own lease.
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class JobOptions:
-    """The runner's settings, passed as the RQ job's JSON argument (the job worker may run elsewhere)."""
-
-    key_prefix: str
-    model_repositories: list[str]
-    window_rows: int
-    lease_ms: int
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> JobOptions:
-        return cls(key_prefix=str(doc["key_prefix"]), model_repositories=[str(r) for r in doc["model_repositories"]],
-                   window_rows=int(doc["window_rows"]), lease_ms=int(doc["lease_ms"]))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key_prefix": self.key_prefix, "model_repositories": self.model_repositories,
-                "window_rows": self.window_rows, "lease_ms": self.lease_ms}
-
 
 @dataclass(slots=True)
 class _Group:
@@ -95,7 +60,8 @@ class _Group:
 
     items: list[InputItem]
     request_id: str
-    entry: tuple[str, bytes] | None = None  # (lane stream, entry id) while queued, for cancel
+    entry: bytes | None = None  # the lane entry id of the latest submission, while unanswered
+    sent_at: float = 0.0  # monotonic: the latest submission, or the latest check that found it queued
     outputs: list[list[WireTensor]] | None = None  # per item, once answered
     errors: list[str | None] = field(default_factory=list)  # per item, once answered
     split: list[_Group] | None = None
@@ -111,102 +77,14 @@ class _Group:
         return bool(self.errors)
 
 
-def run_job(job_id: str, options: dict[str, Any]) -> str:
-    """RQ entry point (by name, JSON arguments only)."""
-    from rq import get_current_job
-
-    current = get_current_job()
-    client = current.connection if current is not None else None
-    if client is None:
-        raise RuntimeError("run_job must run inside an RQ job")
-    return JobRunner(client, job_id, JobOptions.from_json(options)).run()
-
-
-class JobRunner:
-    def __init__(self, client: redis.Redis, job_id: str, options: JobOptions) -> None:
-        self.client = client
-        self.job_id = job_id
-        self.options = options
-        self.keys = Keys(options.key_prefix)
-        self.store = JobStore(client, self.keys)
-        self.results = self.keys.job_results(job_id)
-        self.lease = self.keys.job_lease(job_id)
-        self.token = uuid.uuid4().hex
-
-    # ------------------------------------------------------------------ lifecycle
-
-    def run(self) -> str:
-        if not self.client.set(self.lease, self.token, nx=True, px=self.options.lease_ms):
-            return "another runner holds this job"
-        try:
-            record = self.store.get(self.job_id)
-            if record is None or record["state"] in TERMINAL:
-                return "nothing to do"
-            now = time.time()
-            if not self.store.transition(self.job_id, RUNNING, (QUEUED, RUNNING), {
-                    "started_at": record.get("started_at") or now, "run_started_at": now,
-                    "run_done_start": record.get("done") or 0, "updated_at": now}):
-                return "nothing to do"
-            try:
-                return self._run(record)
-            except redis.RedisError:
-                raise  # the record cannot be updated; the lease lapses and another runner resumes
-            except Exception as exc:
-                log.exception("job %s failed", self.job_id)
-                message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
-                self.finish_state(FAILED, message)
-                return f"failed: {message}"
-        finally:
-            self.client.eval(_RELEASE, 1, self.lease, self.token)
-
-    def finish_state(self, state: str, error: str = "") -> None:
-        self.store.transition(self.job_id, state, (RUNNING,), {"finished_at": time.time(), "error": error})
-
-    def _spec(self, model: str) -> ModelSpec:
-        repository = scan([Path(r) for r in self.options.model_repositories])
-        entry = repository.models.get(model)
-        if entry is None:
-            raise InvalidInput(f"model '{model}' is not in the model repository")
-        return entry.spec
-
-    # ------------------------------------------------------------------ the job
-
-    def _run(self, record: dict[str, Any]) -> str:
-        spec = self._spec(record["model"])
-        source = open_input(Path(record["input"]), spec)
-        total = record.get("total")
-        if total is None:
-            total = source.count()
-            self.store.update(self.job_id, {"total": total})
-        sink = open_output(Path(record["output"]), record["output_format"], spec, total,
-                           resume_offset=record.get("out_offset") or 0)
-        try:
-            outcome = _Feed(self, record, spec, source, sink).run()
-        except BaseException:
-            sink.close()
-            raise
-        finally:
-            source.close()
-        if outcome == COMPLETED:
-            sink.finish()
-            self.finish_state(COMPLETED)
-        else:
-            sink.close()
-        self.client.delete(self.results)
-        return outcome
-
-    def renew(self) -> bool:
-        return bool(self.client.eval(_RENEW, 1, self.lease, self.token, self.options.lease_ms))
-
-
-class _Feed:
-    """One run of the send / collect / write loop over a job's items."""
+class Feed:
+    """The send / collect / write loop of one run; `run()` returns the outcome (a state, or why it stopped)."""
 
     def __init__(self, runner: JobRunner, record: dict[str, Any], spec: ModelSpec, source: JobInput,
                  sink: JobOutput) -> None:
         self.runner = runner
-        self.record = record
-        self.spec = spec
+        self.window_rows = runner.options.window_rows
+        self.reply_timeout_s = runner.options.reply_timeout_s
         self.sink = sink
         self.model = record["model"]
         self.version = int(record["version"])
@@ -225,9 +103,14 @@ class _Feed:
         self.exhausted = False
         self.order: deque[_Group] = deque()  # submitted or resolved, not yet written, in input order
         self.by_id: dict[str, _Group] = {}  # awaiting a reply
-        self.in_flight_rows = 0
+        self.held_rows = 0  # rows of `order`: from submission until written
+        self.resent = 0  # requests sent again after their reply was lost
+        self.next_check = math.inf  # monotonic: the earliest time a request may be overdue
         self.errors: list[tuple[int, str]] = []  # samples not yet saved
         self.last_id = b"0-0"
+        # Envelope times are Redis's clock (fleet/redis_time.py); sampled again at every checkpoint.
+        self.redis_clock = RedisClock()
+        self._sample_clock()
 
     def run(self) -> str:
         client = self.runner.client
@@ -249,8 +132,11 @@ class _Feed:
             if STOP.is_set():
                 self._save()
                 return INTERRUPTED
-            if time.monotonic() >= next_save:
-                next_save = time.monotonic() + SAVE_INTERVAL_S
+            now = time.monotonic()
+            if now >= self.next_check:
+                self._resend_lost(now)
+            if now >= next_save:
+                next_save = now + SAVE_INTERVAL_S
                 verdict = self._checkpoint()
                 if verdict is not None:
                     return verdict
@@ -259,25 +145,26 @@ class _Feed:
 
     def _feed(self) -> None:
         batch: list[_Group] = []
-        while not self.exhausted and self.in_flight_rows < self.runner.options.window_rows:
+        while not self.exhausted and self.held_rows < self.window_rows:
             items = next(self.groups, None)
             if items is None:
                 self.exhausted = True
                 break
             group = _Group(items, f"{self.runner.job_id}:{items[0].index}+{len(items)}")
             self.order.append(group)
+            self.held_rows += group.rows
             if items[0].error is not None:  # unreadable or invalid line: fails alone, never sent
                 group.errors = [items[0].error]
                 continue
             batch.append(group)
-            self.in_flight_rows += group.rows
         self._send(batch)
 
     def _send(self, groups: list[_Group]) -> None:
+        """XADD each group's request (again, for a resend: same request id) and start its reply timer."""
         if not groups:
             return
         pipe = self.runner.client.pipeline(transaction=False)
-        now_us = time.time_ns() // 1000
+        now_us = self.redis_clock.to_redis(self.redis_clock.now_us())
         for group in groups:
             first = group.items[0]
             env = RequestEnvelope(id=group.request_id, model=self.model, version=self.version, inputs=pack(group.items),
@@ -287,8 +174,11 @@ class _Feed:
             self.by_id[group.request_id] = group
         pipe.expire(self.runner.results, RESULTS_TTL_S)
         ids = pipe.execute()
+        sent_at = time.monotonic()
         for group, entry_id in zip(groups, ids, strict=False):
-            group.entry = (self.stream, entry_id)
+            group.entry = entry_id
+            group.sent_at = sent_at
+        self.next_check = min(self.next_check, sent_at + self.reply_timeout_s)
 
     # -- collecting
 
@@ -297,9 +187,11 @@ class _Feed:
         if self.last_id != b"0-0":
             pipe.xtrim(self.runner.results, minid=self.last_id, approximate=False)
         # Block only when there is nothing else to do: the window is full or the input is done.
-        idle = self.exhausted or self.in_flight_rows >= self.runner.options.window_rows
+        idle = self.exhausted or self.held_rows >= self.window_rows
         pipe.xread({self.runner.results: self.last_id}, count=512, block=READ_BLOCK_MS if idle else None)
-        result: Any = pipe.execute()[-1]
+        self._on_replies(pipe.execute()[-1])
+
+    def _on_replies(self, result: Any) -> None:
         for _, entries in result or []:
             for entry_id, fields in entries:
                 self.last_id = entry_id
@@ -311,7 +203,6 @@ class _Feed:
         group = self.by_id.pop(reply.id, None)
         if group is None:
             return  # a duplicate, or a reply to a request already answered: the first reply wins
-        self.in_flight_rows -= group.rows
         group.entry = None
         if reply.ok:
             try:
@@ -324,16 +215,47 @@ class _Feed:
             group.errors = [reply.error_message or reply.error_code]
             return
         # A packed request failed: retry its items (rows of a block) one by one so only bad ones fail.
+        # Same rows, still held by the parent group: the window count does not change.
         group.split = [_Group([one], f"{self.runner.job_id}:{one.index}+1")
                        for item in group.items for one in explode(item)]
-        self.in_flight_rows += sum(g.rows for g in group.split)
         self._send(group.split)
+
+    # -- liveness: a lost reply never stalls the job
+
+    def _resend_lost(self, now: float) -> None:
+        """Check every request unanswered for `reply_timeout_s`: one whose lane entry still exists waits on
+        (its timer restarts); one whose entry is gone without a reply is sent again, same request id."""
+        overdue = [g for g in self.by_id.values() if now - g.sent_at >= self.reply_timeout_s]
+        if overdue:
+            pipe = self.runner.client.pipeline(transaction=False)
+            for group in overdue:
+                entry = group.entry or b"0-0"
+                pipe.xrange(self.stream, min=entry, max=entry, count=1)
+            # After the lookups, in the same round trip: a reply written before its entry was deleted is
+            # read here, never mistaken for a lost one.
+            pipe.xread({self.runner.results: self.last_id})
+            *found, replies = pipe.execute()
+            self._on_replies(replies)
+            lost = []
+            for group, entries in zip(overdue, found, strict=True):
+                if entries:
+                    group.sent_at = now  # queued or being computed: not lost
+                elif group.request_id in self.by_id:
+                    lost.append(group)
+            if lost:
+                self.resent += len(lost)
+                log.warning("job %s: %d request(s) unanswered for %.0f s and gone from %s; sending them again "
+                            "(%d so far)", self.runner.job_id, len(lost), self.reply_timeout_s, self.stream,
+                            self.resent)
+                self._send(lost)
+        self.next_check = min((g.sent_at for g in self.by_id.values()), default=math.inf) + self.reply_timeout_s
 
     # -- writing, in input order
 
     def _write_ready(self) -> None:
         while self.order and self.order[0].resolved:
             group = self.order.popleft()
+            self.held_rows -= group.rows
             for part in group.split or [group]:
                 for i, item in enumerate(part.items):
                     error = part.errors[i]
@@ -360,8 +282,15 @@ class _Feed:
             "done": self.done, "failed": self.failed, "written": self.done, "in_offset": self.in_offset,
             "out_offset": self.out_offset, "updated_at": time.time()}, errors)
 
+    def _sample_clock(self) -> None:
+        try:
+            self.redis_clock.sample_sync(self.runner.client)
+        except redis.ResponseError as exc:  # TIME not allowed to this ACL user: envelope times stay local
+            log.debug("job %s: cannot read Redis's clock: %s", self.runner.job_id, exc)
+
     def _checkpoint(self) -> str | None:
         self._save()
+        self._sample_clock()
         if not self.runner.renew():
             log.warning("job %s: lease lost; another runner owns it now", self.runner.job_id)
             return "lease lost"
@@ -375,5 +304,5 @@ class _Feed:
         """Cancel: requests still queued on the lane are deleted, so no worker computes them."""
         entries = [g.entry for g in self.by_id.values() if g.entry is not None]
         if entries:
-            self.runner.client.xdel(self.stream, *[entry_id for _, entry_id in entries])
+            self.runner.client.xdel(self.stream, *entries)
         self.by_id.clear()

@@ -7,9 +7,9 @@ in `inputs` (JSONL/.npy/.npz readers), `packing` (multi-row requests and reply s
 
 from __future__ import annotations
 
-from gateway.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
-from gateway.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output
-from gateway.jobs.packing import explode, group_items, pack, unpack
+from fleet.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
+from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output
+from fleet.jobs.packing import explode, group_items, pack, unpack
 
 __all__ = [
     "InputItem",

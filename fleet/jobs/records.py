@@ -3,7 +3,7 @@ samples, and an index sorted by creation time. Synchronous (redis-py): the runne
 function and the gateway calls these through a thread; none of it is on the inference hot path.
 
 States: queued -> running -> completed | failed | cancelled. A running job whose runner died goes back
-to being run by another job worker (gateway/jobs/janitor.py); its progress fields say where it stopped.
+to being run by another job worker (fleet/jobs/recovery.py); its progress fields say where it stopped.
 """
 
 from __future__ import annotations

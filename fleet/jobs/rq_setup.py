@@ -8,13 +8,18 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.worker import WorkerStatus
 
+from fleet.jobs.feed import STOP
 from fleet.keys import Keys
-from gateway.jobs.runner import STOP
 
-RUN_JOB = "gateway.jobs.runner.run_job"  # by name: RQ imports it in the job worker
+RUN_JOB = "fleet.jobs.runner.run_job"  # by name: RQ imports it in the job worker
+# RQ retries a lost connection while it waits for a job, doubling from 1 s up to this (RQ's own default
+# is 60 s: a worker could sit a minute idle after Redis is back). fleet's Backoff caps at 2 s too.
+MAX_CONNECTION_WAIT_S = 2.0
 
 
 def jobs_queue(client: redis.Redis, keys: Keys) -> Queue:
@@ -27,9 +32,18 @@ class JobsWorker(SimpleWorker):
     (SIGTERM/SIGINT) also tells a running bulk job to save its progress and return, instead of RQ's warm
     shutdown waiting for a job that may run for hours; the job is resumed by the next job worker."""
 
+    max_connection_wait_time = MAX_CONNECTION_WAIT_S
+
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         STOP.set()
-        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+        try:
+            super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+        except redis.RedisError:
+            # RQ records the stop request in Redis, which is away: stop without recording it (a busy
+            # worker after its job, which STOP ends; an idle one now).
+            self._stop_requested = True
+            if self.get_state() != WorkerStatus.BUSY:
+                raise StopRequested() from None
 
 
 def jobs_worker(client: redis.Redis, keys: Keys, name: str | None = None) -> JobsWorker:

@@ -22,8 +22,8 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, ServingError
+from fleet.kserve import parse_infer
 from fleet.model_config import ModelSpec, TensorSpec
-from gateway.codec import parse_infer
 
 CHUNK_BYTES = 1 << 20  # count() and the resume line count read the file this much at a time
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
@@ -113,6 +113,7 @@ class JsonlInput:
     def __init__(self, path: Path, spec: ModelSpec) -> None:
         self.path = path
         self._spec = spec
+        self._parse = parse_infer  # a line is exactly an /infer body
 
     def count(self) -> int:
         return count_lines(self.path)
@@ -139,7 +140,7 @@ class JsonlInput:
 
     def _item(self, index: int, line: int, end_offset: int, body: bytes) -> InputItem:
         try:
-            parsed = parse_infer(body, None, self._spec)
+            parsed = self._parse(body, None, self._spec)
         except ServingError as exc:
             return InputItem(index, line, end_offset, None, error=exc.message)
         except RecursionError:

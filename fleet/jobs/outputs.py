@@ -21,9 +21,9 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
+from fleet.jobs.inputs import InputItem
+from fleet.kserve import json_data
 from fleet.model_config import ModelSpec, TensorSpec
-from gateway.codec import _json_data
-from gateway.jobs.inputs import InputItem
 
 OUTPUT_KINDS = ("jsonl", "npy", "npz")
 FAILED = "failed"  # the mask's name in an .npz, and its file in the parts directory
@@ -65,6 +65,7 @@ class JsonlOutput:
     """One compact JSON line per item: the /infer response with `line`, or `{"line", "error"}`."""
 
     def __init__(self, path: Path, resume_offset: int) -> None:
+        self._json_data = json_data  # the online /infer response's rendering: a line equals the online answer
         self.path = path
         if resume_offset > 0:
             size = path.stat().st_size if path.exists() else -1
@@ -89,7 +90,7 @@ class JsonlOutput:
             doc["model_version"] = str(version)
             doc["outputs"] = [
                 {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
-                 "data": _json_data(t, tensors.lookup(t.datatype))}
+                 "data": self._json_data(t, tensors.lookup(t.datatype))}
                 for t in outputs or ()
             ]
         line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"

@@ -2,14 +2,17 @@
 
 Rows, not messages: a bulk job's message packs a whole batch. Each lane above the bulk lane has one
 batch more room than the lane below it, so a lower lane may never fill the room a higher one needs, and
-every lower lane keeps at least one batch queued so that lane aging (batching.policy) can promote it.
+every lower lane keeps at least one batch queued so that bulk-lane aging (batching.policy) can promote it
+and a lower level's queue timeouts are seen. Claimed orphans may take the holding one batch past its
+bound (`claim_room`): they are older than anything new, so they must not wait behind new traffic.
+Pure policy: no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from workers.consumer import MessageId
+MessageId = tuple[int, bytes]  # (lane, stream entry id): entry ids are unique only within one stream
 
 
 class Holding:
@@ -25,6 +28,8 @@ class Holding:
         return message in self._rows_of
 
     def hold(self, message: MessageId, rows: int) -> None:
+        if message in self._rows_of:
+            return  # held already (delivered twice): counted once
         self._rows_of[message] = rows
         self._rows[message[0]] += rows
         self._hint[message[0]] = rows
@@ -45,6 +50,12 @@ class Holding:
         if lane > 0:
             room = max(room, self.per_batch - self._rows[lane])
         return room
+
+    def claim_room(self) -> int:
+        """How many rows of orphans (messages a dead worker left) may be taken now: one batch more than
+        the highest lane may read, so a saturated worker still takes them (and, being over its bound,
+        reads nothing new until they are served)."""
+        return self.room(0) + self.per_batch
 
     def messages_to_read(self, lane: int, room: int) -> int:
         """Messages to ask for to fill `room` rows: each as large as the lane's last one."""

@@ -1,5 +1,9 @@
 """Infer request parsing and response rendering: KServe v2 JSON plus Triton's binary tensor extension.
 
+Shared by the gateway (HTTP /infer) and the bulk-job runner (a JSON Lines job's line is exactly an
+/infer body; its output line is exactly the /infer response's data), so both read and write the one
+format the same way. Pure: fleet and numpy only.
+
 `parse_infer` turns an HTTP body into envelope tensors, checked against the model config so a bad
 request never reaches a worker. Binary inputs are sliced out of the body as bytes (no Python lists);
 JSON `data` is packed once with numpy. `render_infer` does the reverse for the reply.
@@ -338,7 +342,7 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec) -> Pars
     return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us)
 
 
-def _json_data(t: WireTensor, dt: Datatype) -> list[Any]:
+def json_data(t: WireTensor, dt: Datatype) -> list[Any]:
     arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
     if dt.name == "BYTES":
         return [bytes(v).decode("utf-8", errors="replace") for v in arr]
@@ -359,7 +363,7 @@ def render_infer(
             item["parameters"] = {"binary_data_size": len(t.data)}
             blobs.append(t.data)
         else:
-            item["data"] = _json_data(t, dt)
+            item["data"] = json_data(t, dt)
         rendered.append(item)
     doc: dict[str, Any] = {}
     if req.client_id:

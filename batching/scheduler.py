@@ -1,0 +1,352 @@
+"""The scheduler of one model version on one worker: Triton's dynamic batcher over the worker's instances.
+
+A state machine (style.md §3, the split vLLM makes between its scheduler and its engine core): the
+driver (``workers/loop.py``) feeds it events - a request arrived, a batch finished, an instance went
+idle, a staged batch could or could not be taken back, requests were cancelled - and asks ``step(now)``
+what to do. The answer is a ``Plan``: actions to carry out now, and when to ask again at the latest.
+It reads no clock and does no I/O; times are integer µs on the driver's clock.
+
+What lives here and nowhere else:
+- Triton's dynamic batching (``batching.policy.decide``) over every lane, strict priority between
+  Triton's levels, and queue timeouts: REJECT answers an expired request at its deadline even while
+  every instance is busy; DELAY keeps it behind the unexpired ones.
+- Staging: while an instance computes, the next *full* batch may wait on the instance itself, so its
+  thread starts it without a round trip through the event loop. A staged batch is taken back
+  (``Unstage``) when a higher-priority request arrives or one of its requests is cancelled.
+- ``preserve_ordering``: replies are released in the order batches were dispatched, across instances
+  (Triton assigns response slots in that order too).
+- fleet's bulk lane: it ages into the lowest online lane (``BatchPolicy.aging_us``), and on CPU
+  workers takes at most ``bulk_share`` of an instance's time while online requests are coming in.
+
+The driver protocol, per action:
+- ``Run(instance, batch)``: start the batch on the idle instance; report ``done`` when it has
+  computed, ``idle`` when the instance's thread has nothing more to run.
+- ``Stage(instance, batch)``: hand it to the busy instance; if the instance refuses (it went idle in
+  the meantime), report ``stage_refused``.
+- ``Unstage(instance, batch)``: try to take it back; report ``unstaged(instance, taken_back)``.
+- ``Expire(items)``: answer with a timeout; ``Drop(items)``: cancelled, answer nothing.
+- ``Release(batches)``: write these finished batches' replies now, in this order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from batching.policy import BatchPolicy, Dispatch, Pending, Wait, decide, effective_lane
+
+__all__ = ["Action", "Batch", "Drop", "Expire", "Plan", "Release", "Run", "Scheduler", "SchedulerConfig", "Stage",
+           "Unstage"]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    id: int
+    items: tuple[Pending, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    instance: int
+    batch: Batch
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    instance: int
+    batch: Batch
+
+
+@dataclass(frozen=True, slots=True)
+class Unstage:
+    instance: int
+    batch: Batch
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    items: tuple[Pending, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    items: tuple[Pending, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    batches: tuple[int, ...]
+
+
+Action: TypeAlias = Run | Stage | Unstage | Expire | Drop | Release
+Order: TypeAlias = tuple[int, int]  # a request's rank in arrival order: its stream entry id (ms, seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    actions: tuple[Action, ...]
+    wake_at_us: int | None  # call step() again by then, even if no event comes; None = only on an event
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: BatchPolicy
+    instances: int
+    bulk_lane: int
+    # The most of an instance's time bulk batches take while online requests are coming in (< 1 only
+    # on CPU devices, where bulk compute holds a core the online path needs).
+    bulk_share: float = 1.0
+    preserve_ordering: bool = False
+    # Online traffic counts as present for this long after an online request arrived.
+    online_quiet_us: int = 200_000
+    # A batch is staged only if none of its requests can time out within this margin (expiry is
+    # checked only while queued; a staged batch starts within one batch time).
+    stage_margin_us: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ValueError(f"a scheduler needs at least one instance, got {self.instances}")
+        if not 0 < self.bulk_share <= 1:
+            raise ValueError(f"bulk_share must be in (0, 1], got {self.bulk_share}")
+
+
+@dataclass(slots=True)
+class _Slot:
+    """The scheduler's view of one instance: what it has been given, in order (running, then staged)."""
+
+    assigned: deque[Batch] = field(default_factory=deque)
+    thread_idle: bool = True  # its thread reported idle and nothing was given to it since
+    no_stage: bool = False  # a stage was refused: the instance is finishing; wait for done/idle
+    staged_started: bool = False  # an unstage found the staged batch already taken by the thread
+
+    @property
+    def free(self) -> bool:
+        return self.thread_idle and not self.assigned
+
+    @property
+    def stageable(self) -> bool:
+        return not self.thread_idle and len(self.assigned) == 1 and not self.no_stage
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.policy = config.policy
+        self._queue: list[tuple[Order, Pending]] = []  # sorted by order key (arrival order)
+        self._orders: dict[str, Order] = {}  # order keys of dispatched requests, to requeue them in place
+        self._slots = [_Slot() for _ in range(config.instances)]
+        self._next_batch = 0
+        self._dropped: list[Pending] = []
+        self._cancelled: set[str] = set()  # ids inside staged batches, dropped once taken back
+        self._dispatched: deque[int] = deque()  # batch ids in dispatch order, not yet released
+        self._completed: list[int] = []  # finished, not yet released (completion order)
+        self._online_seen_us: int | None = None
+        self._bulk_after_us = 0
+
+    # ------------------------------------------------------------------ what the driver can read
+
+    def queued(self) -> int:
+        """Requests waiting: queued here or staged on an instance (Triton's "pending": accepted, not
+        yet executing)."""
+        staged = sum(len(s.assigned[1].items) for s in self._slots if len(s.assigned) == 2)
+        return len(self._queue) + staged
+
+    def busy(self) -> bool:
+        """Whether anything is queued, staged, running or awaiting release."""
+        return bool(self._queue or self._dispatched or self._completed or self._dropped
+                    or any(s.assigned for s in self._slots))
+
+    # ------------------------------------------------------------------ events
+
+    def arrive(self, item: Pending, order: Order, now_us: int) -> None:
+        """A request to schedule. `order` ranks it among the queued ones (the stream entry id: a
+        claimed orphan is older than new arrivals, so it goes first in its lane)."""
+        self._insert(order, item)
+        if item.lane != self.config.bulk_lane:
+            self._online_seen_us = now_us
+
+    def cancel(self, request_ids: set[str]) -> None:
+        """Drop these requests if they have not started: queued ones at the next step, staged ones once
+        taken back. Requests already running are computed (their replies are dropped by the caller)."""
+        keep = [(k, p) for k, p in self._queue if p.request_id not in request_ids]
+        if len(keep) != len(self._queue):
+            self._dropped += [p for _, p in self._queue if p.request_id in request_ids]
+            self._queue = keep
+        for slot in self._slots:
+            if len(slot.assigned) == 2 and not slot.staged_started:
+                self._cancelled |= {p.request_id for p in slot.assigned[1].items} & request_ids
+
+    def done(self, instance: int, batch_id: int, now_us: int, started_us: int) -> None:
+        """`instance` has computed `batch_id` (its thread moved on to the staged batch, if any)."""
+        slot = self._slots[instance]
+        batch = slot.assigned.popleft()
+        assert batch.id == batch_id, f"instance {instance} finished batch {batch_id}, expected {batch.id}"
+        slot.staged_started = False
+        slot.no_stage = False
+        self._completed.append(batch_id)
+        for p in batch.items:
+            self._orders.pop(p.request_id, None)
+        share = self.config.bulk_share
+        if share < 1 and all(p.lane == self.config.bulk_lane for p in batch.items):
+            # While online requests come in, each bulk batch is followed by idle time in proportion.
+            self._bulk_after_us = now_us + int((now_us - started_us) * (1 - share) / share)
+
+    def idle(self, instance: int) -> None:
+        slot = self._slots[instance]
+        assert not slot.assigned, f"instance {instance} went idle holding batches"
+        slot.thread_idle = True
+        slot.no_stage = False
+
+    def stage_refused(self, instance: int, batch_id: int) -> None:
+        """The instance went idle before it could take the staged batch: it goes back to the queue."""
+        slot = self._slots[instance]
+        self._requeue(slot.assigned.pop(), batch_id)
+        slot.no_stage = True
+
+    def unstaged(self, instance: int, batch_id: int, taken_back: bool) -> None:
+        slot = self._slots[instance]
+        if taken_back:
+            self._requeue(slot.assigned.pop(), batch_id)
+        else:
+            slot.staged_started = True  # its thread runs it now; done() of the batch before says so
+
+    def _requeue(self, batch: Batch, batch_id: int) -> None:
+        assert batch.id == batch_id, f"batch {batch_id} is not the staged one ({batch.id})"
+        self._dispatched.remove(batch_id)
+        for item in batch.items:
+            if item.request_id in self._cancelled:
+                self._cancelled.discard(item.request_id)
+                self._dropped.append(item)
+            else:
+                self._insert_back(item)
+
+    def _insert_back(self, item: Pending) -> None:
+        self._insert(self._orders.pop(item.request_id), item)
+
+    def _insert(self, order: Order, item: Pending) -> None:
+        if not self._queue or self._queue[-1][0] <= order:
+            self._queue.append((order, item))  # the usual case: the newest arrival
+            return
+        self._queue.insert(bisect.bisect_right([k for k, _ in self._queue], order), (order, item))
+
+    # ------------------------------------------------------------------ decisions
+
+    def step(self, now_us: int) -> Plan:
+        """Everything to do at `now_us`. After carrying out the actions (and reporting what they say),
+        the driver calls step() again at once if there were any, else on the next event or at
+        `wake_at_us`."""
+        actions: list[Action] = []
+        if self._dropped:
+            actions.append(Drop(tuple(self._dropped)))
+            self._dropped = []
+        expired = [p for _, p in self._queue
+                   if p.deadline_us is not None and p.deadline_us <= now_us and not p.delay_on_timeout]
+        if expired:
+            gone = {p.request_id for p in expired}
+            self._queue = [(k, p) for k, p in self._queue if p.request_id not in gone]
+            actions.append(Expire(tuple(expired)))
+        unstage = self._unstage(now_us)
+        if unstage:
+            return Plan(tuple(actions + unstage), None)  # the queue changes once they are back
+        wake = self._dispatch(now_us, actions)
+        released = self._releasable()
+        if released:
+            actions.append(Release(released))
+        deadlines = [p.deadline_us for _, p in self._queue if p.deadline_us is not None and not p.delay_on_timeout]
+        if deadlines:
+            wake = min(deadlines) if wake is None else min(wake, min(deadlines))
+        return Plan(tuple(actions), wake)
+
+    def _unstage(self, now_us: int) -> list[Action]:
+        out: list[Action] = []
+        if not any(len(s.assigned) == 2 for s in self._slots):
+            return out
+        best = min((effective_lane(self.policy, p, now_us) for _, p in self._queue), default=None)
+        for i, slot in enumerate(self._slots):
+            if len(slot.assigned) != 2 or slot.staged_started:
+                continue
+            staged = slot.assigned[1]
+            outranked = best is not None and best < max(effective_lane(self.policy, p, now_us) for p in staged.items)
+            if outranked or any(p.request_id in self._cancelled for p in staged.items):
+                out.append(Unstage(i, staged))
+        return out
+
+    def _dispatch(self, now_us: int, actions: list[Action]) -> int | None:
+        """Form batches while an instance can take one; returns when to look again (None: on an event)."""
+        while self._queue:
+            free = [i for i, s in enumerate(self._slots) if s.free]
+            stageable = [i for i, s in enumerate(self._slots) if s.stageable]
+            if not free and not stageable:
+                return None
+            decision = decide(self.policy, [p for _, p in self._queue], now_us)
+            if isinstance(decision, Wait):
+                return decision.until_us
+            if not isinstance(decision, Dispatch):
+                return None  # REJECT expiries were taken out above; nothing else to do
+            if self._bulk_held(decision, now_us):
+                return self._bulk_after_us
+            if not free and not self._stageable(decision, now_us):
+                return None
+            batch = Batch(self._next_batch, decision.items)
+            self._next_batch += 1
+            chosen = {p.request_id for p in batch.items}
+            self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in chosen)
+            self._queue = [(k, p) for k, p in self._queue if p.request_id not in chosen]
+            self._dispatched.append(batch.id)
+            if free:
+                # The most recently freed instance: its thread and caches are warm.
+                slot = self._slots[free[-1]]
+                slot.thread_idle = False
+                slot.assigned.append(batch)
+                actions.append(Run(free[-1], batch))
+            else:
+                self._slots[stageable[0]].assigned.append(batch)
+                actions.append(Stage(stageable[0], batch))
+        return None
+
+    def _online_active(self, now_us: int) -> bool:
+        seen = self._online_seen_us
+        return seen is not None and now_us - seen < self.config.online_quiet_us
+
+    def _bulk_held(self, decision: Dispatch, now_us: int) -> bool:
+        """A bulk-only batch waits out the bulk share's idle time while online requests come in."""
+        return (now_us < self._bulk_after_us and self._online_active(now_us)
+                and all(p.lane == self.config.bulk_lane for p in decision.items))
+
+    def _stageable(self, decision: Dispatch, now_us: int) -> bool:
+        """Whether a batch may wait behind a running one instead of in the queue: only if it is full
+        (the largest preferred size, or 1 without batching) - a batch that could still grow is formed
+        when an instance frees up, as Triton does - and none of it can time out before it runs."""
+        policy = self.policy
+        full = 1 if not policy.dynamic or policy.max_batch_size == 0 else \
+            max(policy.preferred_batch_sizes, default=policy.max_batch_size)
+        if any(p.lane == self.config.bulk_lane for p in decision.items) and self._online_active(now_us):
+            # Online traffic is about: a bulk batch waits in the queue, where an online request that
+            # arrives while the instance computes still goes first.
+            return False
+        margin = self.config.stage_margin_us
+        return sum(p.rows for p in decision.items) >= full and all(
+            p.deadline_us is None or p.delay_on_timeout or p.deadline_us - now_us > margin for p in decision.items)
+
+    def _releasable(self) -> tuple[int, ...]:
+        if not self._completed:
+            return ()
+        if not self.config.preserve_ordering:
+            out = tuple(self._completed)
+            self._completed = []
+            for batch_id in out:
+                self._dispatched.remove(batch_id)
+            return out
+        done = set(self._completed)
+        released: list[int] = []
+        while self._dispatched and self._dispatched[0] in done:
+            released.append(self._dispatched.popleft())
+        if released:
+            self._completed = [b for b in self._completed if b not in set(released)]
+        return tuple(released)

@@ -1,0 +1,13 @@
+"""Bulk jobs, the part that runs in `fleet jobs-worker` and is shared with the gateway's /v2/jobs.
+
+    runner.py    the RQ job function: one run of a job under its lease (JobOptions, JobRunner)
+    feed.py      the send / collect / write loop: window, lost-reply resends, progress, cancel
+    formats.py   readers, packing and writers (inputs.py, packing.py, outputs.py)
+    records.py   job records in Redis (JobStore): state, progress, error samples
+    rq_setup.py  every RQ Queue/Worker/fetch, JSON serializer only
+    recovery.py  queueing runs, and re-queueing jobs whose runner died (the janitor)
+    worker.py    the `fleet jobs-worker` entry point: RQ worker + janitor, outlives Redis outages
+
+The gateway keeps only what its process runs (gateway/jobs/: the HTTP routes and the service that
+validates and enqueues jobs) and imports the shared pieces from here.
+"""

@@ -1,0 +1,312 @@
+"""Delivery under faults configured in a real Valkey (never a mocked Redis): a reply Redis refuses keeps
+its message until it is written, a refused write never stops a model, one refused enqueue fails only its
+own caller, preserve_ordering, the pending count, the worker registry and dead-consumer pruning.
+
+Each test that changes the server's configuration (maxmemory) runs on a server of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from fleet.keys import GROUP
+from fleet.redis_server import LocalServer, start_server
+from tests.support.queue_models import sleeper_repository
+from tests.support.system import InProcessSystem, in_process_system
+from tests.support.timed_repo import timed_repository, timed_request
+
+
+def request(value: float) -> dict[str, Any]:
+    return {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]}
+
+
+async def post(client: httpx.AsyncClient, model: str, body: dict[str, Any]) -> httpx.Response:
+    return await client.post(f"/v2/models/{model}/infer", json=body)
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def own_server(tmp_path: Path) -> AsyncIterator[tuple[LocalServer, aioredis.Redis]]:
+    server = start_server(tmp_path / "valkey", appendonly=False)
+    client = aioredis.Redis.from_url(server.url, protocol=2)
+    try:
+        yield server, client
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def fill_memory(r: aioredis.Redis) -> None:
+    """Over maxmemory with noeviction: a 4 MB filler key and a 1 MB limit, so every write that needs
+    memory is refused (a limit just above what is used would let small writes through as client buffers
+    come and go)."""
+    await r.config_set("maxmemory-policy", "noeviction")
+    await r.set("filler", b"x" * (4 * 1024 * 1024))
+    await r.config_set("maxmemory", 1024 * 1024)
+    try:
+        await r.set("probe", b"x")
+    except ResponseError as exc:
+        assert "maxmemory" in str(exc), exc
+    else:
+        raise AssertionError("Redis still takes writes")
+
+
+async def free_memory(r: aioredis.Redis) -> None:
+    await r.config_set("maxmemory", 0)
+    await r.delete("filler")
+
+
+async def read_by_a_worker(s: InProcessSystem, model: str, count: int) -> None:
+    """Until `count` requests of `model` have been read by a worker (started, with an instance free)."""
+    queue = s.state.keys.queue(model)
+
+    async def read() -> bool:
+        return bool((await s.state.client.xpending(queue, GROUP))["pending"] >= count)
+
+    await until(read, 5, f"{count} requests of {model} to be read")
+
+
+async def stats(s: InProcessSystem, model: str) -> dict[str, Any]:
+    doc = (await s.client.get(f"/v2/models/{model}/stats")).json()
+    return doc["model_stats"][0]  # type: ignore[no-any-return]
+
+
+def test_a_reply_redis_refuses_keeps_its_message_until_it_is_written(tmp_path: Path, key_prefix: str) -> None:
+    """Out of memory (maxmemory, noeviction) when a batch's replies are written: the XADDs are refused,
+    the messages are not acknowledged; once memory is freed every request is answered once, right."""
+    repo = sleeper_repository(tmp_path, "oom", sleep_ms=700, max_batch_size=8,
+                              dynamic_batching="preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 300000")
+
+    async def main() -> None:
+        async with own_server(tmp_path) as (server, r), \
+                in_process_system(server.url, key_prefix, [repo], request_timeout_s=30) as s:
+            queue = s.state.keys.queue("oom")
+            tasks = [asyncio.create_task(post(s.client, "oom", request(float(i)))) for i in range(8)]
+
+            async def held() -> bool:
+                return bool((await r.xpending(queue, GROUP))["pending"] == 8)
+
+            await until(held, 5, "the batch to be read")
+            await fill_memory(r)  # the batch of 8 computes for 0.7 s meanwhile
+            await asyncio.sleep(1.5)
+            assert not any(t.done() for t in tasks), [t.result().text for t in tasks if t.done()]
+            assert (await r.xpending(queue, GROUP))["pending"] == 8, "acknowledged without a reply"
+            await free_memory(r)
+            results = await asyncio.gather(*tasks)
+            assert [x.status_code for x in results] == [200] * 8, [x.text for x in results]
+            assert [x.json()["outputs"][0]["data"] for x in results] == [[float(i)] for i in range(8)]
+            st = await stats(s, "oom")
+            assert st["execution_count"] == 1 and st["inference_stats"]["success"]["count"] == 8
+            assert await r.xlen(queue) == 0 and (await r.xpending(queue, GROUP))["pending"] == 0
+            assert s.state.broker.unclaimed_replies == 0  # no reply twice
+
+    asyncio.run(main())
+
+
+def test_a_refused_timeout_reply_does_not_stop_the_model(tmp_path: Path, key_prefix: str) -> None:
+    """A request times out (REJECT) while Redis refuses writes: its reply is written once Redis takes it
+    again, and the model goes on serving (its scheduler did not die with the refused write)."""
+    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=900, dynamic_batching="""
+        default_queue_policy { default_timeout_microseconds: 300000 }""")
+
+    async def main() -> None:
+        async with own_server(tmp_path) as (server, r), \
+                in_process_system(server.url, key_prefix, [repo], request_timeout_s=30) as s:
+            queue = s.state.keys.queue("rejecting")
+            busy = asyncio.create_task(post(s.client, "rejecting", request(1.0)))
+            await asyncio.sleep(0.1)
+            late = asyncio.create_task(post(s.client, "rejecting", request(2.0)))
+
+            async def read_by_worker() -> bool:
+                return bool((await r.xpending(queue, GROUP))["pending"] == 2)
+
+            await until(read_by_worker, 5, "the second request to be read")
+            await fill_memory(r)
+            await asyncio.sleep(0.6)  # past its deadline: the worker's timeout reply is refused
+            assert not late.done()
+            await free_memory(r)
+            answer = await late
+            assert answer.status_code == 503 and answer.json()["error"] == "Request timeout expired"
+            assert (await busy).status_code == 200
+            after = await post(s.client, "rejecting", request(3.0))
+            assert after.status_code == 200 and after.json()["outputs"][0]["data"] == [3.0]
+
+    asyncio.run(main())
+
+
+def test_one_refused_enqueue_fails_only_its_own_request(redis_server: LocalServer, key_prefix: str,
+                                                        tmp_path: Path) -> None:
+    """XADDs of one event-loop turn go out as one pipeline; a command Redis refuses (here a lane key of
+    the wrong type) fails its own caller, and the others, enqueued, are answered: no retry runs twice."""
+    repo = sleeper_repository(tmp_path, "fine", sleep_ms=0, dynamic_batching="")
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo]) as s:
+            broker = s.state.broker
+            r = s.state.client
+            broken = f"{key_prefix}:broken-lane"
+            await r.set(broken, "not a stream")
+            from fleet.envelope import RequestEnvelope, WireTensor, encode_request
+
+            def payload(rid: str, value: float) -> bytes:
+                import numpy as np
+                x = np.array([[value]], dtype=np.float32)
+                return encode_request(RequestEnvelope(id=rid, model="fine", version=1, reply_to=broker.reply_key,
+                                                      inputs=[WireTensor("IN", "FP32", (1, 1), x.tobytes())],
+                                                      enqueued_at_us=broker.redis_clock.to_redis(
+                                                          broker.redis_clock.now_us())))
+
+            good = [broker.submit(f"good{i}", s.state.keys.queue("fine"), payload(f"good{i}", i), model="fine")
+                    for i in range(3)]
+            bad = broker.submit("bad", broken, payload("bad", 9.0), model="fine")
+            results = await asyncio.gather(*good, bad, return_exceptions=True)
+            assert all(not isinstance(x, BaseException) and x.ok for x in results[:3]), results
+            assert isinstance(results[3], Exception) and "WRONGTYPE" in str(results[3])
+            st = await stats(s, "fine")
+            assert st["inference_stats"]["success"]["count"] == 3
+
+    asyncio.run(main())
+
+
+def test_preserve_ordering_releases_replies_in_arrival_order(redis_server: LocalServer, key_prefix: str,
+                                                             tmp_path: Path) -> None:
+    """Two instances; the first request takes 600 ms, the second 50 ms. With preserve_ordering the second
+    reply is released only after the first, though it was computed long before."""
+    repo = timed_repository(tmp_path, "ordered", max_batch_size=1, instances=2,
+                            dynamic_batching="preserve_ordering: true")
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo]) as s:
+            done: list[str] = []
+
+            async def call(tag: str, sleep_ms: float) -> dict[str, Any]:
+                response = await post(s.client, "ordered", timed_request(sleep_ms))
+                assert response.status_code == 200, response.text
+                done.append(tag)
+                return {o["name"]: o["data"][0] for o in response.json()["outputs"]}
+
+            slow = asyncio.create_task(call("slow", 600))
+            await read_by_a_worker(s, "ordered", 1)
+            quick = await call("quick", 50)
+            first = await slow
+            assert done == ["slow", "quick"]
+            assert quick["PID"] != first["PID"]  # computed on the other instance, at the same time
+            assert quick["END_NS"] < first["END_NS"]  # ... and finished first
+
+    asyncio.run(main())
+
+
+def test_without_preserve_ordering_a_quick_reply_does_not_wait(redis_server: LocalServer, key_prefix: str,
+                                                               tmp_path: Path) -> None:
+    repo = timed_repository(tmp_path, "unordered", max_batch_size=1, instances=2, dynamic_batching="")
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo]) as s:
+            done: list[str] = []
+
+            async def call(tag: str, sleep_ms: float) -> None:
+                assert (await post(s.client, "unordered", timed_request(sleep_ms))).status_code == 200
+                done.append(tag)
+
+            slow = asyncio.create_task(call("slow", 600))
+            await read_by_a_worker(s, "unordered", 1)
+            await call("quick", 50)
+            await slow
+            assert done == ["quick", "slow"]
+
+    asyncio.run(main())
+
+
+def test_pending_count_is_queued_requests_once_per_version(redis_server: LocalServer, key_prefix: str,
+                                                           tmp_path: Path) -> None:
+    """nv_inference_pending_request_count: accepted and not yet executing (Triton's meaning, the
+    autoscaling signal), once per model version, not the executing ones, not repeated per version."""
+    repo = sleeper_repository(tmp_path, "pend", sleep_ms=800, dynamic_batching="")
+    (repo / "pend" / "2").mkdir()
+    (repo / "pend" / "2" / "model.py").write_bytes((repo / "pend" / "1" / "model.py").read_bytes())
+    config = repo / "pend" / "config.pbtxt"
+    config.write_text(config.read_text() + "version_policy: { all { } }\n")
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo]) as s:
+            tasks = [asyncio.create_task(post(s.client, "pend", request(float(i)))) for i in range(4)]
+
+            async def pending() -> dict[str, float]:
+                await s.state.refresh_readiness()
+                text = (await s.client.get("/metrics")).text
+                return {line.split('version="')[1].split('"')[0]: float(line.split()[-1])
+                        for line in text.splitlines() if line.startswith("nv_inference_pending_request_count{")}
+
+            async def three_waiting() -> bool:
+                return sum((await pending()).values()) == 3
+
+            # One executes (800 ms); three wait, whether still in Redis or read ahead by the worker.
+            await until(three_waiting, 3, "three pending requests")
+            counts = await pending()
+            assert sorted(counts.values()) == [0.0, 3.0], counts
+            assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 4
+            assert sum((await pending()).values()) == 0
+
+    asyncio.run(main())
+
+
+def test_gateways_find_workers_without_scanning_the_keyspace(tmp_path: Path, key_prefix: str) -> None:
+    """The registry (a sorted set) replaces SCAN: a gateway whose ACL user may not SCAN or KEYS still sees
+    the workers, and a worker that stops leaves the registry."""
+    repo = sleeper_repository(tmp_path, "reg", sleep_ms=0, dynamic_batching="")
+
+    async def main() -> None:
+        async with own_server(tmp_path) as (server, r):
+            await r.acl_setuser("noscan", enabled=True, passwords=["+secret"], keys=["*"], channels=["*"],
+                                commands=["+@all", "-scan", "-keys"])
+            url = f"redis://noscan:secret@127.0.0.1:{server.port}/0"
+            async with in_process_system(url, key_prefix, [repo]) as s:
+                assert (await post(s.client, "reg", request(4.0))).status_code == 200
+                assert s.state.catalog.workers == 1
+                assert await r.zcard(s.state.keys.workers()) == 1
+            assert await r.zcard(f"{key_prefix}:workers") == 0  # a worker that stops unregisters
+
+    asyncio.run(main())
+
+
+def test_consumers_of_dead_workers_are_removed_once_they_hold_nothing(redis_server: LocalServer, key_prefix: str,
+                                                                     tmp_path: Path) -> None:
+    repo = sleeper_repository(tmp_path, "prune", sleep_ms=0, dynamic_batching="")
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo], dead_consumer_idle_s=0.5,
+                                     claim_interval_s=0.1) as s:
+            r = s.state.client
+            queue = s.state.keys.queue("prune")
+            await r.xreadgroup(GROUP, "ghost-holding-nothing", {queue: ">"}, count=1, block=10)
+            await r.xadd(queue, {b"x": b"1"})
+            await r.xreadgroup(GROUP, "ghost-holding-one", {queue: ">"}, count=1)  # holds an unreadable one
+
+            async def names() -> set[str]:
+                return {c["name"].decode() for c in await r.xinfo_consumers(queue, GROUP)}
+
+            assert {"ghost-holding-nothing", "ghost-holding-one"} <= await names()
+
+            async def pruned() -> bool:
+                return "ghost-holding-nothing" not in await names()
+
+            await until(pruned, 10, "the idle consumer holding nothing to be removed")
+            # The live worker's own consumer stays, however idle.
+            assert await names() - {"ghost-holding-one"}
+            assert (await post(s.client, "prune", request(5.0))).status_code == 200
+
+    asyncio.run(main())

@@ -1,0 +1,168 @@
+"""The bulk job runner against a real Redis: the window bounds rows from submission until written (a stuck
+head cannot make answered rows pile up), and a lost reply never stalls a job (its request is sent again
+once its lane entry is gone; one still queued is left alone).
+
+The test plays the model worker over the real streams (tests/support/lane_worker.py), so it decides which
+request is answered when; faults are real deletions of lane and reply entries."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from fleet.admission import bulk_lane
+from fleet.envelope import RequestEnvelope
+from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore
+from fleet.jobs.runner import JobOptions, JobRunner
+from fleet.keys import Keys
+from fleet.redis_server import LocalServer
+from fleet.repository import scan
+from tests.support.lane_worker import ANSWER, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker
+from tests.support.model_repo import python_config, write_model
+
+MODEL = "quad"
+MAX_BATCH = 4  # rows per request: the runner packs 4 one-row items into each
+ROWS = 4  # elements per item
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    write_model(tmp_path / "repo", MODEL, python_config(max_batch_size=MAX_BATCH))
+    return tmp_path / "repo"
+
+
+def inputs(n: int) -> np.ndarray:
+    return np.arange(n * ROWS, dtype=np.float32).reshape(n, ROWS)
+
+
+def write_jsonl(path: Path, x: np.ndarray) -> None:
+    with path.open("w") as f:
+        for row in x:
+            f.write(json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, ROWS],
+                                            "data": row.tolist()}]}) + "\n")
+
+
+class Job:
+    """One job record and a runner for it on a thread, as an RQ job worker would run it."""
+
+    def __init__(self, url: str, key_prefix: str, repo: Path, tmp: Path, items: np.ndarray, window_rows: int,
+                 reply_timeout_s: float) -> None:
+        self.client = redis.Redis.from_url(url, protocol=2)
+        self.keys = Keys(key_prefix)
+        self.store = JobStore(self.client, self.keys)
+        self.id = "job1"
+        self.output = tmp / "out.jsonl"
+        source = tmp / "in.jsonl"
+        write_jsonl(source, items)
+        self.store.create(self.id, {"model": MODEL, "version": 1, "priority": 0, "input": str(source),
+                                    "input_kind": "jsonl", "output": str(self.output), "output_format": "jsonl",
+                                    "max_failures": -1})
+        options = JobOptions(key_prefix, [str(repo)], window_rows, lease_ms=5000, reply_timeout_s=reply_timeout_s)
+        self.runner = JobRunner(redis.Redis.from_url(url, protocol=2), self.id, options)
+        self.outcome: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.outcome.append(self.runner.run()), daemon=True)
+        self.lane = self.keys.queue(MODEL, bulk_lane(scan([repo]).models[MODEL].spec))
+
+    def state(self) -> str:
+        record = self.store.get(self.id)
+        assert record is not None
+        return str(record["state"])
+
+    def stop(self) -> None:
+        """Cancel the job (if it still runs) so its runner returns, and wait for it."""
+        self.store.transition(self.id, CANCELLED, (QUEUED, RUNNING))
+        self.thread.join(10)
+
+
+@pytest.fixture
+def make_job(redis_server: LocalServer, key_prefix: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., Job]]:
+    jobs: list[Job] = []
+
+    def make(items: np.ndarray, window_rows: int, reply_timeout_s: float) -> Job:
+        job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.stop()
+
+
+def serve_until(job: Job, worker: LaneWorker, decide: Callable[[RequestEnvelope, int], str],
+                done: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"job state {job.state()}, submissions {dict(worker.sent)}"
+        worker.poll(decide)
+        time.sleep(0.005)
+
+
+def check_output(job: Job, items: np.ndarray) -> None:
+    """One line per item, in input order, each 2 * its input."""
+    lines = [json.loads(line) for line in job.output.read_text().splitlines()]
+    assert [d["line"] for d in lines] == list(range(1, len(items) + 1))
+    got = np.array([d["outputs"][0]["data"] for d in lines], dtype=np.float32)
+    np.testing.assert_array_equal(got, items * 2)
+
+
+def test_a_stuck_head_never_lets_the_runner_hold_more_than_the_window(make_job: Callable[..., Job]) -> None:
+    items = inputs(400)
+    window = 16
+    job = make_job(items, window_rows=window, reply_timeout_s=3600)  # the head is queued: never resent
+    head = f"{job.id}:0+{MAX_BATCH}"
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        return HOLD if env.id == head else ANSWER
+
+    # Everything behind the head is answered at once; none of it can be written before the head is.
+    serve_until(job, worker, decide, lambda: worker.rows >= window)
+    quiet_until = time.monotonic() + 1.0
+    while time.monotonic() < quiet_until:
+        worker.poll(decide)
+        time.sleep(0.005)
+    assert worker.rows == window, f"{worker.rows} rows submitted while the head was unanswered (window {window})"
+    assert list(worker.held) == [head] and job.state() == RUNNING
+
+    worker.release(head)
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and job.state() == COMPLETED
+    assert set(worker.sent.values()) == {1} and worker.rows == len(items)
+    check_output(job, items)
+
+
+def test_a_lost_reply_is_sent_again_and_the_job_completes(make_job: Callable[..., Job]) -> None:
+    items = inputs(40)
+    timeout_s = 0.3
+    job = make_job(items, window_rows=16, reply_timeout_s=timeout_s)
+    lost_reply, lost_request, slow = (f"{job.id}:{i}+{MAX_BATCH}" for i in (4, 8, 12))
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        if sends > 1:
+            return ANSWER
+        return {lost_reply: LOSE_REPLY, lost_request: LOSE_REQUEST, slow: HOLD}.get(env.id, ANSWER)
+
+    # The slow one stays queued for several reply timeouts: its entry exists, so it is not sent again.
+    serve_until(job, worker, decide, lambda: slow in worker.held)
+    held_since = time.monotonic()
+    serve_until(job, worker, decide, lambda: time.monotonic() - held_since > 4 * timeout_s)
+    worker.release(slow)
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+
+    assert job.outcome == [COMPLETED] and job.state() == COMPLETED
+    assert worker.sent[lost_reply] == 2 and worker.sent[lost_request] == 2, dict(worker.sent)
+    assert worker.sent[slow] == 1
+    assert sum(worker.sent.values()) == len(items) // MAX_BATCH + 2
+    check_output(job, items)
+    record = job.store.get(job.id)
+    assert record is not None and record["done"] == len(items) and record["failed"] == 0

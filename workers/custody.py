@@ -1,0 +1,301 @@
+"""Custody: the messages one worker holds of one model, from XREADGROUP to XACK.
+
+The worker's part in "no request is lost":
+- Read-ahead is bounded (batching.holding): a worker holds at most what it will soon run.
+- Keepalive: every message held (queued, staged or executing) is refreshed each `keepalive_s`, but
+  only while this worker still owns it (a Lua check and XCLAIM JUSTID: no delivery counted). A
+  message another worker claimed after this one stalled is reported `lost` and dropped here if not
+  started. Keepalive runs until the last held message is acknowledged, past stop().
+- Claim: what a dead worker left pending is taken over after the claim timeout (fleet/claims.py),
+  resuming each lane from the last cursor, with exact delivery counts, even when this worker is
+  saturated (one batch past its bound): orphans are older than anything new in their lane, and the
+  scheduler serves them first. Past `max_deliveries` a message is poison: dead-lettered, its caller
+  told.
+- Ack after reply: a message is acknowledged and deleted only once its reply is written (each XADD's
+  own result is checked: a reply Redis refused keeps its message pending). Writing is retried with
+  backoff for up to `finish_retry_s`; after that the messages stay pending, are no longer refreshed,
+  and another worker (or this one) claims and recomputes them.
+- Dead consumers (workers gone for good, holding nothing) are removed from the group.
+
+At-least-once, exactly-one-reply: a message is computed again only if its worker died or stalled past
+the claim timeout while holding it; the gateway and the job runner keep the first reply per request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from batching.holding import Holding, MessageId
+from fleet.backoff import Backoff
+from fleet.claims import ClaimTimeout
+from fleet.envelope import ReplyEnvelope, decode_request
+from fleet.errors import InvalidInput
+from fleet.stats import BatchSample
+from workers.consumer import StreamConsumer
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True, slots=True)
+class CustodyConfig:
+    claim_idle_ms: int = 0  # 0: derived from observed execution time
+    claim_min_ms: int = 3000
+    keepalive_s: float = 1.0
+    claim_interval_s: float = 1.0
+    max_deliveries: int = 3
+    finish_retry_s: float = 30.0
+    # A reader failing this long makes the model unadvertised (it cannot read its streams).
+    read_failure_s: float = 2.0
+    # A consumer idle this long, holding nothing, whose worker has no heartbeat, is removed.
+    dead_consumer_idle_s: float = 300.0
+
+    @property
+    def prune_interval_s(self) -> float:
+        return min(30.0, self.dead_consumer_idle_s / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One reply to write for a held message; `park` (a reason) dead-letters the message once the reply
+    is written, instead of a plain ack."""
+
+    message: MessageId
+    reply_to: str
+    reply: ReplyEnvelope
+    park: str | None = None
+    payload: bytes | None = None  # kept with a parked message, for `fleet dead-letters --replay`
+
+
+Admit = Callable[[MessageId, bytes | None], None]
+Lost = Callable[[list[MessageId]], None]
+Released = Callable[[], None]
+LiveWorkers = Callable[[], Awaitable[set[str]]]
+
+
+class Custody:
+    def __init__(self, consumer: StreamConsumer, holding: Holding, config: CustodyConfig, *,
+                 admit: Admit, lost: Lost, released: Released, live_workers: LiveWorkers | None = None) -> None:
+        self.consumer = consumer
+        self.holding = holding
+        self.config = config
+        self.claim_timeout = ClaimTimeout(floor_ms=config.claim_min_ms, fixed_ms=config.claim_idle_ms)
+        self._admit = admit
+        self._lost = lost
+        self._released = released  # room was made in the holding: readers may read again
+        self._live_workers = live_workers
+        self._stopping = False
+        self._finishing: set[asyncio.Task[None]] = set()
+        self._last_ordered: asyncio.Future[None] | None = None
+        self._read_failing_since: float | None = None
+
+    @property
+    def model(self) -> str:
+        return self.consumer.model
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def reading(self) -> bool:
+        """False while reads have been failing for longer than `read_failure_s` (the model's streams
+        cannot be read: Redis away, a refused ACL, a lost group being re-created)."""
+        since = self._read_failing_since
+        return since is None or time.monotonic() - since < self.config.read_failure_s
+
+    async def read(self, lane: int, room: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
+        """New messages of `lane`, as many as `room` rows allow; Redis errors propagate (the reader backs
+        off), and are remembered for `reading`."""
+        try:
+            messages = await self.consumer.read(lane, self.holding.messages_to_read(lane, room), block_ms)
+        except (RedisError, OSError):
+            if self._read_failing_since is None:
+                self._read_failing_since = time.monotonic()
+            raise
+        self._read_failing_since = None
+        return messages
+
+    def stop(self) -> None:
+        """Nothing new is read; keepalive and finishing go on until everything held is answered."""
+        self._stopping = True
+
+    # ------------------------------------------------------------------ answering
+
+    def finish(self, answers: Sequence[Answer], samples: Sequence[BatchSample] = (),
+               acks: Sequence[MessageId] = (), *, ordered: bool = False) -> None:
+        """Write `answers` and count `samples`, then ack (or park) what got a reply, and ack `acks` (no
+        reply needed); in the background, retried, so a Redis error never reaches the caller. `ordered`:
+        written only after every earlier ordered finish (preserve_ordering: finishes run concurrently, on
+        several connections, so a later one could otherwise reach Redis first)."""
+        after = self._last_ordered if ordered else None
+        task = asyncio.ensure_future(self._finish(list(answers), list(samples), list(acks), after))
+        if ordered:
+            self._last_ordered = task
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, answers: list[Answer], samples: list[BatchSample], acks: list[MessageId],
+                      after: asyncio.Future[None] | None = None) -> None:
+        if after is not None and not after.done():
+            await asyncio.wait([after])
+        backoff = Backoff()
+        give_up_at = time.monotonic() + self.config.finish_retry_s
+        to_write = answers
+        to_ack = acks
+        to_park: list[Answer] = []
+        try:
+            while to_write or samples or to_ack or to_park:
+                try:
+                    if to_write or samples:
+                        written = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples)
+                        done = [a for i, a in enumerate(to_write) if i in written.replies]
+                        to_write = [a for i, a in enumerate(to_write) if i not in written.replies]
+                        to_ack += [a.message for a in done if a.park is None]
+                        to_park += [a for a in done if a.park is not None]
+                        if written.samples:
+                            samples = []
+                        if written.error is not None and not done:
+                            raise written.error
+                    if to_ack:
+                        await self.consumer.ack(to_ack)
+                        to_ack = []
+                    while to_park:
+                        a = to_park[0]
+                        await self.consumer.dead_letter(a.message, a.park or "", a.payload)
+                        to_park.pop(0)
+                    if to_write or samples:
+                        raise RedisError("some replies were refused")
+                    backoff.reset()
+                except (RedisError, OSError) as exc:
+                    if time.monotonic() > give_up_at:
+                        log.error("%s: %d replies could not be written for %.0f s (%s); their messages stay "
+                                  "pending and will be claimed and computed again", self.model, len(to_write),
+                                  self.config.finish_retry_s, exc)
+                        return
+                    delay = backoff.next_delay()
+                    log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, exc, delay)
+                    await asyncio.sleep(delay)
+        finally:
+            self.release([a.message for a in answers] + list(acks))
+
+    def release(self, messages: Sequence[MessageId]) -> None:
+        """No longer held (answered, or left pending for another worker to claim): room for new reads."""
+        self.holding.release(messages)
+        self._released()
+
+    async def drained(self) -> None:
+        """Until every background finish is done."""
+        while self._finishing:
+            await asyncio.gather(*list(self._finishing), return_exceptions=True)
+
+    # ------------------------------------------------------------------ keepalive and claims
+
+    async def keep_alive(self) -> None:
+        """Refresh what this worker holds, every keepalive_s, until it holds nothing and is stopping."""
+        backoff = Backoff()
+        while not (self._stopping and not self.holding.rows() and not self._finishing):
+            await asyncio.sleep(self.config.keepalive_s)
+            held = self.holding.by_lane()
+            if not held:
+                continue
+            try:
+                lost = await self.consumer.keep(held)
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                _reraise_if_cancelled()
+                log.warning("%s: refreshing held messages failed: %s", self.model, exc)
+                await asyncio.sleep(backoff.next_delay())
+                continue
+            lost = [m for m in lost if m in self.holding]  # answered meanwhile: not lost
+            if lost:
+                log.warning("%s: %d held messages were claimed by another worker (this one stalled past the "
+                            "claim timeout); dropping those not started", self.model, len(lost))
+                self._lost(lost)
+
+    async def claim_abandoned(self) -> None:
+        backoff = Backoff()
+        next_prune = time.monotonic() + self.config.prune_interval_s
+        while not self._stopping:
+            await asyncio.sleep(self.config.claim_interval_s)
+            room = self.holding.claim_room()
+            try:
+                if room > 0 and not self._stopping:
+                    await self._claim(room)
+                if time.monotonic() > next_prune:
+                    next_prune = time.monotonic() + self.config.prune_interval_s
+                    await self._prune()
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                _reraise_if_cancelled()
+                log.warning("%s: claiming abandoned messages failed: %s", self.model, exc)
+                await asyncio.sleep(backoff.next_delay())
+
+    async def _claim(self, room: int) -> None:
+        claimed = await self.consumer.claim(self.claim_timeout.idle_ms, self.holding.messages_to_read(0, room))
+        for c in claimed:
+            if c.message in self.holding:
+                continue  # ours all along (a refresh came late): already queued here
+            if c.deliveries > self.config.max_deliveries:
+                self.give_up(c.message, c.payload, f"the request was delivered {c.deliveries} times without "
+                                                   "completing; moved to the dead letters")
+            else:
+                log.warning("%s: claimed %r after another worker left it (delivery %d)", self.model, c.message,
+                            c.deliveries)
+                self._admit(c.message, c.payload)
+
+    async def _prune(self) -> None:
+        if self._live_workers is None:
+            return
+        idle_ms = int(self.config.dead_consumer_idle_s * 1000)
+        removed = await self.consumer.prune_consumers(await self._live_workers(), idle_ms)
+        if removed:
+            log.info("%s: removed %d consumers of workers gone for good: %s", self.model, len(removed),
+                     ", ".join(removed))
+
+    def give_up(self, message: MessageId, payload: bytes | None, reason: str) -> None:
+        """A message that keeps killing its workers or instances: dead-letter it and tell its caller."""
+        log.error("%s: %r: %s", self.model, message, reason)
+        try:
+            env = decode_request(payload) if payload else None
+        except InvalidInput:
+            env = None
+        if env is None:
+            self.park_unreadable(message, reason, payload)
+            return
+        self.holding.hold(message, 1)
+        reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL", error_message=reason)
+        self.finish([Answer(message, env.reply_to, reply, park=reason, payload=payload)], [])
+
+    def park_unreadable(self, message: MessageId, reason: str, payload: bytes | None) -> None:
+        """A message that is not a request envelope: dead-letter it (there is nobody to reply to)."""
+        self.holding.hold(message, 1)
+        task = asyncio.ensure_future(self._park_unreadable(message, reason, payload))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _park_unreadable(self, message: MessageId, reason: str, payload: bytes | None) -> None:
+        backoff = Backoff()
+        give_up_at = time.monotonic() + self.config.finish_retry_s
+        try:
+            while True:
+                try:
+                    await self.consumer.dead_letter(message, reason, payload)
+                    return
+                except (RedisError, OSError) as exc:
+                    if time.monotonic() > give_up_at:
+                        log.error("%s: cannot dead-letter %r: %s", self.model, message, exc)
+                        return
+                    await asyncio.sleep(backoff.next_delay())
+        finally:
+            self.release([message])
+
+
+def _reraise_if_cancelled() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError  # redis-py turned our cancellation into a connection error
