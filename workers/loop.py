@@ -189,16 +189,16 @@ class ModelLoop:
                 continue
             try:
                 messages = await self.custody.read(lane, room, self.config.block_ms)
-                backoff.reset()
             except (RedisError, OSError) as exc:
                 delay = backoff.next_delay()
                 log.warning("%s: read failed (%s); retrying in %.2f s", self.spec.name, exc, delay)
-                if backoff.attempt == 1:
-                    self._on_health()
                 await asyncio.sleep(delay)
+                if not self.custody.reading:
+                    self._on_health()  # unadvertised now: say so at once, not at the next heartbeat
                 continue
             if backoff.attempt:
-                self._on_health()
+                backoff.reset()
+                self._on_health()  # reading again: advertised again
             for message, payload in messages:
                 self.admit(message, payload)
 
