@@ -1,5 +1,7 @@
-"""Real fleet processes for fault-injection tests: one Redis (AOF), one gateway and N workers, each a
-`python -m fleet ...` child the test can signal by PID, like a supervisor or an operator would."""
+"""Real fleet processes for fault-injection tests: one Redis (AOF), a gateway (and any extra gateways on
+ports of their own) and N workers, each a `python -m fleet ...` child the test can signal by PID, like a
+supervisor or an operator would. Each process may get environment variables of its own on top of the
+cluster's (a fixed FLEET_GATEWAY_ID, a faked clock, a larger read-ahead)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ class Cluster:
     http_port: int = field(default_factory=free_port)
     gateway: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    extra_gateways: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _logs: list[Path] = field(default_factory=list)
+    _log_of: dict[int, Path] = field(default_factory=dict)
 
     @property
     def redis_url(self) -> str:
@@ -51,30 +55,46 @@ class Cluster:
     def start_redis(self) -> None:
         self.redis = start_server(self.tmp / "redis", self.redis_port, appendonly=True)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = self.tmp / f"{name}-{len(self._logs)}.log"
         self._logs.append(log)
-        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")} | self.env
+        environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
+        environ |= self.env | (env or {})
         with open(log, "wb") as out:
-            return subprocess.Popen([sys.executable, "-m", "fleet", *args, "--redis-url", self.redis_url,
+            proc = subprocess.Popen([sys.executable, "-m", "fleet", *args, "--redis-url", self.redis_url,
                                      "--model-repository", str(self.repository), "--jobs-dir",
                                      str(self.tmp / "jobs")], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env)
+                                    env=environ)
+        self._log_of[proc.pid] = log
+        return proc
 
-    def start_gateway(self) -> None:
-        self.gateway = self._spawn("gateway", ["gateway", "--http-port", str(self.http_port),
-                                               "--metrics-port", str(free_port())])
+    def start_gateway(self, env: dict[str, str] | None = None, http_port: int | None = None
+                      ) -> subprocess.Popen[bytes]:
+        """The cluster's gateway (on `http_port`), or with another `http_port` an extra one, stopped with
+        the cluster; `env` is added to the cluster's environment for this process only."""
+        port = http_port or self.http_port
+        proc = self._spawn("gateway", ["gateway", "--http-port", str(port), "--metrics-port", str(free_port())],
+                           env)
+        if port == self.http_port:
+            self.gateway = proc
+        else:
+            self.extra_gateways.append(proc)
+        return proc
 
-    def start_worker(self) -> subprocess.Popen[bytes]:
-        proc = self._spawn("worker", ["worker", "--device", "cpu"])
+    def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = self._spawn("worker", ["worker", "--device", "cpu"], env)
         self.workers.append(proc)
         return proc
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """The gateway is ready and every live worker has loaded every model (a test that freezes or
-        kills workers must not catch one half-started)."""
+    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
+        """Everything one process has logged so far."""
+        return self._log_of[proc.pid].read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 60.0, base_url: str | None = None) -> None:
+        """The gateway (at `base_url`, default the cluster's) is ready and every live worker has loaded
+        every model (a test that freezes or kills workers must not catch one half-started)."""
         deadline = time.monotonic() + timeout_s
-        while http_status(f"{self.base_url}/v2/health/ready") != 200 or not self._workers_loaded():
+        while http_status(f"{base_url or self.base_url}/v2/health/ready") != 200 or not self._workers_loaded():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready within {timeout_s}s:\n{self.logs()}")
             time.sleep(0.1)
@@ -101,7 +121,7 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self._logs if p.exists())
 
     def stop(self) -> None:
-        procs = [p for p in [self.gateway, *self.workers] if p is not None]
+        procs = [p for p in [self.gateway, *self.extra_gateways, *self.workers] if p is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
