@@ -39,10 +39,11 @@ return 0
 """
 
 # Keepalive: restart the idle time of the messages this consumer still owns (XCLAIM JUSTID to itself:
-# no delivery counted), and say which another consumer owns now (it claimed them after this one stalled
-# past the claim timeout): a plain XCLAIM with min-idle 0 would take them back from it. A held message
-# pending for nobody (acknowledged by another, or its delivery lost in a Redis restart) is neither: it
-# stays held and is answered (its XACK is then a no-op, or acknowledges its new delivery to us).
+# no delivery counted), and say which are no longer its own: pending for another consumer (it claimed
+# them after this one stalled past the claim timeout; a plain XCLAIM with min-idle 0 would take them
+# back), or pending for nobody with their entry gone (answered and deleted by another worker: fleet
+# deletes every message it acknowledges). A message pending for nobody whose entry is still there lost
+# its delivery in a Redis restart and will be given out again: it stays held, and is answered here.
 # KEYS[1] = stream; ARGV = group, consumer, then the ids held.
 _KEEP = """
 local keep, lost = {}, {}
@@ -50,6 +51,8 @@ for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if p[1] then
     if p[1][2] == ARGV[2] then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+  elseif redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])[1] == nil then
+    lost[#lost + 1] = ARGV[i]
   end
 end
 for i = 1, #keep, 1000 do
@@ -189,7 +192,8 @@ class StreamConsumer:
 
     async def keep(self, held: dict[int, list[bytes]]) -> list[MessageId]:
         """Restart the idle time of the messages this consumer holds and still owns; returns the held
-        messages another consumer owns now (it claimed them after this worker stalled)."""
+        messages that are not its own any more (claimed by another worker after this one stalled, or
+        answered and deleted by one)."""
         pipe = self._client.pipeline(transaction=False)
         lanes = sorted(held)
         for lane in lanes:

@@ -76,12 +76,14 @@ class Answer:
 Admit = Callable[[MessageId, bytes | None], None]
 Lost = Callable[[list[MessageId]], None]
 Released = Callable[[], None]
+Verified = Callable[[], None]
 LiveWorkers = Callable[[], Awaitable[set[str]]]
 
 
 class Custody:
     def __init__(self, consumer: StreamConsumer, holding: Holding, config: CustodyConfig, *,
-                 admit: Admit, lost: Lost, released: Released, live_workers: LiveWorkers | None = None) -> None:
+                 admit: Admit, lost: Lost, released: Released, verified: Verified | None = None,
+                 live_workers: LiveWorkers | None = None) -> None:
         self.consumer = consumer
         self.holding = holding
         self.config = config
@@ -89,6 +91,14 @@ class Custody:
         self._admit = admit
         self._lost = lost
         self._released = released  # room was made in the holding: readers may read again
+        self._verified = verified or (lambda: None)  # custody confirmed (after it had gone stale)
+        # When this worker last knew it owned everything it holds (a keepalive round, or holding nothing).
+        # Past half the shortest claim timeout, another worker may have claimed its messages (it stalled):
+        # nothing more is started until a keepalive round says which are still its own.
+        self.verified_at = time.monotonic()
+        floor_ms = min(config.claim_min_ms, config.claim_idle_ms) if config.claim_idle_ms > 0 else config.claim_min_ms
+        self.stale_after_s = floor_ms / 2000
+        self._refresh_now = asyncio.Event()
         self._live_workers = live_workers
         self._stopping = False
         self._finishing: set[asyncio.Task[None]] = set()
@@ -195,13 +205,29 @@ class Custody:
 
     # ------------------------------------------------------------------ keepalive and claims
 
+    def fresh(self) -> bool:
+        """Whether custody was confirmed recently enough that nothing held can have been claimed away.
+        Read from instance threads too (a float read)."""
+        return time.monotonic() - self.verified_at < self.stale_after_s
+
+    def verify_soon(self) -> None:
+        """Run a keepalive round now (custody went stale: the loop waits for it before starting more)."""
+        self._refresh_now.set()
+
     async def keep_alive(self) -> None:
-        """Refresh what this worker holds, every keepalive_s, until it holds nothing and is stopping."""
+        """Refresh what this worker holds, every keepalive_s (or at once when asked), until it holds
+        nothing and is stopping."""
         backoff = Backoff()
         while not (self._stopping and not self.holding.rows() and not self._finishing):
-            await asyncio.sleep(self.config.keepalive_s)
+            try:
+                await asyncio.wait_for(self._refresh_now.wait(), self.config.keepalive_s)
+            except TimeoutError:
+                pass
+            self._refresh_now.clear()
+            started = time.monotonic()
             held = self.holding.by_lane()
             if not held:
+                self._confirm(started)
                 continue
             try:
                 lost = await self.consumer.keep(held)
@@ -213,9 +239,16 @@ class Custody:
                 continue
             lost = [m for m in lost if m in self.holding]  # answered meanwhile: not lost
             if lost:
-                log.warning("%s: %d held messages were claimed by another worker (this one stalled past the "
-                            "claim timeout); dropping those not started", self.model, len(lost))
+                log.warning("%s: %d held messages are another worker's now (this one stalled past the claim "
+                            "timeout); dropping those not started", self.model, len(lost))
                 self._lost(lost)
+            self._confirm(started)
+
+    def _confirm(self, as_of: float) -> None:
+        stale = not self.fresh()
+        self.verified_at = as_of
+        if stale:
+            self._verified()
 
     async def claim_abandoned(self) -> None:
         backoff = Backoff()

@@ -32,6 +32,20 @@ class Job:
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
+Refused = Callable[[Job], None]  # a staged job the thread would not start: back to the loop unstarted
+
+
+@dataclass(frozen=True, slots=True)
+class Callbacks:
+    """How an instance's thread reports to the loop (each call is posted to the loop, in this order)."""
+
+    done: Done
+    idle: Callable[[Instance], None]
+    refused: Refused
+    # Whether this worker's custody of its messages was confirmed recently. A staged job is started only
+    # then: after a stall (the process frozen past the claim timeout) another worker may own its
+    # messages now, and the loop must look before anything more is started.
+    custody_fresh: Callable[[], bool]
 
 
 @dataclass(eq=False)
@@ -48,13 +62,12 @@ class Instance:
     def staged(self) -> Job | None:
         return self._staged
 
-    def start(self, job: Job, loop: asyncio.AbstractEventLoop, on_done: Done,
-              on_idle: Callable[[Instance], None]) -> None:
+    def start(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
         """Run `job` now (the instance must be idle), then whatever gets staged behind it."""
         with self._lock:
             assert not self.busy, f"{self.name} is already running a batch"
             self.busy = True
-        self.executor.submit(self._chain, job, loop, on_done, on_idle)
+        self.executor.submit(self._chain, job, loop, callbacks)
 
     def stage(self, job: Job) -> bool:
         """Queue `job` behind the running batch; False if the instance is idle or already has one."""
@@ -70,8 +83,7 @@ class Instance:
             job, self._staged = self._staged, None
             return job
 
-    def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, on_done: Done,
-               on_idle: Callable[[Instance], None]) -> None:
+    def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
         current: Job | None = job
         while current is not None:
             started_us = time.time_ns() // 1000
@@ -83,10 +95,13 @@ class Instance:
                 result = exc
             finally:
                 self.running_since = None
-            loop.call_soon_threadsafe(on_done, current, result, started_us)
+            loop.call_soon_threadsafe(callbacks.done, current, result, started_us)
             with self._lock:
                 current, self._staged = self._staged, None
+                if current is not None and not callbacks.custody_fresh():
+                    loop.call_soon_threadsafe(callbacks.refused, current)
+                    current = None
                 if current is None:
                     self.busy = False
-        loop.call_soon_threadsafe(on_idle, self)
+        loop.call_soon_threadsafe(callbacks.idle, self)
 

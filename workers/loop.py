@@ -37,7 +37,7 @@ from workers import gil
 from workers.consumer import StreamConsumer
 from workers.custody import Answer, Custody, CustodyConfig, LiveWorkers
 from workers.execute import BatchOutcome, run_batch
-from workers.instance import Instance, Job
+from workers.instance import Callbacks, Instance, Job
 from workers.samples import batch_sample, rejected_samples
 from workers.watchdog import HungHandler, Watchdog
 
@@ -106,7 +106,7 @@ class ModelLoop:
         per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
         self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
         self.custody = Custody(consumer, self.holding, config.custody, admit=self.admit, lost=self._lost,
-                               released=self._freed, live_workers=live_workers)
+                               released=self._freed, verified=self.wake, live_workers=live_workers)
         self.watchdog = Watchdog(spec.name, [i for insts in instances.values() for i in insts], config.watchdog_s,
                                  on_hung=on_hung, on_health=on_health)
         self.supervisor = Supervisor(f"model '{spec.name}'", on_give_up=on_give_up)
@@ -265,6 +265,14 @@ class ModelLoop:
 
     async def _drive(self) -> None:
         while True:
+            if not self.custody.fresh():
+                # This process stalled (or Redis was away) past half the claim timeout: another worker may
+                # own some of what it holds now. Start nothing until a keepalive round has said which.
+                self.custody.verify_soon()
+                if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
+                    return
+                await self._nap(None)
+                continue
             now = self.clock.now_us()
             acted = False
             wake: int | None = None
@@ -333,9 +341,11 @@ class ModelLoop:
 
     def _start(self, version: int, index: int, batch: Batch, now: int) -> None:
         instance = self.instances[version][index]
-        instance.start(self._job(version, index, batch), asyncio.get_running_loop(),
-                       functools.partial(self._on_done, version, index),
-                       functools.partial(self._on_idle, version, index))
+        callbacks = Callbacks(done=functools.partial(self._on_done, version, index),
+                              idle=functools.partial(self._on_idle, version, index),
+                              refused=functools.partial(self._on_refused, version, index),
+                              custody_fresh=self.custody.fresh)
+        instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:
@@ -345,6 +355,12 @@ class ModelLoop:
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
         self.schedulers[version].done(index, batch.id, now, started_us)
+        self._wake.set()
+
+    def _on_refused(self, version: int, index: int, job: Job) -> None:
+        """The thread would not start a staged batch (custody had gone stale): back to the queue."""
+        self._jobs.pop((version, job.batch.id), None)
+        self.schedulers[version].stage_refused(index, job.batch.id)
         self._wake.set()
 
     def _on_idle(self, version: int, index: int, instance: Instance) -> None:
