@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -43,9 +45,14 @@ from workers.watchdog import HungHandler, Watchdog
 
 log = logging.getLogger(__name__)
 
-# Below this, a wait is spun on the event loop instead of a timer: uvloop's timers have millisecond
-# resolution (a 0.1 ms timer fires at once, a 0.8 ms one after ~1.1 ms), and Triton's delays are µs.
-SPIN_BELOW_S = 0.002
+# Waiting out a queue delay precisely. uvloop's timers have millisecond resolution (a 0.1 ms timer fires
+# at once, a 0.8 ms one after ~1.1 ms), and Triton's delays are µs. Measured here: a helper thread's
+# time.sleep wakes the loop ~150 µs late; spinning on the loop is exact but burns a core the gateway
+# needs. So: a loop timer aimed a millisecond early for long waits, the helper thread below
+# TIMER_RESOLUTION_S, and a spin only for the last SPIN_BELOW_S.
+TIMER_RESOLUTION_S = 0.002
+THREAD_WAKE_S = 0.00015
+SPIN_BELOW_S = 0.0002
 
 
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
@@ -119,6 +126,7 @@ class ModelLoop:
         self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
         self._lost_ids: set[str] = set()  # claimed by another worker: never acknowledged by this one
         self._wake = asyncio.Event()
+        self._timer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-timer")
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
         self._readers_done = False
@@ -164,6 +172,7 @@ class ModelLoop:
             for task in [*background, *readers, driver]:
                 task.cancel()
             await asyncio.gather(*background, *readers, driver, return_exceptions=True)
+            self._timer.shutdown(wait=False)
 
     def stop(self) -> None:
         """Stop reading; finish and answer what is held, then run() returns."""
@@ -295,13 +304,16 @@ class ModelLoop:
         self._wake.clear()
         if timeout_s is None:
             await self._wake.wait()
-        elif timeout_s >= SPIN_BELOW_S:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout_s - SPIN_BELOW_S / 2)
+        elif timeout_s >= TIMER_RESOLUTION_S:
+            try:  # aimed a millisecond early: the rest is timed precisely below
+                await asyncio.wait_for(self._wake.wait(), timeout_s - TIMER_RESOLUTION_S / 2)
             except TimeoutError:
                 pass
+        elif timeout_s > SPIN_BELOW_S:
+            timer = asyncio.get_running_loop().run_in_executor(self._timer, time.sleep, timeout_s - THREAD_WAKE_S)
+            timer.add_done_callback(lambda _: self._wake.set())  # a late one only costs an extra step
+            await self._wake.wait()
         else:
-            # Sub-millisecond: yield to the loop once per turn (other tasks run) until the time comes.
             loop = asyncio.get_running_loop()
             until = loop.time() + timeout_s
             while not self._wake.is_set() and loop.time() < until:
