@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above an
 # A reply stream nobody reads any more (its gateway or job is gone) disappears after this. NX: the
 # reader's own, shorter refresh cycle is never disturbed; this only covers a key the XADD recreated.
 ORPHAN_REPLY_TTL_S = 3600
+TTL_REFRESH_S = 60.0
 
 __all__ = ["Claimed", "MessageId", "StreamConsumer", "Written"]
 
@@ -88,11 +91,12 @@ class Claimed:
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """What one `write` got through: replies by index into the list given, and whether the batch's
-    statistics were counted."""
+    """What one `write` got through: replies by index into the list given, whether the batch's
+    statistics were counted, and whether the acknowledgements it carried were made."""
 
     replies: frozenset[int]
     samples: bool
+    acked: bool
     error: BaseException | None  # the first failure, if any
 
 
@@ -104,6 +108,7 @@ class StreamConsumer:
         self.streams = [keys.queue(model, lane) for lane in range(lanes)]
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
+        self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)
 
     async def join(self) -> None:
         for stream in self.streams:
@@ -144,18 +149,31 @@ class StreamConsumer:
                 out.append(((lane, entry_id), fields.get(b"d") if fields else None))
         return out
 
-    async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample]) -> Written:
-        """Write replies (one stream entry per reply stream, one field per reply) and count the batch's
-        statistics, in one round trip; each command's own result is checked, so a reply Redis refused
-        (out of memory, a wrong-type key) is reported as not written while the others are."""
+    async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample],
+                    acks: Sequence[MessageId] = ()) -> Written:
+        """Write replies (one stream entry per reply stream, one field per reply), count the batch's
+        statistics and acknowledge `acks` (messages whose replies an earlier write got through), in one
+        round trip; each command's own result is checked, so a reply Redis refused (out of memory, a
+        wrong-type key) is reported as not written while the others are."""
         pipe = self._client.pipeline(transaction=False)
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):
             by_stream.setdefault(reply_to, []).append(index)
+        now = time.monotonic()
+        ttl_cmds = 0
+        xadds: list[int] = []  # positions of the XADDs among the pipeline's commands
         for reply_to, indices in by_stream.items():
             fields = {b"d%d" % n: encode_reply(replies[i][1]) for n, i in enumerate(indices)}
+            xadds.append(len(xadds) + ttl_cmds)
             pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)  # type: ignore[arg-type]
-            pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+            if now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:
+                # Only a stream this XADD recreated (its reader gone) lacks a TTL: once a minute is plenty.
+                pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+                self._ttl_set[reply_to] = now
+                ttl_cmds += 1
+        if len(self._ttl_set) > 1000:
+            self._ttl_set = {k: t for k, t in self._ttl_set.items() if now - t < TTL_REFRESH_S}
+        first_sample = len(xadds) + ttl_cmds
         for sample in samples:
             # One server-side script call instead of ~17 HINCRBYs (all on the model's one hash key).
             args: list[bytes | str | int] = []
@@ -163,32 +181,37 @@ class StreamConsumer:
                 args += [name, delta]
             last = field(sample.version, "last_inference") if sample.requests_ok else ""
             pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
+        first_ack = first_sample + len(samples)
+        self._queue_acks(pipe, acks)
         results = await pipe.execute(raise_on_error=False)
         written: set[int] = set()
-        error: BaseException | None = None
-        for n, indices in enumerate(by_stream.values()):
-            result = results[2 * n]
+        errors: list[BaseException] = []
+        for position, indices in zip(xadds, by_stream.values(), strict=True):
+            result = results[position]
             if isinstance(result, BaseException):
-                error = error or result
+                errors.append(result)
             else:
                 written.update(indices)
-        counted = all(not isinstance(r, BaseException) for r in results[2 * len(by_stream):])
-        if not counted and error is None:
-            error = next(r for r in results[2 * len(by_stream):] if isinstance(r, BaseException))
-        return Written(frozenset(written), counted, error)
+        counted = not any(isinstance(r, BaseException) for r in results[first_sample:first_ack])
+        acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
+        errors += [r for r in results[first_sample:] if isinstance(r, BaseException)]
+        return Written(frozenset(written), counted, acked, errors[0] if errors else None)
 
     async def ack(self, messages: list[MessageId]) -> None:
         """Acknowledge and delete: only for messages whose reply is written (or that need none)."""
         if not messages:
             return
         pipe = self._client.pipeline(transaction=False)
+        self._queue_acks(pipe, messages)
+        await pipe.execute()
+
+    def _queue_acks(self, pipe: Any, messages: Sequence[MessageId]) -> None:
         by_lane: dict[int, list[bytes]] = {}
         for lane, entry_id in messages:
             by_lane.setdefault(lane, []).append(entry_id)
         for lane, ids in by_lane.items():
             pipe.xack(self.streams[lane], GROUP, *ids)
             pipe.xdel(self.streams[lane], *ids)
-        await pipe.execute()
 
     async def keep(self, held: dict[int, list[bytes]]) -> list[MessageId]:
         """Restart the idle time of the messages this consumer holds and still owns; returns the held

@@ -24,6 +24,7 @@ the claim timeout while holding it; the gateway and the job runner keep the firs
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,10 @@ from fleet.stats import BatchSample
 from workers.consumer import StreamConsumer
 
 log = logging.getLogger(__name__)
+
+# Acknowledgements wait this long for the next batch's reply write to carry them: under load a batch
+# costs one round trip (replies + the previous batch's acks), not two.
+ACK_DELAY_S = 0.005
 
 
 
@@ -102,7 +107,9 @@ class Custody:
         self._live_workers = live_workers
         self._stopping = False
         self._finishing: set[asyncio.Task[None]] = set()
-        self._last_ordered: asyncio.Future[None] | None = None
+        self._last_written: asyncio.Future[None] | None = None  # preserve_ordering: the last ordered write
+        self._acks: list[tuple[list[MessageId], asyncio.Future[None]]] = []  # written, waiting to be acked
+        self._ack_flush: asyncio.Future[None] | None = None
         self._read_failing_since: float | None = None
 
     @property
@@ -140,58 +147,131 @@ class Custody:
                acks: Sequence[MessageId] = (), *, ordered: bool = False) -> None:
         """Write `answers` and count `samples`, then ack (or park) what got a reply, and ack `acks` (no
         reply needed); in the background, retried, so a Redis error never reaches the caller. `ordered`:
-        written only after every earlier ordered finish (preserve_ordering: finishes run concurrently, on
-        several connections, so a later one could otherwise reach Redis first)."""
-        after = self._last_ordered if ordered else None
-        task = asyncio.ensure_future(self._finish(list(answers), list(samples), list(acks), after))
+        written only after every earlier ordered finish has written (preserve_ordering: finishes run
+        concurrently, on several connections, so a later one could otherwise reach Redis first)."""
+        after = self._last_written if ordered else None
+        written: asyncio.Future[None] | None = None
         if ordered:
-            self._last_ordered = task
+            written = self._last_written = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._finish(list(answers), list(samples), list(acks), after, written))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
     async def _finish(self, answers: list[Answer], samples: list[BatchSample], acks: list[MessageId],
-                      after: asyncio.Future[None] | None = None) -> None:
-        if after is not None and not after.done():
-            await asyncio.wait([after])
+                      after: asyncio.Future[None] | None, written: asyncio.Future[None] | None) -> None:
+        try:
+            if after is not None and not after.done():
+                await asyncio.wait([after])
+            replied = await self._write(answers, samples)
+            if written is not None and not written.done():
+                written.set_result(None)
+            if replied is None:
+                return  # given up: the messages stay pending, to be claimed and computed again
+            for a in replied:
+                if a.park is not None:
+                    await self._retrying("parking a poison message",
+                                         functools.partial(self.consumer.dead_letter, a.message, a.park, a.payload))
+            await self._acknowledge(acks + [a.message for a in replied if a.park is None])
+        finally:
+            if written is not None and not written.done():
+                written.set_result(None)
+            self.release([a.message for a in answers] + acks)
+
+    async def _write(self, answers: list[Answer], samples: list[BatchSample]) -> list[Answer] | None:
+        """Write the replies and count the samples, retried with backoff for up to finish_retry_s; carries
+        the acknowledgements waiting for a ride (_acknowledge). Returns the answers written, or None if
+        Redis refused some for too long."""
         backoff = Backoff()
         give_up_at = time.monotonic() + self.config.finish_retry_s
-        to_write = answers
-        to_ack = acks
-        to_park: list[Answer] = []
+        to_write, done = answers, []
+        while to_write or samples:
+            carried = self._take_acks()
+            try:
+                w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples,
+                                              [m for ms, _ in carried for m in ms])
+            except (RedisError, OSError) as exc:
+                self._settle_acks(carried, False)
+                error: BaseException | None = exc
+            else:
+                self._settle_acks(carried, w.acked)
+                done += [a for i, a in enumerate(to_write) if i in w.replies]
+                to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
+                if w.samples:
+                    samples = []
+                error = w.error if (to_write or samples) else None
+            if error is None:
+                continue
+            if time.monotonic() > give_up_at:
+                log.error("%s: %d replies could not be written for %.0f s (%s); their messages stay pending and "
+                          "will be claimed and computed again", self.model, len(to_write), self.config.finish_retry_s,
+                          error)
+                return None
+            delay = backoff.next_delay()
+            log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, error, delay)
+            await asyncio.sleep(delay)
+        return done
+
+    async def _acknowledge(self, messages: list[MessageId]) -> None:
+        """Acknowledge and delete messages whose replies are written. Under load they ride along with the
+        next batch's reply write (one round trip fewer per batch); otherwise they go out on their own
+        after ACK_DELAY_S. Returns once they are acknowledged, or after finish_retry_s (then left pending:
+        claimed and computed again, the duplicate reply dropped by its gateway)."""
+        if not messages:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._acks.append((messages, future))
+        self._arm_ack_flush(ACK_DELAY_S)
         try:
-            while to_write or samples or to_ack or to_park:
-                try:
-                    if to_write or samples:
-                        written = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples)
-                        done = [a for i, a in enumerate(to_write) if i in written.replies]
-                        to_write = [a for i, a in enumerate(to_write) if i not in written.replies]
-                        to_ack += [a.message for a in done if a.park is None]
-                        to_park += [a for a in done if a.park is not None]
-                        if written.samples:
-                            samples = []
-                        if written.error is not None and not done:
-                            raise written.error
-                    if to_ack:
-                        await self.consumer.ack(to_ack)
-                        to_ack = []
-                    while to_park:
-                        a = to_park[0]
-                        await self.consumer.dead_letter(a.message, a.park or "", a.payload)
-                        to_park.pop(0)
-                    if to_write or samples:
-                        raise RedisError("some replies were refused")
-                    backoff.reset()
-                except (RedisError, OSError) as exc:
-                    if time.monotonic() > give_up_at:
-                        log.error("%s: %d replies could not be written for %.0f s (%s); their messages stay "
-                                  "pending and will be claimed and computed again", self.model, len(to_write),
-                                  self.config.finish_retry_s, exc)
-                        return
-                    delay = backoff.next_delay()
-                    log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, exc, delay)
-                    await asyncio.sleep(delay)
-        finally:
-            self.release([a.message for a in answers] + list(acks))
+            await asyncio.wait_for(asyncio.shield(future), self.config.finish_retry_s)
+        except TimeoutError:
+            log.error("%s: %d messages answered but not acknowledged for %.0f s; left pending", self.model,
+                      len(messages), self.config.finish_retry_s)
+
+    def _take_acks(self) -> list[tuple[list[MessageId], asyncio.Future[None]]]:
+        taken, self._acks = self._acks, []
+        return taken
+
+    def _settle_acks(self, carried: list[tuple[list[MessageId], asyncio.Future[None]]], acked: bool) -> None:
+        if acked:
+            for _, future in carried:
+                if not future.done():
+                    future.set_result(None)
+        elif carried:
+            self._acks = carried + self._acks
+            self._arm_ack_flush(ACK_DELAY_S)
+
+    def _arm_ack_flush(self, delay_s: float) -> None:
+        if self._ack_flush is None or self._ack_flush.done():
+            self._ack_flush = asyncio.ensure_future(self._flush_acks(delay_s))
+
+    async def _flush_acks(self, delay_s: float) -> None:
+        backoff = Backoff()
+        await asyncio.sleep(delay_s)
+        while self._acks:
+            carried = self._take_acks()
+            try:
+                await self.consumer.ack([m for ms, _ in carried for m in ms])
+            except (RedisError, OSError) as exc:
+                _reraise_if_cancelled()
+                self._acks = carried + self._acks
+                delay = backoff.next_delay()
+                log.warning("%s: acknowledging failed (%s); retrying in %.2f s", self.model, exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            self._settle_acks(carried, True)
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        backoff = Backoff()
+        give_up_at = time.monotonic() + self.config.finish_retry_s
+        while True:
+            try:
+                await call()
+                return
+            except (RedisError, OSError) as exc:
+                if time.monotonic() > give_up_at:
+                    log.error("%s: %s failed for %.0f s: %s", self.model, what, self.config.finish_retry_s, exc)
+                    return
+                await asyncio.sleep(backoff.next_delay())
 
     def release(self, messages: Sequence[MessageId]) -> None:
         """No longer held (answered, or left pending for another worker to claim): room for new reads."""
@@ -312,21 +392,11 @@ class Custody:
         task.add_done_callback(self._finishing.discard)
 
     async def _park_unreadable(self, message: MessageId, reason: str, payload: bytes | None) -> None:
-        backoff = Backoff()
-        give_up_at = time.monotonic() + self.config.finish_retry_s
         try:
-            while True:
-                try:
-                    await self.consumer.dead_letter(message, reason, payload)
-                    return
-                except (RedisError, OSError) as exc:
-                    if time.monotonic() > give_up_at:
-                        log.error("%s: cannot dead-letter %r: %s", self.model, message, exc)
-                        return
-                    await asyncio.sleep(backoff.next_delay())
+            await self._retrying(f"dead-lettering {message!r}",
+                                 functools.partial(self.consumer.dead_letter, message, reason, payload))
         finally:
             self.release([message])
-
 
 def _reraise_if_cancelled() -> None:
     task = asyncio.current_task()
