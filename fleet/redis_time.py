@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-WINDOW = 8  # samples kept; the one with the shortest round trip wins
+WINDOW = 32  # samples kept (a minute or so); the one with the shortest round trip wins
 
 
 @dataclass(frozen=True, slots=True)
