@@ -108,7 +108,8 @@ class Custody:
         self._stopping = False
         self._finishing: set[asyncio.Task[None]] = set()
         self._last_written: asyncio.Future[None] | None = None  # preserve_ordering: the last ordered write
-        self._acks: list[tuple[list[MessageId], asyncio.Future[None]]] = []  # written, waiting to be acked
+        # Replies written, waiting to be acknowledged (then released), with when they joined.
+        self._acks: list[tuple[list[MessageId], float]] = []
         self._ack_flush: asyncio.Future[None] | None = None
         self._read_failing_since: float | None = None
 
@@ -159,6 +160,7 @@ class Custody:
 
     async def _finish(self, answers: list[Answer], samples: list[BatchSample], acks: list[MessageId],
                       after: asyncio.Future[None] | None, written: asyncio.Future[None] | None) -> None:
+        handed: list[MessageId] = []  # released once acknowledged (_acknowledge), not here
         try:
             if after is not None and not after.done():
                 await asyncio.wait([after])
@@ -171,11 +173,13 @@ class Custody:
                 if a.park is not None:
                     await self._retrying("parking a poison message",
                                          functools.partial(self.consumer.dead_letter, a.message, a.park, a.payload))
-            await self._acknowledge(acks + [a.message for a in replied if a.park is None])
+            handed = acks + [a.message for a in replied if a.park is None]
+            self._acknowledge(handed)
         finally:
             if written is not None and not written.done():
                 written.set_result(None)
-            self.release([a.message for a in answers] + acks)
+            done = set(handed)
+            self.release([m for m in [a.message for a in answers] + acks if m not in done])
 
     async def _write(self, answers: list[Answer], samples: list[BatchSample]) -> list[Answer] | None:
         """Write the replies and count the samples, retried with backoff for up to finish_retry_s; carries
@@ -211,33 +215,34 @@ class Custody:
             await asyncio.sleep(delay)
         return done
 
-    async def _acknowledge(self, messages: list[MessageId]) -> None:
-        """Acknowledge and delete messages whose replies are written. Under load they ride along with the
-        next batch's reply write (one round trip fewer per batch); otherwise they go out on their own
-        after ACK_DELAY_S. Returns once they are acknowledged, or after finish_retry_s (then left pending:
-        claimed and computed again, the duplicate reply dropped by its gateway)."""
-        if not messages:
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._acks.append((messages, future))
-        self._arm_ack_flush(ACK_DELAY_S)
-        try:
-            await asyncio.wait_for(asyncio.shield(future), self.config.finish_retry_s)
-        except TimeoutError:
-            log.error("%s: %d messages answered but not acknowledged for %.0f s; left pending", self.model,
-                      len(messages), self.config.finish_retry_s)
+    def _acknowledge(self, messages: list[MessageId]) -> None:
+        """Acknowledge and delete messages whose replies are written, then release them. Under load they
+        ride along with the next batch's reply write (one round trip fewer per batch); otherwise they go
+        out on their own after ACK_DELAY_S, retried with backoff while Redis is away (held meanwhile, so
+        kept alive)."""
+        if messages:
+            self._acks.append((messages, time.monotonic()))
+            self._arm_ack_flush(ACK_DELAY_S)
 
-    def _take_acks(self) -> list[tuple[list[MessageId], asyncio.Future[None]]]:
+    def _take_acks(self) -> list[tuple[list[MessageId], float]]:
         taken, self._acks = self._acks, []
         return taken
 
-    def _settle_acks(self, carried: list[tuple[list[MessageId], asyncio.Future[None]]], acked: bool) -> None:
+    def _settle_acks(self, carried: list[tuple[list[MessageId], float]], acked: bool) -> None:
         if acked:
-            for _, future in carried:
-                if not future.done():
-                    future.set_result(None)
-        elif carried:
-            self._acks = carried + self._acks
+            for messages, _ in carried:
+                self.release(messages)
+            return
+        # Not acknowledged: tried again later, unless for finish_retry_s already. Then they are left
+        # pending (their replies are out: whoever claims them computes a duplicate the gateway drops).
+        cutoff = time.monotonic() - self.config.finish_retry_s
+        for messages, since in carried:
+            if since < cutoff:
+                log.error("%s: %d messages answered but not acknowledged for %.0f s; left pending", self.model,
+                          len(messages), self.config.finish_retry_s)
+                self.release(messages)
+        self._acks = [c for c in carried if c[1] >= cutoff] + self._acks
+        if self._acks:
             self._arm_ack_flush(ACK_DELAY_S)
 
     def _arm_ack_flush(self, delay_s: float) -> None:
@@ -253,7 +258,7 @@ class Custody:
                 await self.consumer.ack([m for ms, _ in carried for m in ms])
             except (RedisError, OSError) as exc:
                 _reraise_if_cancelled()
-                self._acks = carried + self._acks
+                self._settle_acks(carried, False)
                 delay = backoff.next_delay()
                 log.warning("%s: acknowledging failed (%s); retrying in %.2f s", self.model, exc, delay)
                 await asyncio.sleep(delay)

@@ -171,7 +171,11 @@ def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: Local
         reply = await first_reply(client, keys)
         assert reply.id == "early-1" and reply.ok
         assert struct.unpack("<2f", reply.outputs[0].data) == (3.0, 5.0)
-        assert client.xlen(keys.queue("doubler")) == 0  # acked and deleted
+        for _ in range(100):  # acknowledged and deleted a moment after its reply is written
+            if client.xlen(keys.queue("doubler")) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert client.xlen(keys.queue("doubler")) == 0
 
     run(redis_server, key_prefix, body)
 
@@ -251,6 +255,10 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
             else:
                 assert not reply.ok and "delivered 2 times" in reply.error_message
                 assert client.xlen(keys.dead("doubler")) == 1
+            for _ in range(100):  # acknowledged a moment after its reply is written
+                if client.xpending(queue, GROUP)["pending"] == 0:
+                    break
+                await asyncio.sleep(0.02)
             assert client.xpending(queue, GROUP)["pending"] == 0
         finally:
             stop.set()
