@@ -13,8 +13,9 @@
 #                            overrides), by this checkout's served.py on this checkout's model repositories, so
 #                            only the server code differs
 #        CONC="1 8 32"       concurrency levels        INTERVAL_MS=3000   perf_analyzer --measurement-interval
-#        PORT=18000          HTTP port of whichever server runs (fleet's metrics on PORT+2; Triton's gRPC/metrics
-#                            ports PORT+1/PORT+2 are set but off)
+#        PORT=18000          HTTP port of whichever server runs (gRPC on PORT+1, fleet's metrics on PORT+2;
+#                            Triton's metrics port PORT+2 is set but off)
+#        PA_PROTOCOL=http    perf_analyzer -i: http, or grpc (PORT+1; native Triton then starts with GRPC=1)
 #        CHECK=32            after each start, K/check_models.py PORT CHECK (answers right, also batched); 0 skips
 #        DIRECT=1            run bench/direct.py once first (the in-process compute limit); 0 skips it
 #        WAIT_LOAD=          e.g. 1.2: before each server start wait (at most WAIT_MAX_S=600 s) until the 1-minute
@@ -31,7 +32,7 @@ BENCH=$(dirname "$(realpath "$0")"); ROOT=$(dirname "$BENCH")
 OUT=$(realpath -m "$1"); mkdir -p "$OUT"
 K=${K:-$(realpath -m "$ROOT/../shared/anchors/triton")}
 export ANCHOR_VENV=${ANCHOR_VENV:-$BENCH/.anchor-triton}
-export CONC=${CONC:-1 8 32} INTERVAL_MS=${INTERVAL_MS:-3000}
+export CONC=${CONC:-1 8 32} INTERVAL_MS=${INTERVAL_MS:-3000} PA_PROTOCOL=${PA_PROTOCOL:-http}
 PORT=${PORT:-18000}; PASSES=${PASSES:-2}
 read -ra SYS <<< "${SYSTEMS:-triton-native triton-pytriton fleet}"
 PY=$ROOT/.venv/bin/python
@@ -67,7 +68,8 @@ trap 'exit 130' INT TERM
 run_triton() {   # run_triton MODE DIR   (MODE: native | pytriton)
   local mode=$1 dir=$2
   export ANCHOR_RUN=$dir/run; mkdir -p "$ANCHOR_RUN"
-  if [ "$mode" = native ]; then start=("$K/start_native.sh" "$PORT")
+  # Native mode serves gRPC only with GRPC=1; PyTriton mode always does (PORT+1).
+  if [ "$mode" = native ]; then start=(env GRPC="$([ "$PA_PROTOCOL" = grpc ] && echo 1 || echo 0)" "$K/start_native.sh" "$PORT")
   else start=("$K/start_server.sh" "$PORT" --delay-us 100 --torch-threads 1); fi
   CURRENT_RUN=$ANCHOR_RUN
   "${start[@]}" || { echo "   $mode: server did not start (see $ANCHOR_RUN/server.log)"; CURRENT_RUN=""; return 1; }
@@ -88,10 +90,10 @@ for ((p = 1; p <= PASSES; p++)); do
   for ((i = 0; i < n; i++)); do order+=("${SYS[$(((i + p - 1) % n))]}"); done
   for s in "${order[@]}"; do
     dir=$OUT/pass$p/$s; mkdir -p "$dir"
-    if port_busy "$PORT" || port_busy $((PORT + 2)); then
-      echo "port $PORT or $((PORT + 2)) on 127.0.0.1 is in use: set PORT" >&2; exit 1
+    if port_busy "$PORT" || port_busy $((PORT + 1)) || port_busy $((PORT + 2)); then
+      echo "port $PORT, $((PORT + 1)) or $((PORT + 2)) on 127.0.0.1 is in use: set PORT" >&2; exit 1
     fi
-    echo; echo "== pass $p/$PASSES: $s on 127.0.0.1:$PORT ($(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg))"
+    echo; echo "== pass $p/$PASSES: $s on 127.0.0.1:$PORT, $PA_PROTOCOL ($(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg))"
     wait_quiet
     case $s in
       triton-native)   run_triton native "$dir" ;;

@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/served.py [--port 18000] [--conc "1 8 32"] [--interval-ms 3000]
                                      [--models "double mlp"] [--out bench/out/served-TIME] [--no-start]
-                                     [--root CHECKOUT [--python PY]]
+                                     [--root CHECKOUT [--python PY]] [--protocol http|grpc]
 
 1. Unless --no-start: starts `fleet up` itself from the repository root (or from --root CHECKOUT: another
    checkout's fleet, e.g. a `git worktree` of an older commit, measured by this script the same way),
        PY -m fleet up --model-repository THIS/model_repository --model-repository THIS/bench/model_repository
-           --http-port P --metrics-port P+2 --data-dir <fresh temp dir>
+           --http-port P --metrics-port P+2 [--grpc-port P+1] --data-dir <fresh temp dir>
    (PY: --python, else CHECKOUT/.venv/bin/python if there is one, else this checkout's; the model repositories
    are always this checkout's, so both measure the same models), in its own session (PID and log in
    OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until GET /v2/health/ready and
@@ -16,6 +16,8 @@
    answer compared with the locally computed reference; checks 'double' and 'mlp' both); stops on a wrong answer.
 2. For each model, each concurrency C: GET /v2/models/M/stats, then
        perf_analyzer -m M -i http -u 127.0.0.1:P -b 1 --concurrency-range C --measurement-interval MS
+   (--protocol grpc, or PA_PROTOCOL=grpc as the anchor's bench_pa.sh reads it: -i grpc -u 127.0.0.1:P+1, Triton's
+   layout; fleet's gRPC port is P+1 whenever the checkout started has one)
            --stability-percentage 20 --max-trials 12 -f OUT/M_cC.csv --verbose-csv      (> OUT/M_cC.txt)
    (killed after --pa-timeout s), then /stats again; the difference goes to OUT/M_cC.stats.json.
    OUT/load.txt gets the load average and the busiest processes before each level, as bench_pa.sh writes.
@@ -112,24 +114,29 @@ class Fleet:
 
     def __init__(self, port: int, out: Path, start_timeout: float, models: list[str],
                  env: dict[str, str] | None = None, repositories: list[str] | None = None,
-                 root: Path = ROOT, python: str | None = None) -> None:
+                 root: Path = ROOT, python: str | None = None, protocol: str = "http") -> None:
         self.port, self.out, self.start_timeout, self.models = port, out, start_timeout, models
         self.env = env or {}
         # Absolute: `fleet up` runs in `root`, which may be another checkout.
         self.repositories = repositories or [str(ROOT / "model_repository"), str(ROOT / "bench" / "model_repository")]
         self.root = root.resolve()
         self.python = python or default_python(self.root)
+        # An older checkout (--root) may have no gRPC service: it is then measured over HTTP only.
+        self.grpc = (self.root / "fleet" / "grpc_flags.py").exists()
+        if protocol == "grpc" and not self.grpc:
+            raise SystemExit(f"{self.root} serves no gRPC: measure it with --protocol http")
         self.proc: subprocess.Popen[bytes] | None = None
         self.data_dir: Path | None = None
 
     def start(self) -> None:
-        for p in (self.port, self.port + 2):
+        for p in (self.port, self.port + 1, self.port + 2) if self.grpc else (self.port, self.port + 2):
             if port_in_use(p):
                 raise SystemExit(f"127.0.0.1:{p} is already in use: pick another --port (or --no-start to measure it)")
         self.data_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
         cmd = [self.python, "-m", "fleet", "up",
                *[arg for repo in self.repositories for arg in ("--model-repository", repo)],
                "--http-port", str(self.port), "--metrics-port", str(self.port + 2),
+               *(["--grpc-port", str(self.port + 1)] if self.grpc else []),
                "--data-dir", str(self.data_dir)]
         log = (self.out / "fleet.log").open("wb")
         env = os.environ | self.env
@@ -168,13 +175,15 @@ class Fleet:
             self.data_dir = None
 
 
-def run_level(pa: str, port: int, model: str, conc: int, interval_ms: int, out: Path, timeout: float) -> None:
+def run_level(pa: str, port: int, model: str, conc: int, interval_ms: int, out: Path, timeout: float,
+              protocol: str = "http") -> None:
     base = out / f"{model}_c{conc}"
     for suffix in (".txt", ".csv", ".stats.json"):
         base.with_suffix(suffix).unlink(missing_ok=True)
     log_load(out, model, conc)
     before = counts(port, model)
-    cmd = [pa, "-m", model, "-i", "http", "-u", f"{HOST}:{port}", "-b", "1", "--concurrency-range", str(conc),
+    url = f"{HOST}:{port + 1 if protocol == 'grpc' else port}"  # statistics below still come over HTTP
+    cmd = [pa, "-m", model, "-i", protocol, "-u", url, "-b", "1", "--concurrency-range", str(conc),
            "--measurement-interval", str(interval_ms), "--stability-percentage", "20", "--max-trials", "12",
            "-f", str(base.with_suffix(".csv")), "--verbose-csv"]
     with base.with_suffix(".txt").open("w") as f:
@@ -208,6 +217,8 @@ def main() -> None:
                    help="the checkout whose fleet to start (default: this one), e.g. a git worktree of an older commit")
     p.add_argument("--python", help="the Python that runs it (default: ROOT/.venv/bin/python, else this one's)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
+    p.add_argument("--protocol", choices=["http", "grpc"], default=os.environ.get("PA_PROTOCOL", "http"),
+                   help="perf_analyzer -i (default $PA_PROTOCOL, else http); grpc measures port+1")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="first run the anchor's check_models.py PORT N (answers right, also batched); 0 = skip")
     p.add_argument("--start-timeout", type=float, default=180.0)
@@ -219,7 +230,8 @@ def main() -> None:
     out = (a.out or ROOT / "bench" / "out" / time.strftime("served-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    fleet = None if a.no_start else Fleet(a.port, out, a.start_timeout, models, root=a.root, python=a.python)
+    fleet = None if a.no_start else Fleet(a.port, out, a.start_timeout, models, root=a.root, python=a.python,
+                                          protocol=a.protocol)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -240,11 +252,11 @@ def main() -> None:
                 raise SystemExit(f"check_models.py failed (rc {r.returncode}): see {out / 'check.txt'}")
         for model in models:
             for c in concs:
-                run_level(a.perf_analyzer, a.port, model, c, a.interval_ms, out, a.pa_timeout)
+                run_level(a.perf_analyzer, a.port, model, c, a.interval_ms, out, a.pa_timeout, a.protocol)
     finally:
         if fleet:
             fleet.stop(a.stop_timeout)
-    print_levels(f"fleet on {HOST}:{a.port} ({out})", read_dir(out, models))
+    print_levels(f"fleet on {HOST}:{a.port}, {a.protocol} ({out})", read_dir(out, models))
 
 
 if __name__ == "__main__":

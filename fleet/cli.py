@@ -1,7 +1,7 @@
 """The `fleet` command line. Flag names follow tritonserver where it has one.
 
     fleet up       embedded Redis (or --redis-url) + one gateway + one worker per device
-    fleet gateway  the HTTP gateway alone (compose runs this)
+    fleet gateway  the gateway alone, HTTP and gRPC (compose runs this)
     fleet worker   one worker process alone (compose runs this)
     fleet jobs-worker  an RQ worker running bulk jobs (compose runs this)
     fleet dead-letters MODEL [--replay]  what could not be answered, and putting it back
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet import job_client
+from fleet import grpc_flags, job_client
 from fleet.settings import Settings
 
 
@@ -43,12 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=None, help="worker processes (default: one per device)")
     up.add_argument("--data-dir", type=Path, default=Path(".fleet"), help="embedded Redis files and logs")
     up.add_argument("--job-workers", type=int, default=None, help="RQ workers for bulk jobs (default 1)")
+    grpc_flags.add_arguments(up)
 
-    gw = sub.add_parser("gateway", help="run the HTTP gateway")
+    gw = sub.add_parser("gateway", help="run the gateway (HTTP and gRPC)")
     _common(gw)
     gw.add_argument("--http-port", type=int, default=None)
     gw.add_argument("--metrics-port", type=int, default=None)
     gw.add_argument("--http-address", default=None)
+    grpc_flags.add_arguments(gw)
 
     wk = sub.add_parser("worker", help="run one worker process")
     _common(wk)
@@ -87,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field] = value
+    overrides |= grpc_flags.overrides(args)
     return Settings(**overrides)
 
 

@@ -39,6 +39,9 @@ class RequestEnvelope:
     # When the caller stops waiting (the gateway's request timeout), absolute epoch µs: a request still
     # queued then is dropped with a timeout instead of computed for nobody. None = the caller waits.
     expires_us: int | None = None
+    # Traced requests only (the trace extension): timestamps by name (fleet/trace_points.py), ns on Redis's
+    # clock, that the worker adds to and sends back in the reply. None, and absent on the wire, otherwise.
+    trace: dict[str, int] | None = None
 
     def batch_rows(self, batched: bool) -> int:
         """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
@@ -57,6 +60,7 @@ class ReplyEnvelope:
     parameters: dict[str, Any] = field(default_factory=dict)
     queue_us: int = 0
     compute_us: int = 0
+    trace: dict[str, int] | None = None  # the request's trace timestamps plus the worker's; traced only
 
     @property
     def ok(self) -> bool:
@@ -72,24 +76,30 @@ def _unpack_tensors(raw: Any) -> list[WireTensor]:
 
 
 def encode_request(env: RequestEnvelope) -> bytes:
-    payload: bytes = msgpack.packb(
-        {
-            "id": env.id,
-            "m": env.model,
-            "v": env.version,
-            "i": _pack_tensors(env.inputs),
-            "o": env.outputs,
-            "p": env.parameters,
-            "pr": env.priority,
-            "dl": env.deadline_us,
-            "r": env.reply_to,
-            "t": env.enqueued_at_us,
-            "c": env.client_id,
-            "ex": env.expires_us,
-        },
-        use_bin_type=True,
-    )
+    m: dict[str, Any] = {
+        "id": env.id,
+        "m": env.model,
+        "v": env.version,
+        "i": _pack_tensors(env.inputs),
+        "o": env.outputs,
+        "p": env.parameters,
+        "pr": env.priority,
+        "dl": env.deadline_us,
+        "r": env.reply_to,
+        "t": env.enqueued_at_us,
+        "c": env.client_id,
+        "ex": env.expires_us,
+    }
+    if env.trace is not None:
+        m["tr"] = env.trace
+    payload: bytes = msgpack.packb(m, use_bin_type=True)
     return payload
+
+
+def _trace(raw: Any) -> dict[str, int]:
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and type(v) is int for k, v in raw.items()):
+        raise ValueError("the trace of an envelope must map timestamp names to integers")
+    return raw
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -119,6 +129,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
             enqueued_at_us=int(m["t"]),
             client_id=m.get("c") or "",
             expires_us=m.get("ex"),
+            trace=_trace(m["tr"]) if "tr" in m else None,
         )
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise InvalidInput(f"malformed request envelope: {exc}") from exc
@@ -132,6 +143,8 @@ def encode_reply(rep: ReplyEnvelope) -> bytes:
         m["o"] = _pack_tensors(rep.outputs or [])
     if rep.parameters:
         m["p"] = rep.parameters
+    if rep.trace is not None:
+        m["tr"] = rep.trace
     payload: bytes = msgpack.packb(m, use_bin_type=True)
     return payload
 
@@ -144,6 +157,7 @@ def decode_reply(payload: bytes) -> ReplyEnvelope:
         queue_us=m.get("q", 0),
         compute_us=m.get("x", 0),
         parameters=m.get("p") or {},
+        trace=_trace(m["tr"]) if "tr" in m else None,
     )
     if "e" in m:
         rep.error_code, rep.error_message = m["e"]

@@ -2,7 +2,8 @@
 
     ServingError (code)
     ├── InvalidInput            INVALID_ARG   bad JSON, shape, datatype, unknown input
-    ├── ModelNotFound           INVALID_ARG   unknown model name (Triton answers 400)
+    ├── TooLarge                TOO_LARGE     a body (or upload, or job line) over its byte limit
+    ├── ModelNotFound           UNKNOWN_MODEL unknown model name (HTTP 400 as Triton's core; gRPC NOT_FOUND)
     ├── VersionNotFound         NOT_FOUND     known model, unknown version
     ├── ModelNotReady           UNAVAILABLE   no ready worker / version not ready
     ├── QueueFull               UNAVAILABLE   max_queue_size reached
@@ -11,6 +12,8 @@
     ├── BrokerUnavailable       UNAVAILABLE   Redis cannot be reached
     ├── Unsupported             UNSUPPORTED   a feature fleet does not do (yet)
     ├── ConfigError             INVALID_ARG   a malformed or inconsistent config.pbtxt
+    ├── Unauthenticated         UNAUTHENTICATED  a missing or wrong API key
+    ├── PermissionDenied        PERMISSION_DENIED  an API that is switched off (model control without keys)
     └── InferenceFailed         INTERNAL      the model raised or returned garbage
         └── PoisonRequest       INTERNAL      the request crashed its model instance every time it ran
 
@@ -32,6 +35,12 @@ class ErrorCode(StrEnum):
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    TOO_LARGE = "TOO_LARGE"
+    # A model name the repository does not have. Its own code because the protocols answer it differently:
+    # HTTP 400 (INVALID_ARG, as Triton's current core), gRPC NOT_FOUND (what tritonserver 2.51 answers).
+    UNKNOWN_MODEL = "UNKNOWN_MODEL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     UNKNOWN = "UNKNOWN"
 
 
@@ -53,8 +62,14 @@ class InvalidInput(ServingError):
     code = ErrorCode.INVALID_ARG
 
 
+class TooLarge(ServingError):
+    """A request body, upload or job line over its configured byte limit (HTTP 413)."""
+
+    code = ErrorCode.TOO_LARGE
+
+
 class ModelNotFound(ServingError):
-    code = ErrorCode.INVALID_ARG
+    code = ErrorCode.UNKNOWN_MODEL
 
     def __init__(self, name: str) -> None:
         super().__init__(f"Request for unknown model: '{name}' is not found")
@@ -117,6 +132,14 @@ class Unsupported(ServingError):
 
 class ConfigError(ServingError):
     code = ErrorCode.INVALID_ARG
+
+
+class Unauthenticated(ServingError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServingError):
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class InferenceFailed(ServingError):

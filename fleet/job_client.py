@@ -6,7 +6,10 @@ Three layers, so each can be tested alone:
     format_* / job_*   pure rendering of job records (dicts as the gateway sends them)
     run(args)          the CLI driver: rich progress, polling, exit codes
 
-Exit codes: 0 job completed (or command done), 1 job failed/cancelled, 2 usage or HTTP error, 130 Ctrl-C.
+Exit codes of `fleet submit`: 0 the job completed and no item failed (or --no-wait: it was created),
+3 the job completed but some items failed (their lines in the output say why; the summary lists the most
+common errors), 1 the job failed or was cancelled, 2 usage or HTTP error, 130 Ctrl-C. The other commands:
+0 done, 2 usage or HTTP error. A failed job's output (what it wrote before it stopped) is downloaded too.
 These commands need no Settings: they only talk HTTP to a gateway (`--url`, env FLEET_URL).
 """
 
@@ -41,6 +44,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 COMMANDS = frozenset({"submit", "jobs", "job", "cancel"})
 POLL_INTERVAL_S = 0.5
 TABLE_COLUMNS = ("id", "model", "state", "done/total", "failed", "items/s", "created")
+EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_ITEMS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class JobState(StrEnum):
@@ -102,6 +106,7 @@ def format_record(record: Mapping[str, Any], tz: tzinfo | None = None) -> str:
     if record.get("error"):
         lines.append(("error", str(record["error"])))
     text = [f"{label + ':':<12}{value}" for label, value in lines]
+    text.extend(common_error_lines(record))
     samples = record.get("errors") or []
     if samples:
         text.append(f"errors ({len(samples)} samples):")
@@ -127,15 +132,30 @@ def summary_line(record: Mapping[str, Any], dest: Path | None = None) -> str:
     return line + (f" -> {dest}" if dest is not None else "")
 
 
+def common_error_lines(record: Mapping[str, Any]) -> list[str]:
+    """The job's failed items counted by error message, most common first (the gateway's `common_errors`)."""
+    common = record.get("common_errors") or []
+    if not common:
+        return []
+    width = max(len(str(c.get("count", ""))) for c in common)
+    return ["failed items by error, most common first:",
+            *(f"  {str(c.get('count', '')):>{width}}  {c.get('error', '')}" for c in common)]
+
+
 def default_output_path(input_path: str, fmt: str, *, server_path: bool = False) -> Path:
     """INPUT stem + `.out.<fmt>`: next to a local input, in the working directory for a server-side path."""
     src = Path(input_path)
+    if src.suffix.lower() == ".gz":
+        src = src.with_suffix("")  # x.jsonl.gz -> x.out.jsonl
     name = f"{src.stem}.out.{fmt}"
     return Path(name) if server_path else src.with_name(name)
 
 
-def exit_code_for(state: str) -> int:
-    return 0 if state == JobState.COMPLETED else 1
+def exit_code_for(state: str, failed: int = 0) -> int:
+    """`fleet submit`'s exit code for a finished job (see the module docstring)."""
+    if state != JobState.COMPLETED:
+        return EXIT_JOB_FAILED
+    return EXIT_ITEMS_FAILED if failed else EXIT_OK
 
 
 def resolve_url(flag: str | None, environ: Mapping[str, str]) -> str:
@@ -173,7 +193,9 @@ def add_subcommands(sub: Any) -> None:
     s.add_argument("-o", "--output", type=Path, default=None, help="results file (default INPUT stem + .out.FMT)")
     s.add_argument("--priority", type=int, default=None, help="scheduling lane (default 0 = bulk)")
     s.add_argument("--id", dest="job_id", default=None, help="job id; resubmitting an id returns that job")
-    s.add_argument("--max-failures", type=int, default=None, help="fail the job after more failed items")
+    s.add_argument("--max-failures", type=int, default=None,
+                   help="fail the job once more items failed; replaces the default rule (fail when the first "
+                        "100 items all fail)")
     s.add_argument("--format", choices=("jsonl", "npy", "npz"), default=None, help="output format")
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
     s.add_argument("--server-path", action="store_true",
@@ -223,19 +245,19 @@ def _submit(args: argparse.Namespace, client: JobsClient, out: Console, err: Con
         path = Path(args.input)
         if not path.is_file():
             err.print(f"error: no such file: {path}")
-            return 2
+            return EXIT_USAGE
         try:
             with _bytes_progress(err) as bar:
                 task = bar.add_task(f"upload {path.name}", total=path.stat().st_size)
                 job_input = {"upload": client.upload(path, lambda n: bar.advance(task, n))}
         except KeyboardInterrupt:
             err.print("\ninterrupted: upload stopped, no job was created")
-            return 130
+            return EXIT_INTERRUPTED
     record = client.create(job_spec(args, job_input))
     job_id = str(record["id"])
     out.print(job_id)
     if args.no_wait:
-        return 0
+        return EXIT_OK
     try:
         with Progress(TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
@@ -254,16 +276,30 @@ def _submit(args: argparse.Namespace, client: JobsClient, out: Console, err: Con
         url = "" if client.base_url == DEFAULT_URL else f" --url {client.base_url}"
         err.print(f"\ninterrupted: job {job_id} keeps running on the server; cancel it with: "
                   f"fleet cancel {job_id}{url}")
-        return 130
+        return EXIT_INTERRUPTED
     dest = None
-    if record.get("state") == JobState.COMPLETED:
+    state = str(record.get("state"))
+    if state in (JobState.COMPLETED, JobState.FAILED):
         fmt = str((record.get("output") or {}).get("format") or args.format or "jsonl")
         dest = args.output or default_output_path(args.input, fmt, server_path=args.server_path)
+        dest = _download(client, job_id, dest, err, required=state == JobState.COMPLETED)
+    out.print(summary_line(record, dest))
+    for line in common_error_lines(record):
+        out.print(line)
+    return exit_code_for(state, int(record.get("failed") or 0))
+
+
+def _download(client: JobsClient, job_id: str, dest: Path, err: Console, *, required: bool) -> Path | None:
+    """Fetch the results to `dest`; a failed job may have none to fetch (None), a completed one must."""
+    try:
         with _bytes_progress(err) as bar:
             task = bar.add_task(f"download {dest.name}", total=None)
             client.download(job_id, dest, lambda n: bar.advance(task, n))
-    out.print(summary_line(record, dest))
-    return exit_code_for(str(record.get("state")))
+    except JobsClientError as exc:
+        if required or exc.status not in (404, 409):
+            raise
+        return None
+    return dest
 
 
 def _dispatch(args: argparse.Namespace, client: JobsClient, out: Console, err: Console,
@@ -281,7 +317,7 @@ def _dispatch(args: argparse.Namespace, client: JobsClient, out: Console, err: C
     else:
         record = client.cancel(args.job_id)
         out.print(f"job {record.get('id', args.job_id)} {record.get('state')}")
-    return 0
+    return EXIT_OK
 
 
 def run(args: argparse.Namespace, *, client: JobsClient | None = None, environ: Mapping[str, str] = os.environ,
@@ -294,13 +330,13 @@ def run(args: argparse.Namespace, *, client: JobsClient | None = None, environ: 
         return _dispatch(args, jobs, out, err, sleep)
     except JobsClientError as exc:
         err.print(f"error: {exc}")
-        return 2
+        return EXIT_USAGE
     except OSError as exc:
         err.print(f"error: {exc}")
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("\ninterrupted")
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         if client is None:
             jobs.close()

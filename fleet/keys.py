@@ -79,3 +79,17 @@ class Keys:
 
     def control(self) -> str:
         return f"{self.prefix}:control"
+
+    def log_settings(self) -> str:
+        """Hash: the logging extension's settings changed at run time, one field per setting (JSON
+        values); fields never set keep each process's own default (fleet/log_settings.py)."""
+        return f"{self.prefix}:settings:logging"
+
+    def trace_settings(self) -> str:
+        """Hash: the trace extension's settings, `<scope>.<setting>` fields (JSON values), scope `global`
+        or `model:<name>`, plus a `<scope>._v` counter per scope (fleet/trace_settings.py)."""
+        return f"{self.prefix}:settings:trace"
+
+    def settings_changed(self) -> str:
+        """Pub/sub channel: `logging` or `trace` once that hash changed; every process re-reads it."""
+        return f"{self.prefix}:settings"

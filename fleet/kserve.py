@@ -14,17 +14,20 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from fleet import tensors
-from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
-from fleet.errors import InvalidInput, Unsupported
+from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
+from fleet.tensor_regions import Regions, RegionSlice, input_from_region, output_to_region
+
+__all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", "compress", "decompress",
+           "json_data", "parse_infer", "render_infer", "response_encoding", "split_body"]
 
 # Request-level parameters with a meaning to the server; the rest pass through to the model.
 RESERVED_PARAMETERS = frozenset(
@@ -45,6 +48,7 @@ class ParsedInfer:
     parameters: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     timeout_us: int = 0
+    shm_outputs: dict[str, RegionSlice] = field(default_factory=dict)  # outputs written into shared memory
 
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
@@ -64,7 +68,8 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
             raise InvalidInput(f"the decompressed request body exceeds the limit of {limit} bytes")
         out += inflater.flush()
     except zlib.error as exc:
-        raise InvalidInput(f"failed to decompress request body ({encoding}): {exc}") from exc
+        raise InvalidInput(f"failed to decompress request body: it is not a valid {encoding} stream "
+                           f"(Content-Encoding: {encoding})") from exc
     if not inflater.eof:
         raise InvalidInput(f"failed to decompress request body ({encoding}): truncated stream")
     return out
@@ -113,60 +118,57 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return bytes(view[:n]), view[n:]
 
 
+class _NotJson(ValueError):
+    """A token Python's json module takes but JSON has not (NaN, Infinity)."""
+
+
 def _no_constants(name: str) -> Any:
     # NaN and Infinity are not JSON; Triton's parser refuses them too.
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NotJson(f"{name} is not valid JSON")
+
+
+# Byte order marks, longest first (UTF-32 LE starts like UTF-16 LE).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _check_encoding(header: bytes) -> None:
+    """JSON on the wire is UTF-8 (RFC 8259). json.loads on bytes would guess UTF-16/32 from the first
+    bytes, and skip a UTF-8 BOM, where Triton's rapidjson refuses both: so do we, saying why."""
+    if header.startswith(b"\xef\xbb\xbf"):
+        raise InvalidInput("failed to parse the request JSON buffer: it starts with a UTF-8 byte order mark; "
+                           "send UTF-8 JSON without one")
+    for bom, name in _BOMS:
+        if header.startswith(bom):
+            raise InvalidInput(f"failed to parse the request JSON buffer: it is {name} text (byte order mark); "
+                               f"send it as UTF-8")
+    if b"\x00" in header[:4]:  # JSON text starts with ASCII; a NUL among its first bytes means UTF-16/32
+        raise InvalidInput("failed to parse the request JSON buffer: it looks like UTF-16 or UTF-32 text "
+                           "(NUL bytes); send it as UTF-8")
 
 
 def _load_json(header: bytes) -> dict[str, Any]:
+    _check_encoding(header)
     try:
-        doc = json.loads(header, parse_constant=_no_constants)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from exc
-    except RecursionError as exc:
-        raise InvalidInput("failed to parse the request JSON buffer: nested too deeply") from exc
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"failed to parse the request JSON buffer: it is not UTF-8 text (byte {exc.start} "
+                           f"is 0x{header[exc.start]:02x})") from None
+    try:
+        doc = json.loads(text, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"failed to parse the request JSON buffer: {exc.msg} at offset {exc.pos}") from None
+    except _NotJson as exc:
+        raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from None
+    except ValueError:
+        # The one other ValueError json.loads raises: an integer literal longer than Python converts.
+        raise InvalidInput(f"failed to parse the request JSON buffer: an integer has more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise InvalidInput("failed to parse the request JSON buffer: nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request JSON must be an object")
     return doc
-
-
-def _flatten(data: Any, out: list[Any]) -> None:
-    if isinstance(data, list):
-        for item in data:
-            _flatten(item, out)
-    else:
-        out.append(data)
-
-
-def json_to_bytes(data: Any, dt: Datatype, count: int, name: str) -> bytes:
-    """Pack JSON `data` (nested or flat, row-major) as wire bytes of `dt`, checking the element count."""
-    flat: list[Any] = []
-    _flatten(data, flat)
-    if len(flat) != count:
-        raise InvalidInput(f"unexpected number of elements for input '{name}': got {len(flat)}, expected {count}")
-    try:
-        if dt.name == "BYTES":
-            for v in flat:
-                if not isinstance(v, str):
-                    raise InvalidInput(f"input '{name}' of type BYTES expects JSON strings")
-            arr = np.empty(count, dtype=np.object_)
-            arr[:] = [v.encode() for v in flat]
-            return tensors.to_bytes(arr, dt)
-        if dt.name == "BOOL":
-            if any(not isinstance(v, bool) for v in flat):
-                raise InvalidInput(f"input '{name}' of type BOOL expects JSON booleans")
-            return np.array(flat, dtype=np.bool_).tobytes()
-        if any(isinstance(v, (bool, str)) or v is None for v in flat):
-            raise InvalidInput(f"input '{name}' of type {dt.name} expects JSON numbers")
-        if dt.numpy.kind in "iu" and any(isinstance(v, float) for v in flat):
-            raise InvalidInput(f"input '{name}' of type {dt.name} expects JSON integers")
-        with np.errstate(over="raise", invalid="raise"):  # 1e39 as FP32 would silently become inf
-            arr = np.array(flat, dtype=dt.numpy)
-        if dt.numpy.kind == "f" and not np.isfinite(arr).all():  # 1e400: json made it inf already
-            raise InvalidInput(f"input '{name}': data must be finite numbers")
-        return tensors.to_bytes(arr, dt)
-    except (OverflowError, ValueError, TypeError, FloatingPointError) as exc:
-        raise InvalidInput(f"input '{name}': data does not fit {dt.name} as a finite number: {exc}") from exc
 
 
 def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int]) -> None:
@@ -181,12 +183,55 @@ def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int]) -> None:
 
 
 def _parse_shape(raw: Any, name: str) -> list[int]:
-    if not isinstance(raw, list) or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in raw):
-        raise InvalidInput(f"input '{name}': shape must be a list of non-negative integers")
+    # Dims are int64 in Triton's protocol; a larger one could not even cross Redis (msgpack).
+    if not isinstance(raw, list) or any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= INT64_MAX
+                                        for d in raw):
+        raise InvalidInput(f"input '{name}': shape must be a list of non-negative integers (at most 2^63-1)")
     return raw
 
 
-def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview) -> list[WireTensor]:
+def check_input(spec: ModelSpec, given: list[WireTensor], name: str, datatype: Any, raw_shape: Any,
+                batch: int | None) -> tuple[TensorSpec, list[int], int | None]:
+    """One input's header against the model, before its data (HTTP's JSON and gRPC's protobuf alike): an
+    input of the model not already in `given`, its datatype, its shape (dims, batch dimension, the batch
+    size of the inputs before it: `batch`). Returns (its config, its shape, the batch size so far)."""
+    ts = spec.input(name)
+    if ts is None:
+        raise InvalidInput(f"unexpected inference input '{name}' for model '{spec.name}'")
+    if any(t.name == name for t in given):
+        raise InvalidInput(f"input '{name}' is given more than once")
+    if datatype != ts.datatype.name:
+        raise InvalidInput(
+            f"inference input '{name}' data-type is '{datatype}', but model '{spec.name}' "
+            f"expects '{ts.datatype.name}'"
+        )
+    shape = _parse_shape(raw_shape, name)
+    _check_shape(spec, ts, shape)
+    if spec.max_batch_size > 0:
+        if not shape or shape[0] < 1:
+            raise InvalidInput(f"input '{name}': the batch dimension must be at least 1")
+        if batch is None:
+            batch = shape[0]
+        elif shape[0] != batch:
+            raise InvalidInput("all inputs must have the same batch size")
+    return ts, shape, batch
+
+
+def check_input_set(spec: ModelSpec, given: list[WireTensor], batch: int | None) -> None:
+    """The request's inputs as a whole: every required one given, the batch within max_batch_size."""
+    names = {t.name for t in given}
+    missing = [t.name for t in spec.inputs if not t.optional and t.name not in names]
+    if missing:
+        raise InvalidInput(f"expected {len(spec.inputs)} inputs but got {len(given)} inputs for model "
+                           f"'{spec.name}'; missing {missing}")
+    if spec.max_batch_size > 0 and batch is not None and batch > spec.max_batch_size:
+        raise InvalidInput(
+            f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'"
+        )
+
+
+def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
+                  ) -> list[WireTensor]:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("the request must have a non-empty 'inputs' array")
@@ -197,39 +242,23 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview) -> l
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise InvalidInput("each input needs a 'name'")
         name = raw["name"]
-        ts = spec.input(name)
-        if ts is None:
-            raise InvalidInput(f"unexpected inference input '{name}' for model '{spec.name}'")
-        if any(t.name == name for t in out):
-            raise InvalidInput(f"input '{name}' is given more than once")
-        datatype = raw.get("datatype")
-        if datatype != ts.datatype.name:
-            raise InvalidInput(
-                f"inference input '{name}' data-type is '{datatype}', but model '{spec.name}' "
-                f"expects '{ts.datatype.name}'"
-            )
-        shape = _parse_shape(raw.get("shape"), name)
-        _check_shape(spec, ts, shape)
-        if spec.max_batch_size > 0:
-            if not shape or shape[0] < 1:
-                raise InvalidInput(f"input '{name}': the batch dimension must be at least 1")
-            if batch is None:
-                batch = shape[0]
-            elif shape[0] != batch:
-                raise InvalidInput("all inputs must have the same batch size")
+        ts, shape, batch = check_input(spec, out, name, raw.get("datatype"), raw.get("shape"), batch)
         params = raw.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(f"input '{name}': parameters must be an object")
-        if "shared_memory_region" in params:
-            raise Unsupported("shared memory inputs are not supported by fleet")
         has_data = "data" in raw
         has_binary = "binary_data_size" in params
-        if has_data == has_binary:
-            raise InvalidInput(f"input '{name}' must set exactly one of 'data' and 'binary_data_size'")
+        has_region = "shared_memory_region" in params
+        if has_data + has_binary + has_region != 1:
+            raise InvalidInput(f"input '{name}' must set exactly one of 'data', 'binary_data_size' (in its "
+                               f"parameters) and 'shared_memory_region' (in its parameters)")
         count = tensors.element_count(shape)
-        if has_binary:
+        in_region = input_from_region(regions, name, ts.datatype, shape, params) if has_region else None
+        if in_region is not None:
+            data = in_region  # read once from the region, checked against the shape
+        elif has_binary:
             size = params["binary_data_size"]
-            if not isinstance(size, int) or size < 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
                 raise InvalidInput(f"unexpected end of binary data for input '{name}'")
@@ -243,19 +272,11 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview) -> l
                     f"{count * ts.datatype.itemsize}"
                 )
         else:
-            data = json_to_bytes(raw["data"], ts.datatype, count, name)
+            data = pack_json(raw["data"], ts.datatype, shape, name)
         out.append(WireTensor(name, ts.datatype.name, tuple(shape), data))
     if offset != len(binary):
         raise InvalidInput(f"unexpected additional input data for model '{spec.name}'")
-    given = {t.name for t in out}
-    missing = [t.name for t in spec.inputs if not t.optional and t.name not in given]
-    if missing:
-        raise InvalidInput(f"expected {len(spec.inputs)} inputs but got {len(out)} inputs for model "
-                           f"'{spec.name}'; missing {missing}")
-    if spec.max_batch_size > 0 and batch is not None and batch > spec.max_batch_size:
-        raise InvalidInput(
-            f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'"
-        )
+    check_input_set(spec, out, batch)
     return out
 
 
@@ -268,10 +289,42 @@ def _check_text(value: str, what: str) -> None:
         raise InvalidInput(f"{what} is not valid UTF-8 text: {exc.reason}") from exc
 
 
+def _check_int_range(key: str, value: Any) -> None:
+    """Triton passes integer parameters to the model as int64; a larger one could not cross Redis either
+    (msgpack), which once made it a 500 after parsing."""
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidInput(f"parameter '{key}' is outside the signed 64-bit integer range (-2^63 to 2^63-1)")
+
+
+def _uint64(params: dict[str, Any], key: str) -> int:
+    value = params.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= UINT64_MAX:
+        raise InvalidInput(f"parameter '{key}' must be an integer from 0 to 2^64-1 (Triton's uint64)")
+    return value
+
+
+def _check_sequence_parameters(params: dict[str, Any]) -> None:
+    """The types Triton's HTTP frontend reads them as, checked before saying sequences are unsupported, so
+    a client fixing its request learns what is wrong with it first."""
+    if "sequence_id" in params and not isinstance(params["sequence_id"], str):
+        _uint64(params, "sequence_id")
+    for key in ("sequence_start", "sequence_end"):
+        if key in params and not isinstance(params[key], bool):
+            raise InvalidInput(f"parameter '{key}' must be a boolean")
+
+
 def _parse_parameters(doc: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, Any], int, int, bool]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("request 'parameters' must be an object")
+    return check_parameters(params, spec)
+
+
+def check_parameters(params: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, Any], int, int, bool]:
+    """Request parameters as plain Python values (HTTP's JSON; gRPC: each InferParameter's set field):
+    (those passed to the model, priority, timeout µs, binary_data_output). InvalidInput for a reserved
+    `triton_` key, a value no model could be given (not a string, boolean, finite number or int64),
+    priority or timeout outside uint64, and sequence parameters (not supported yet)."""
     passthrough: dict[str, Any] = {}
     for key, value in params.items():
         if key.startswith("triton_"):
@@ -281,53 +334,62 @@ def _parse_parameters(doc: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, A
                 raise InvalidInput(f"parameter '{key}' must be a string, number or boolean")
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidInput(f"parameter '{key}' must be a finite number")
+            _check_int_range(key, value)
             _check_text(key, "a parameter name")
             if isinstance(value, str):
                 _check_text(value, f"parameter '{key}'")
             passthrough[key] = value
+    _check_sequence_parameters(params)
     if any(k in params for k in ("sequence_id", "sequence_start", "sequence_end")) or spec.sequence_batching:
         raise InvalidInput(f"sequence batching is not supported yet (model '{spec.name}')")
-    priority = params.get("priority", 0)
-    timeout = params.get("timeout", 0)
-    for key, value in (("priority", priority), ("timeout", timeout)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInput(f"parameter '{key}' must be a non-negative integer")
+    priority = _uint64(params, "priority")
+    timeout = _uint64(params, "timeout")
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise InvalidInput("parameter 'binary_data_output' must be a boolean")
     return passthrough, priority, timeout, binary_default
 
 
-def _parse_outputs(doc: dict[str, Any], spec: ModelSpec) -> tuple[list[str] | None, frozenset[str]]:
+def _parse_outputs(doc: dict[str, Any], spec: ModelSpec, regions: Regions | None
+                   ) -> tuple[list[str] | None, frozenset[str], dict[str, RegionSlice]]:
     raw = doc.get("outputs")
-    if raw is None:
-        return None, frozenset()
+    if raw is None or raw == []:
+        return None, frozenset(), {}  # Triton: no output listed (or an empty list) means every output
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be an array")
     names: list[str] = []
     binary: set[str] = set()
+    in_regions: dict[str, RegionSlice] = {}
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput("each requested output needs a 'name'")
         name = item["name"]
         if spec.output(name) is None:
             raise InvalidInput(f"unexpected inference output '{name}' for model '{spec.name}'")
+        if name in names:
+            # Its two entries could ask for different binary_data (older Triton cores: "already requested").
+            raise InvalidInput(f"output '{name}' is requested more than once")
         params = item.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(f"output '{name}': parameters must be an object")
-        if "shared_memory_region" in params:
-            raise Unsupported("shared memory outputs are not supported by fleet")
+        target = output_to_region(regions, name, params)
+        if target is not None:
+            in_regions[name] = target
         if "classification" in params:
             raise Unsupported("the classification extension is not supported by fleet")
-        if params.get("binary_data") is True:
+        is_binary = params.get("binary_data", False)
+        if not isinstance(is_binary, bool):
+            raise InvalidInput(f"output '{name}': parameter 'binary_data' must be a boolean")
+        if is_binary:
             binary.add(name)
-        if name not in names:
-            names.append(name)
-    return names, frozenset(binary)
+        names.append(name)
+    return names, frozenset(binary), in_regions
 
 
-def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec) -> ParsedInfer:
-    """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported."""
+def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions: Regions | None = None
+                ) -> ParsedInfer:
+    """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported. `regions`: the
+    gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
     header, binary = split_body(body, header_length)
     doc = _load_json(header)
     client_id = doc.get("id", "")
@@ -337,29 +399,28 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec) -> Pars
         raise InvalidInput("request 'id' must be a string")
     _check_text(client_id, "request 'id'")
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
-    inputs = _parse_inputs(doc, spec, binary)
-    outputs, binary_outputs = _parse_outputs(doc, spec)
-    return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us)
-
-
-def json_data(t: WireTensor, dt: Datatype) -> list[Any]:
-    arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
-    if dt.name == "BYTES":
-        return [bytes(v).decode("utf-8", errors="replace") for v in arr]
-    values: list[Any] = arr.tolist()
-    return values
+    inputs = _parse_inputs(doc, spec, binary, regions)
+    outputs, binary_outputs, in_regions = _parse_outputs(doc, spec, regions)
+    return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us,
+                       in_regions)
 
 
 def render_infer(
     model: str, version: int, req: ParsedInfer, outputs: list[WireTensor], parameters: dict[str, Any]
 ) -> tuple[bytes, int | None]:
-    """(body, json header length or None when every output is JSON)."""
+    """(body, json header length or None when every output is JSON). Outputs the request put in shared
+    memory are written there (InvalidInput if one does not fit) and answered without data."""
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes | memoryview] = []
     for t in outputs:
         dt = tensors.lookup(t.datatype)
         item: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if req.is_binary(t.name):
+        target = req.shm_outputs.get(t.name)
+        if target is not None:
+            # Triton answers it with name, datatype and shape only: Triton's C++ client (perf_analyzer)
+            # takes any `parameters` of an output for binary data and fails without `binary_data_size`.
+            target.write(t.name, t.data)
+        elif req.is_binary(t.name):
             item["parameters"] = {"binary_data_size": len(t.data)}
             blobs.append(t.data)
         else:
@@ -373,7 +434,13 @@ def render_infer(
     if parameters:
         doc["parameters"] = parameters
     doc["outputs"] = rendered
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    try:
+        # allow_nan=False: outputs were checked by json_data; what is left is the model's own response
+        # parameters, and NaN there must not turn the whole body into invalid JSON either.
+        header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise InferenceFailed(f"model '{model}' set a response parameter to NaN or infinity, which JSON "
+                              f"cannot represent") from None
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)

@@ -38,6 +38,7 @@ from typing import IO
 
 import redis
 
+from fleet import grpc_flags
 from fleet.lifetime import DataDirInUse, dies_with_this_process, lock_data_dir
 from fleet.redis_server import LocalServer, start_server
 from fleet.settings import Settings
@@ -95,7 +96,8 @@ def _child_commands(settings: Settings, workers: int | None) -> dict[str, list[s
     common = _common_args(settings)
     commands = {"gateway": [
         sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
-        "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host]}
+        "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host,
+        *grpc_flags.argv(settings)]}
     for i, device in enumerate(devices):
         commands[f"worker-{i}"] = [sys.executable, "-m", "fleet", "worker", *common, "--device", device]
     for i in range(settings.job_workers):
@@ -246,9 +248,10 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
         for name in children.commands:
             if not stopping.is_set():  # (Ctrl-C while the server started or models were generated)
                 children.start(name)
-        log.info("up       | serving %s on http://%s:%d (metrics :%d); Ctrl-C stops",
+        grpc = f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else ""
+        log.info("up       | serving %s on http://%s:%d (metrics :%d%s); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
-                 settings.http_port, settings.metrics_port)
+                 settings.http_port, settings.metrics_port, grpc)
         _supervise(children, embedded, redis_url, stopping)
     finally:
         children.stop()

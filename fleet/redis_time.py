@@ -56,11 +56,22 @@ class RedisClock:
     def to_local(self, redis_us: int) -> int:
         return redis_us - self.offset_us
 
+    def now_ns(self) -> int:
+        """Now on Redis's clock in ns (trace timestamps: every process's stamps of one request line up)."""
+        return time.time_ns() + self.offset_us * 1000
+
     async def sample(self, client: Any) -> None:
         """One TIME round trip on `client` (redis.asyncio); Redis errors propagate."""
         sent = self.now_us()
         seconds, micros = await client.time()
         self.observe(Sample(sent, int(seconds) * 1_000_000 + int(micros), self.now_us()))
+
+    async def calibrate(self, client: Any, rounds: int = 8) -> None:
+        """Several samples back to back at start: one sample on a busy machine can be milliseconds off
+        (a slow round trip), and the periodic ones take a while to find a fast one. Until then a worker
+        would cut max_queue_delay and deadlines short by that much."""
+        for _ in range(rounds):
+            await self.sample(client)
 
     def sample_sync(self, client: Any) -> None:
         """The same on a synchronous client (redis.Redis: the bulk-job runner)."""

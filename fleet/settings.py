@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,7 +30,24 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     metrics_port: int = 8002
+    # gRPC (Triton's inference.GRPCInferenceService), served by the gateway process next to HTTP.
+    allow_grpc: bool = True
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 8001
+    # tritonserver's --grpc-keepalive-* / --grpc-http2-* flags, with its defaults (times in ms).
+    grpc_keepalive_time_ms: int = 7_200_000
+    grpc_keepalive_timeout_ms: int = 20_000
+    grpc_keepalive_permit_without_calls: bool = False
+    grpc_http2_max_pings_without_data: int = 2
+    grpc_http2_min_recv_ping_interval_without_data_ms: int = 300_000
+    grpc_http2_max_ping_strikes: int = 2
+    # tritonserver's --grpc-infer-response-compression-level: none, low, med or high (gzip).
+    grpc_response_compression_level: Literal["none", "low", "med", "high"] = "none"
     log_verbose: int = 0
+    # Where this gateway process writes its traces (Triton's --trace-config triton,file=...; the trace
+    # extension cannot change it). With log_frequency N: FILE.0, FILE.1, ... each N traces. Several
+    # gateway processes on one host need one each.
+    trace_file: Path = Path(".fleet/trace.json")
     # The gateway gives up waiting for a worker's reply after this long (504).
     request_timeout_s: float = 60.0
     max_input_bytes: int = 64 * 1024 * 1024
@@ -37,6 +55,19 @@ class Settings(BaseSettings):
     max_header_bytes: int = 64 * 1024
     # Inference requests one gateway process holds at once; past it, 503 with Retry-After at once.
     max_in_flight: int = 4096
+    # Request-body bytes one gateway process holds at once (read, or announced by Content-Length and
+    # being read); past it, 503 with Retry-After at once.
+    max_in_flight_bytes: int = 1024 * 1024 * 1024
+    # Slow clients (Apache mod_reqtimeout's model): a request head must arrive within read_timeout_s,
+    # extended by 1 s per read_min_rate_bps bytes received, never past header_timeout_max_s; a body
+    # within read_timeout_s, extended the same way (no cap, so a large upload at a sane rate passes).
+    # Past it: 408 and the connection is closed.
+    read_timeout_s: float = Field(default=20.0, gt=0)
+    header_timeout_max_s: float = Field(default=40.0, gt=0)
+    read_min_rate_bps: int = Field(default=500, gt=0)
+    # Bulk-job uploads (POST /v2/jobs/uploads) may be this large; one JSONL line at most this long.
+    max_upload_bytes: int = 2 * 1024 * 1024 * 1024
+    max_job_line_bytes: int = 16 * 1024 * 1024
     # Heartbeats: a worker refreshes its key every interval; the key expires after ttl.
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0

@@ -17,10 +17,14 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleet.errors import InvalidInput
+from fleet.errors import InvalidInput, PermissionDenied, ServingError, Unauthenticated
 from fleet.settings import Settings
+from gateway.errors import status_for
 
 SCOPES = frozenset({"infer", "control", "jobs"})
+UNAUTHENTICATED = "missing or invalid API key (Authorization: Bearer <key>)"
+CONTROL_DISABLED = ("model control is disabled: configure API keys (FLEET_API_KEYS) or enable it with "
+                    "FLEET_CONTROL_API=1")
 
 
 def load_keys(settings: Settings) -> list[bytes]:
@@ -45,9 +49,11 @@ def scope_of(path: str) -> str | None:
     return "infer"
 
 
-class AuthGate:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
-        self.app = app
+class Access:
+    """Who may call what: the key set and the protected scopes, shared by the HTTP gate and the gRPC
+    service (gateway/grpc/handlers.py), so both protocols answer the same keys in the same scopes."""
+
+    def __init__(self, settings: Settings) -> None:
         self.keys = load_keys(settings)
         scopes = {s.strip() for s in settings.auth_scopes.split(",") if s.strip()}
         unknown = scopes - SCOPES
@@ -63,21 +69,39 @@ class AuthGate:
         # Compare with every key (no early exit), each in constant time.
         return sum(hmac.compare_digest(given, key) for key in self.keys) > 0
 
+    def guards(self, area: str | None) -> bool:
+        """Whether a request in `area` (a scope; None = always open) is checked at all."""
+        return area is not None and (area in self.protected or (area == "control" and not self.control_open))
+
+    def check(self, area: str | None, header: bytes | None) -> None:
+        """Raises Unauthenticated (no or a wrong key where one is needed) or PermissionDenied (model
+        control without keys, unless enabled)."""
+        if area is None:
+            return
+        if area in self.protected:
+            if not self.allowed(header):
+                raise Unauthenticated(UNAUTHENTICATED)
+        elif area == "control" and not self.keys and not self.control_open:
+            raise PermissionDenied(CONTROL_DISABLED)
+
+
+class AuthGate:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.access = Access(settings)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         area = scope_of(scope["path"])
-        if area is not None:
-            if area in self.protected:
-                header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-                if not self.allowed(header):
-                    await _deny(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                [(b"www-authenticate", b'Bearer realm="fleet"')])
-                    return
-            elif area == "control" and not self.keys and not self.control_open:
-                await _deny(send, 403, "model control is disabled: configure API keys (FLEET_API_KEYS) "
-                                       "or enable it with FLEET_CONTROL_API=1")
+        if self.access.guards(area):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                self.access.check(area, header)
+            except ServingError as exc:
+                extra = [(b"www-authenticate", b'Bearer realm="fleet"')] if isinstance(exc, Unauthenticated) else None
+                await _deny(send, status_for(exc.code), exc.message, extra)
                 return
         await self.app(scope, receive, send)
 

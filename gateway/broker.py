@@ -31,6 +31,7 @@ from fleet.redis_clients import unrecoverable
 from fleet.redis_time import RedisClock
 from fleet.stats import BatchSample, increments
 from fleet.supervision import Supervisor
+from fleet.trace_points import REPLY_RECEIVED
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Broker:
         """Start the reply reader and the sweeper. Redis need not be up: they wait for it with backoff
         (requests meanwhile fail fast with 503), so a gateway never fails to start for want of Redis."""
         try:
-            await asyncio.wait_for(self.redis_clock.sample(self._client), 2.0)
+            await asyncio.wait_for(self.redis_clock.calibrate(self._client), 2.0)
         except (RedisError, OSError, TimeoutError) as exc:
             if unrecoverable(exc):  # credentials, ACL, TLS: waiting does not fix it
                 raise BrokerUnavailable(f"Redis refuses this gateway: {exc}") from exc
@@ -328,6 +329,8 @@ class Broker:
         except Exception:  # a corrupt entry must not stop the reader
             log.exception("dropping an undecodable reply")
             return
+        if reply.trace is not None:
+            reply.trace[REPLY_RECEIVED] = self.redis_clock.now_ns()
         waiter = self._waiters.pop(reply.id, None)
         if waiter is not None and not waiter.future.done():
             waiter.future.set_result(reply)

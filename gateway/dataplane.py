@@ -1,4 +1,10 @@
-"""The inference path, HTTP-free: resolve the model version, validate, enqueue, await the reply."""
+"""The inference path, protocol-free: admission, resolve the model version, validate, enqueue, await the reply.
+
+Each protocol decodes its request into a ParsedInfer (HTTP: fleet.kserve.parse_infer; gRPC:
+gateway/grpc/codec.py); from there `run` is the one path for both: queue-policy admission, the envelope,
+the broker, the reply's outputs or its error. Tensor bytes go from the decoded request into the envelope
+as they are.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,16 @@ import redis.asyncio as aioredis
 
 from fleet.admission import admit
 from fleet.clock import Clock, SystemClock
-from fleet.envelope import RequestEnvelope, encode_request
-from fleet.errors import ModelNotReady, from_code
-from fleet.kserve import parse_infer, render_infer
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, encode_request
+from fleet.errors import ModelNotReady, Overloaded, from_code
+from fleet.kserve import ParsedInfer, parse_infer, render_infer
+from fleet.model_config import ModelSpec
 from fleet.stats import render_model_stats
+from fleet.tensor_regions import Regions
+from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.broker import Broker
 from gateway.catalog import Catalog
+from gateway.tracer import Trace
 
 
 @dataclass(slots=True)
@@ -25,20 +35,59 @@ class InferResult:
 
 
 class DataPlane:
-    def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None) -> None:
+    def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None,
+                 regions: Regions | None = None, max_in_flight: int = 4096) -> None:
         self.catalog = catalog
         self.broker = broker
         self.clock = clock or SystemClock()
+        self.regions = regions  # shared-memory regions tensors may name (gateway/shared_memory.py)
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # inference requests of this process, HTTP and gRPC, admitted and not answered
 
-    async def infer(self, model: str, version: str | None, body: bytes, header_length: str | None) -> InferResult:
+    def admit(self) -> None:
+        """Take one of the process's `max_in_flight` places (every protocol takes from the same count);
+        Overloaded when none is free. The caller calls `release` once it has answered."""
+        if self.in_flight >= self.max_in_flight:
+            # Answer at once instead of queueing without bound, so memory and the latency of what was
+            # admitted stay bounded under any overload.
+            raise Overloaded(f"the gateway is at its limit of {self.max_in_flight} requests in flight; "
+                             f"retry shortly")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    async def infer(self, model: str, version: str | None, body: bytes, header_length: str | None,
+                    trace: Trace | None = None) -> InferResult:
+        """An HTTP infer body: parsed, run, rendered. `trace`: this request is traced (gateway/tracer.py);
+        its envelope then carries a timestamp map the worker fills in."""
+        if trace is not None:
+            trace.stamp(REQUEST_START)
         view, v = self.catalog.resolve(model, version)
         spec = view.entry.spec
-        req = parse_infer(body, header_length, spec)
+        req = parse_infer(body, header_length, spec, self.regions)
+        reply = await self.run(model, v, spec, req, trace)
+        body_out, hlen = render_infer(model, v, req, reply.outputs or [], reply.parameters)
+        if trace is not None:
+            trace.stamp(REQUEST_END)
+        return InferResult(body_out, hlen)
+
+    async def run(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None = None,
+                  caller_timeout_s: float | None = None) -> ReplyEnvelope:
+        """A decoded request of version `v` of `model`, for every protocol: lane, deadline and queue bound
+        from the model's queue policy, the envelope, the broker. Returns the (successful) reply; raises
+        the reply's error, QueueFull, RequestTimeout, BrokerUnavailable or DeadlineExceeded. Cancelled
+        (the caller went away), the request is deleted from its stream or dropped by its worker.
+        `caller_timeout_s`: the caller stops waiting after this long (a gRPC deadline), so a worker drops
+        the request if it is still queued then instead of computing it for nobody."""
         rid = self.broker.next_id()
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).
         now_us = self.broker.redis_clock.to_redis(self.clock.now_us())
         admission = admit(spec, req.priority, req.timeout_us, now_us)
+        expires_us = self.broker.expires_us(now_us)
+        if caller_timeout_s is not None and caller_timeout_s < self.broker.timeout_s:  # only ever sooner
+            expires_us = min(expires_us, now_us + int(caller_timeout_s * 1_000_000))
         env = RequestEnvelope(
             id=rid,
             model=model,
@@ -51,8 +100,12 @@ class DataPlane:
             priority=req.priority,
             deadline_us=admission.deadline_us,
             client_id=req.client_id,
-            expires_us=self.broker.expires_us(now_us),
+            expires_us=expires_us,
         )
+        if trace is not None:
+            trace.request(v, req.client_id, req.inputs)
+            env.trace = {}
+            trace.stamp(QUEUE_START)
         try:
             reject_at = None if admission.delay_on_timeout else admission.deadline_us
             reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),
@@ -64,10 +117,11 @@ class DataPlane:
             raise
         finally:
             self.broker.forget(rid)
+        if trace is not None:
+            trace.reply(reply)
         if not reply.ok:
             raise from_code(reply.error_code, reply.error_message)
-        body_out, hlen = render_infer(model, v, req, reply.outputs or [], reply.parameters)
-        return InferResult(body_out, hlen)
+        return reply
 
 
 async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any, name: str | None,

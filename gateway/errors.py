@@ -1,7 +1,9 @@
-"""THE ErrorCode -> HTTP status table and the single handler that writes `{"error": "..."}`."""
+"""THE ErrorCode -> status tables, HTTP and gRPC side by side, and the single HTTP handler that writes
+`{"error": "..."}`. Where the protocols differ, Triton's own front ends differ the same way."""
 
 from __future__ import annotations
 
+import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -17,12 +19,41 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.CANCELLED: 400,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.FAILED_PRECONDITION: 409,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.UNKNOWN_MODEL: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.UNKNOWN: 400,
+}
+
+# Triton maps its codes to gRPC's one to one (server src/grpc/grpc_utils.cc, protocol.md §7): a full
+# queue, overload and a queue-policy timeout are UNAVAILABLE, an unsupported feature UNIMPLEMENTED.
+GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    # gRPC's own answer for a message over the size limit.
+    ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # tritonserver 2.51 over gRPC: NOT_FOUND "Request for unknown model: 'x' is not found".
+    ErrorCode.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
 }
 
 
 def status_for(code: ErrorCode) -> int:
     return STATUS.get(code, 500)
+
+
+def grpc_status_for(code: ErrorCode) -> grpc.StatusCode:
+    return GRPC_STATUS.get(code, grpc.StatusCode.INTERNAL)
 
 
 def error_response(status: int, message: str, retry_after_s: int | None = None) -> Response:

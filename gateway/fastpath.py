@@ -16,9 +16,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleet.errors import InvalidInput, Overloaded, ServingError, VersionNotFound
+from fleet.errors import InvalidInput, ServingError, TooLarge
 from fleet.kserve import compress, decompress, response_encoding
+from fleet.trace_points import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START
 from gateway.errors import status_for
+from gateway.routes import parse_version
+from gateway.tracer import Trace
 
 log = logging.getLogger(__name__)
 
@@ -95,24 +98,28 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             raise InvalidInput("the client disconnected before sending the whole body")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            raise InvalidInput(f"request body exceeds the limit of {limit} bytes")
+        if size > limit:  # the HTTP protocol refuses it first (gateway/http_protocol.py); other servers may not
+            raise TooLarge(f"the request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
-                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
+                   extra: list[tuple[bytes, bytes]] | None = None, trace: Trace | None = None) -> None:
     headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *(extra or [])]
+    if trace is not None:
+        trace.stamp(HTTP_SEND_START)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+    if trace is not None:
+        trace.stamp(HTTP_SEND_END)
+        trace.finish()
 
 
 class InferFastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._in_flight = 0  # requests of this process between reading their body and answering
         self._watch = _DisconnectWatch()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,10 +133,13 @@ class InferFastPath:
     async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None) -> None:
         state: Any = scope["app"].state.fleet
         accept = None
+        # The trace extension: a request not traced pays this one attribute read (gateway/tracer.py).
+        trace: Trace | None = state.tracer.sample(name, HTTP_RECV_START) if state.tracer.active else None
         try:
-            if version is not None and not version.isdigit():
-                raise VersionNotFound(name, version)
+            version = parse_version(name, version)
             body = await _read_body(receive, state.settings.max_input_bytes)
+            if trace is not None:
+                trace.stamp(HTTP_RECV_END)
             header_length = encoding = None
             for key, value in scope["headers"]:
                 if key == b"inference-header-content-length":
@@ -138,34 +148,33 @@ class InferFastPath:
                     encoding = value.decode("latin-1").strip().lower()
                 elif key == b"accept-encoding":
                     accept = value.decode("latin-1")
-            limit = state.settings.max_in_flight
-            if self._in_flight >= limit:
-                # Admission control: answer at once instead of queueing without bound, so memory and
-                # the latency of what was admitted stay bounded under any overload.
-                raise Overloaded(f"the gateway is at its limit of {limit} requests in flight; retry shortly")
-            self._in_flight += 1
+            dataplane = state.dataplane
+            dataplane.admit()  # Overloaded past max_in_flight, counted with the gRPC requests
             waiting = self._watch.add(receive)
             try:
                 if encoding:
                     body = decompress(body, encoding, state.settings.max_input_bytes)
-                result = await state.dataplane.infer(name, version or None, body, header_length)
+                result = await dataplane.infer(name, version, body, header_length, trace)
             except asyncio.CancelledError:
                 if not waiting.disconnected:
                     raise
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()  # our own cancellation: the client is gone, there is nobody to answer
+                if trace is not None:
+                    trace.finish()  # what it got through, without a response
                 return
             finally:
                 self._watch.remove(waiting)
-                self._in_flight -= 1
+                dataplane.release()
         except ServingError as exc:
             retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None
-            await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON, retry)
+            await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON, retry,
+                           trace)
             return
         except Exception as exc:  # never take the process down; answer 500 and log it
             log.exception("infer on '%s' failed", name)
-            await _respond(send, 500, json.dumps({"error": f"internal error: {exc}"}).encode(), _JSON)
+            await _respond(send, 500, json.dumps({"error": f"internal error: {exc}"}).encode(), _JSON, None, trace)
             return
         extra: list[tuple[bytes, bytes]] = []
         if result.header_length is not None:
@@ -177,4 +186,4 @@ class InferFastPath:
             body = compress(body, out_encoding)
             extra.append((b"content-encoding", out_encoding.encode()))
         await _respond(send, 200, body, _JSON if result.header_length is None else b"application/octet-stream",
-                       extra)
+                       extra, trace)

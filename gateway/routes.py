@@ -13,25 +13,37 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.errors import InvalidInput, ModelNotReady, Unsupported, VersionNotFound
+from fleet.errors import InvalidInput, ModelNotReady, NotFound, Unsupported, VersionNotFound
+from gateway import model_info
 from gateway.state import GatewayState
 
 SERVER_VERSION = "2.51.0"
+# Not cuda_shared_memory: its routes answer (nothing registered), but registering is refused.
 EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration", "binary_tensor_data",
-              "parameters", "statistics"]
+              "parameters", "statistics", "system_shared_memory", "logging", "trace"]
 
 
 def state_of(request: Request) -> GatewayState:
     return request.app.state.fleet  # type: ignore[no-any-return]
 
 
-def _version(request: Request) -> str | None:
-    version = request.path_params.get("version")
-    if version is None or version == "":
+def parse_version(name: str, version: str | None) -> str | None:
+    """The version of a /v2/models/NAME[/versions/V]/... URL, for every route that takes one (the infer
+    fast path included): None when the URL names none. Triton's routes take `[0-9]+` only, so an empty
+    version matches no route there (404) and neither does a non-numeric one: both are 404s here too,
+    never a silent fall back to the default version. ASCII digits only: str.isdigit() also accepts "²"."""
+    if version is None:
         return None
-    if not version.isdigit():
-        raise VersionNotFound(request.path_params["name"], version)
-    return str(version)
+    if version == "":
+        raise NotFound(f"the model version in the URL is empty: give a version number, or leave out "
+                       f"'/versions/' to use the default version of model '{name}'")
+    if not (version.isascii() and version.isdigit()):
+        raise VersionNotFound(name, version)
+    return version
+
+
+def _version(request: Request) -> str | None:
+    return parse_version(request.path_params["name"], request.path_params.get("version"))
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -44,12 +56,9 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     st = state_of(request)
-    try:
-        await st.broker.ping()
-    except Exception:
-        return json_response({"ready": False, "error": "Redis is not reachable"}, 400)
-    if not st.catalog.all_ready():
-        return json_response({"ready": False, "error": "not every model has a ready worker"}, 400)
+    reason = await model_info.not_ready_reason(st.catalog, st.broker)
+    if reason is not None:
+        return json_response({"ready": False, "error": reason}, 400)
     return json_response({"ready": True})
 
 
@@ -59,24 +68,8 @@ async def server_metadata(request: Request) -> Response:
 
 
 async def model_metadata(request: Request) -> Response:
-    st = state_of(request)
-    name = request.path_params["name"]
-    version = _version(request)
-    view = st.catalog.view(name)
-    if version is not None:
-        if int(version) not in view.entry.versions:
-            raise VersionNotFound(name, version)
-        versions = [version]
-    else:
-        ready = st.catalog.ready_versions(name) or list(view.entry.versions)
-        versions = [str(v) for v in ready]
-    return json_response({
-        "name": name,
-        "versions": versions,
-        "platform": view.entry.spec.metadata_platform,
-        "inputs": view.metadata_inputs,
-        "outputs": view.metadata_outputs,
-    })
+    return json_response(model_info.model_metadata(state_of(request).catalog, request.path_params["name"],
+                                                   _version(request)))
 
 
 async def model_ready(request: Request) -> Response:
@@ -89,12 +82,7 @@ async def model_ready(request: Request) -> Response:
 
 
 async def model_config(request: Request) -> Response:
-    st = state_of(request)
-    name = request.path_params["name"]
-    view = st.catalog.view(name)
-    version = _version(request)
-    if version is not None and int(version) not in view.entry.versions:
-        raise VersionNotFound(name, version)
+    view = model_info.model_view(state_of(request).catalog, request.path_params["name"], _version(request))
     return json_response(view.config_json)
 
 
@@ -117,35 +105,33 @@ async def repository_index(request: Request) -> Response:
     only_ready = False
     if body.strip():
         try:
-            only_ready = bool(json.loads(body).get("ready", False))
-        except (ValueError, AttributeError) as exc:
-            raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from exc
-    items: list[dict[str, Any]] = []
-    for name in sorted(st.catalog.views):
-        versions = st.catalog.view(name).entry.versions
-        for v in versions:
-            is_ready = (name, v) in st.catalog.ready
-            if only_ready and not is_ready:
-                continue
-            item: dict[str, Any] = {"name": name, "version": str(v), "state": "READY" if is_ready else "UNAVAILABLE"}
-            reason = st.catalog.failures.get(name)
-            if not is_ready and reason:
-                item["reason"] = reason
-            items.append(item)
-    if not only_ready:
-        items.extend({"name": n, "state": "UNAVAILABLE", "reason": why}
-                     for n, why in sorted(st.catalog.repository.errors.items()))
-    return json_response(items)
+            doc = json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            raise InvalidInput("failed to parse the request JSON buffer: it is not UTF-8 JSON") from None
+        if not isinstance(doc, dict):
+            raise InvalidInput("the repository index request must be a JSON object, e.g. {\"ready\": true}")
+        only_ready = doc.get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise InvalidInput("'ready' must be a boolean")
+    return json_response(model_info.repository_index(st.catalog, only_ready))
 
 
 async def repository_control(request: Request) -> Response:
-    raise Unsupported("explicit model control (load/unload) is not enabled on this server yet")
+    raise Unsupported(model_info.MODEL_CONTROL_OFF)
+
+
+async def empty_version(request: Request) -> Response:
+    """`/versions//...`: Starlette's `{version}` never matches an empty segment, so these URLs get a route
+    of their own, to answer what the infer fast path answers (parse_version), not a bare "Not Found"."""
+    parse_version(request.path_params["name"], "")
+    raise AssertionError("parse_version refuses an empty version")
 
 
 def model_routes(suffix: str, endpoint: Any, methods: list[str]) -> list[Route]:
     return [
         Route(f"/v2/models/{{name}}{suffix}", endpoint, methods=methods),
         Route(f"/v2/models/{{name}}/versions/{{version}}{suffix}", endpoint, methods=methods),
+        Route(f"/v2/models/{{name}}/versions/{suffix}", empty_version, methods=methods),
     ]
 
 

@@ -1,10 +1,12 @@
-"""`fleet gateway`: uvicorn serving the app on --http-port and /metrics on --metrics-port."""
+"""`fleet gateway`: uvicorn serving the app on --http-port and /metrics on --metrics-port, and (unless
+--allow-grpc false) Triton's gRPC service on --grpc-port, on the same event loop (gateway/grpc/server.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Generator
 
 import uvicorn
@@ -14,40 +16,75 @@ from starlette.applications import Starlette
 from fleet.logs import configure_logging
 from fleet.settings import Settings
 from gateway.app import create_app
-from gateway.http_protocol import CoalescingHttpToolsProtocol
+from gateway.grpc.server import GrpcFrontend
+from gateway.http_protocol import protocol_class
 from gateway.metrics import metrics_route
 
 log = logging.getLogger(__name__)
+
+GRACEFUL_STOP_S = 30  # what HTTP and gRPC calls in flight at SIGTERM get to finish
 
 
 def serve(settings: Settings) -> int:
     configure_logging(settings)
     app = create_app(settings)
-    CoalescingHttpToolsProtocol.max_head_bytes = settings.max_header_bytes
     # The metrics port serves the same /metrics route over the main app's state.
     metrics_app = Starlette(routes=[metrics_route()])
     metrics_app.state.fleet = app.state.fleet
     level = "info" if settings.log_verbose else "warning"
-    main = uvicorn.Server(uvicorn.Config(
-        app, host=settings.http_host, port=settings.http_port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-        log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=30,
+    protocol = protocol_class(settings)  # one class for both ports: one budget of body bytes per process
+    main = _GatewayServer(uvicorn.Config(
+        app, host=settings.http_host, port=settings.http_port, loop="uvloop", http=protocol,
+        ws="none",  # no websocket routes: an Upgrade header changes nothing
+        log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=GRACEFUL_STOP_S,
         server_header=False, date_header=False,
     ))
     side = _QuietServer(uvicorn.Config(
-        metrics_app, host=settings.http_host, port=settings.metrics_port, loop="uvloop", http="httptools",
+        metrics_app, host=settings.http_host, port=settings.metrics_port, loop="uvloop", http=protocol,
+        ws="none",
         log_level="warning", access_log=False, lifespan="off",
     ))
 
-    async def run_both() -> None:
+    async def run_both() -> int:
+        if settings.allow_grpc:
+            # Made in the running loop (grpc.aio binds to it) and its port taken before anything serves:
+            # a taken port fails the start, as a taken HTTP port does.
+            frontend = GrpcFrontend(settings, app.state.fleet)
+            try:
+                frontend.bind()
+            except OSError as exc:
+                log.error("%s", exc)
+                return 1
+            main.grpc = frontend
+            app.state.fleet.drains.append(lambda: frontend.stop(GRACEFUL_STOP_S))
         task = asyncio.create_task(side.serve())
         try:
             await main.serve()
         finally:
             side.should_exit = True
             await task
+        return 0
 
-    uvloop.run(run_both())
-    return 0
+    return uvloop.run(run_both())
+
+
+class _GatewayServer(uvicorn.Server):
+    """The main server. With gRPC on, it starts the gRPC server once the app has started (the state
+    the RPCs use is up), and on SIGTERM stops it together with HTTP: both refuse new calls at once; the
+    app's shutdown (GatewayState.stop) waits for the gRPC calls in flight before the broker stops."""
+
+    grpc: GrpcFrontend | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.grpc is not None and not self.should_exit:
+            await self.grpc.start()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.grpc is not None:
+            stopping = asyncio.ensure_future(self.grpc.stop(GRACEFUL_STOP_S))
+            stopping.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited by the state too
+        await super().shutdown(sockets)
 
 
 class _QuietServer(uvicorn.Server):

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
@@ -25,6 +25,9 @@ from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
 from gateway.jobs.service import jobs_context
+from gateway.runtime_settings import RuntimeSettings
+from gateway.shared_memory import SharedMemoryRegistry
+from gateway.tracer import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +56,24 @@ class GatewayState:
         self.broker = Broker(self.client, async_client(url), self.keys, gateway_id,
                              block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s,
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
-        self.dataplane = DataPlane(self.catalog, self.broker)
+        # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
+        self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
+        self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
+                                   max_in_flight=settings.max_in_flight)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
+        # The logging and trace extensions: settings followed from Redis, traces written by this process.
+        self.tracer = Tracer(settings.trace_file, self.broker.redis_clock)
+        self.runtime = RuntimeSettings(settings, self.client, self.keys, self.catalog, self.tracer)
         self._refresher: asyncio.Task[None] | None = None
+        # Front ends that answer on their own (the gRPC server): each finishes what it accepted before
+        # the broker stops, when the gateway stops.
+        self.drains: list[Callable[[], Awaitable[None]]] = []
 
     async def start(self) -> None:
         """Start serving; Redis need not be up (readiness stays false until workers are seen)."""
         await self.broker.start()
+        self.runtime.start(self.broker.supervisor)
         try:
             await self.refresh_readiness()
         except (RedisError, OSError) as exc:
@@ -70,9 +83,11 @@ class GatewayState:
                  ", ".join(sorted(self.catalog.views)))
 
     async def stop(self) -> None:
+        await asyncio.gather(*(drain() for drain in self.drains))
         if self._refresher:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
+        await self.runtime.stop()
         await self.broker.stop()
         self.jobs.client.close()
 

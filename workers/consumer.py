@@ -22,7 +22,9 @@ from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import unrecoverable
+from fleet.redis_time import RedisClock
 from fleet.stats import BatchSample, field, increments
+from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,10 @@ class Written:
 
 
 class StreamConsumer:
-    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str, lanes: int = 1) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str, lanes: int = 1,
+                 redis_clock: RedisClock | None = None) -> None:
         self._client = client
+        self._redis_clock = redis_clock or RedisClock()  # stamps traced replies (REPLY_WRITE)
         self._keys = keys
         self.model = model
         self.streams = [keys.queue(model, lane) for lane in range(lanes)]
@@ -163,7 +167,12 @@ class StreamConsumer:
         ttl_cmds = 0
         xadds: list[int] = []  # positions of the XADDs among the pipeline's commands
         for reply_to, indices in by_stream.items():
-            fields = {b"d%d" % n: encode_reply(replies[i][1]) for n, i in enumerate(indices)}
+            fields: dict[bytes, bytes] = {}
+            for n, i in enumerate(indices):
+                reply = replies[i][1]
+                if reply.trace is not None:
+                    reply.trace[REPLY_WRITE] = self._redis_clock.now_ns()
+                fields[b"d%d" % n] = encode_reply(reply)
             xadds.append(len(xadds) + ttl_cmds)
             pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)  # type: ignore[arg-type]
             if now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:

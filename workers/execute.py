@@ -29,6 +29,7 @@ class BatchOutcome:
     # Indices into the batch's envelopes whose result is PoisonRequest: the request crashed its model
     # instance every time it ran alone, so the loop dead-letters its message.
     poisoned: list[int] = field(default_factory=list)
+    started_ns: int = 0  # time.perf_counter_ns() when the batch started (traced requests' COMPUTE_START)
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool) -> InferenceItem:
@@ -144,4 +145,4 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
     t3 = time.perf_counter_ns()
     runnable_at = [i for i in range(len(envs)) if i not in early]
     poisoned = [runnable_at[k] for k, res in enumerate(results) if isinstance(res.error, PoisonRequest)]
-    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned)
+    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned, t0)

@@ -35,6 +35,7 @@ class Heartbeat:
         self._interval_s = interval_s
         self._ttl_ms = int(ttl_s * 1000)
         self.redis_clock = redis_clock or RedisClock()
+        self._calibrated = False  # the first sample_clock takes a burst
         self.ready: list[tuple[str, int]] = []
         self.failed: dict[str, str] = {}
         # A loaded model is advertised only while this says so (its tasks run, it can read its streams,
@@ -64,8 +65,13 @@ class Heartbeat:
             log.warning("heartbeat failed: %s", exc)
 
     async def sample_clock(self) -> None:
+        """A burst of samples the first time (fleet/redis_time.py calibrate), then one per beat."""
         try:
-            await self.redis_clock.sample(self._client)
+            if self._calibrated:
+                await self.redis_clock.sample(self._client)
+            else:
+                await self.redis_clock.calibrate(self._client)
+                self._calibrated = True
         except (RedisError, OSError) as exc:
             log.debug("cannot sample Redis's clock: %s", exc)
 

@@ -35,6 +35,14 @@ from fleet.errors import InvalidInput, RequestTimeout
 from fleet.model_config import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
+from fleet.trace_points import (
+    BATCH_FORMED,
+    COMPUTE_END,
+    COMPUTE_INPUT_END,
+    COMPUTE_OUTPUT_START,
+    COMPUTE_START,
+    WORKER_READ,
+)
 from workers import gil
 from workers.consumer import StreamConsumer
 from workers.custody import Answer, Custody, CustodyConfig, LiveWorkers
@@ -125,6 +133,8 @@ class ModelLoop:
         self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
         self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
         self._lost_ids: set[str] = set()  # claimed by another worker: never acknowledged by this one
+        # Held requests that are traced (the trace extension): while 0, tracing costs a batch one check.
+        self._traced = 0
         self._wake = asyncio.Event()
         self._timer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-timer")
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
@@ -245,6 +255,9 @@ class ModelLoop:
                           enqueued_at_us=min(now, to_local(env.enqueued_at_us)), deadline_us=deadline, rows=rows,
                           shape_key=self.spec.batch_key(env.inputs), delay_on_timeout=delay, aging_from_us=now)
         self._held[pending.request_id] = _Held(message, env, env.version, pending)
+        if env.trace is not None:
+            env.trace[WORKER_READ] = self.redis_clock.now_ns()
+            self._traced += 1
         scheduler.arrive(pending, _order(entry_id), now)
         self._wake.set()
 
@@ -338,6 +351,11 @@ class ModelLoop:
 
     def _job(self, version: int, index: int, batch: Batch) -> Job:
         envs = [self._held[p.request_id].env for p in batch.items]
+        if self._traced:
+            formed = self.redis_clock.now_ns()
+            for env in envs:
+                if env.trace is not None:
+                    env.trace[BATCH_FORMED] = formed
         backend = self.instances[version][index].backend
         job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs))
         self._jobs[(version, batch.id)] = job
@@ -378,15 +396,34 @@ class ModelLoop:
     # ------------------------------------------------------------------ answering
 
     def _forget(self, items: tuple[Pending, ...]) -> list[_Held]:
-        return [self._held.pop(p.request_id) for p in items]
+        held = [self._held.pop(p.request_id) for p in items]
+        if self._traced:
+            self._traced -= sum(1 for h in held if h.env.trace is not None)
+        return held
+
+    def _traced_replies(self, held: list[_Held], replies: list[ReplyEnvelope], outcome: BatchOutcome | None) -> None:
+        """Traced requests' replies carry their timestamps back, with the batch's compute times (the
+        instance measured them on perf_counter: converted here to Redis's clock, ns)."""
+        stamps: dict[str, int] = {}
+        if outcome is not None:
+            start = outcome.started_ns + self.redis_clock.now_ns() - time.perf_counter_ns()
+            stamps = {COMPUTE_START: start, COMPUTE_INPUT_END: start + outcome.compute_input_ns,
+                      COMPUTE_OUTPUT_START: start + outcome.compute_input_ns + outcome.compute_infer_ns,
+                      COMPUTE_END: start + outcome.compute_input_ns + outcome.compute_infer_ns
+                      + outcome.compute_output_ns}
+        for h, reply in zip(held, replies, strict=True):
+            if h.env.trace is not None:
+                reply.trace = h.env.trace | stamps
 
     def _expire(self, items: tuple[Pending, ...], now: int) -> None:
+        traced = self._traced
         held = self._forget(items)
         err = RequestTimeout()
-        answers = [Answer(h.message, h.env.reply_to,
-                          ReplyEnvelope(id=h.env.id, model_version=h.env.version, error_code=err.code.value,
-                                        error_message=err.message))
-                   for h in held]
+        replies = [ReplyEnvelope(id=h.env.id, model_version=h.env.version, error_code=err.code.value,
+                                 error_message=err.message) for h in held]
+        if traced:
+            self._traced_replies(held, replies, None)
+        answers = [Answer(h.message, h.env.reply_to, reply) for h, reply in zip(held, replies, strict=True)]
         self.custody.finish(answers, rejected_samples([h.env for h in held], self._envelope_times(held), now))
 
     def _drop(self, items: tuple[Pending, ...]) -> None:
@@ -400,6 +437,7 @@ class ModelLoop:
         job = self._jobs.pop((version, batch_id))
         result, started_us = self._outcomes.pop((version, batch_id))
         batch: Batch = job.batch
+        traced = self._traced
         held = self._forget(batch.items)
         self._lost_ids -= {h.pending.request_id for h in held}
         if isinstance(result, BaseException):
@@ -411,6 +449,8 @@ class ModelLoop:
         envs = [h.env for h in held]
         sample = batch_sample(version, self.spec.max_batch_size > 0, envs, result,
                               self._envelope_times(held), started_us, self.clock.now_us())
+        if traced:
+            self._traced_replies(held, result.replies, result)
         poisoned = set(result.poisoned)
         answers = [Answer(h.message, h.env.reply_to, reply,
                           park=reply.error_message if i in poisoned else None,

@@ -23,6 +23,7 @@ from fleet.redis_clients import async_client, wait_for_redis
 from fleet.redis_time import RedisClock
 from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
+from fleet.settings_watch import follow_log_settings, stop_following
 from workers.backends import load_backend
 from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
@@ -88,6 +89,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
         return 1
     await heartbeat.sample_clock()
     beat_task = asyncio.create_task(heartbeat.run())
+    # The logging extension's settings, as a gateway changes them (read now: they may have changed before).
+    settings_task = asyncio.create_task(follow_log_settings(url, keys, settings))
 
     loops: list[ModelLoop] = []
     tasks: list[asyncio.Task[None]] = []
@@ -134,7 +137,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
             continue
         # Each model reads on its own connections (a pool): its readers block in XREADGROUP.
         client = async_client(url)
-        consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec))
+        consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec), redis_clock=redis_clock)
         loop = ModelLoop(entry.spec, instances, consumer, SystemClock(), redis_clock, config,
                          on_hung=exit_hung, on_health=beat_now, on_give_up=fail,
                          live_workers=heartbeat.live_workers)
@@ -156,6 +159,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     await heartbeat.clear()
     beat_task.cancel()
     cancel_task.cancel()
+    await stop_following(settings_task)
     for loop in loops:
         loop.stop()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,6 +8,7 @@
     recovery.py  queueing runs, and re-queueing jobs whose runner died (the janitor)
     worker.py    the `fleet jobs-worker` entry point: RQ worker + janitor, outlives Redis outages
 
-The gateway keeps only what its process runs (gateway/jobs/: the HTTP routes and the service that
-validates and enqueues jobs) and imports the shared pieces from here.
+The gateway keeps only what its process runs (gateway/jobs/: the HTTP routes, the service that
+validates and enqueues jobs, and the upload decoder that bounds and decompresses uploads) and imports
+the shared pieces from here.
 """

@@ -16,6 +16,12 @@ restart without AOF.
 Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
 the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
 first reply wins and later duplicates are dropped, and each item is written once, in input order.
+
+Failure: an item that cannot be read, parsed, encoded or computed is that item's error, and the job goes
+on. The job itself fails when more than `max_failures` items failed, or, when `max_failures` is not set,
+fast: as soon as the first FAIL_FAST_ITEMS items (all of them, in a smaller job) have all failed, since
+then the input does not fit the model (a wrong shape, datatype or input name on every line) and the
+rest would fail the same way. Failures are also counted by message (bounded), for the job's summary.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ import redis
 
 from fleet.admission import bulk_lane, level_lane
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, decode_reply, encode_request
-from fleet.errors import InvalidInput
+from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
-from fleet.jobs.records import CANCELLED, COMPLETED, FAILED
+from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
 from fleet.model_config import ModelSpec
 from fleet.redis_time import RedisClock
 
@@ -48,6 +54,9 @@ SAVE_INTERVAL_S = 0.25
 READ_BLOCK_MS = 50
 RESULTS_TTL_S = 3600  # refreshed while the job runs; a dead job's results stream disappears
 INTERRUPTED = "interrupted"
+# Without max_failures, a job whose first this many items (or all, if fewer) all failed fails at once.
+FAIL_FAST_ITEMS = 100
+INT64 = (-(2**63), 2**63 - 1)
 
 # Set when this job worker is asked to stop (SIGTERM): the runner saves its progress and returns, the
 # job stays `running` with its lease released, and the next job worker resumes it.
@@ -94,6 +103,18 @@ class Feed:
         self.max_failures = record.get("max_failures")
         self.done = int(record.get("done") or 0)
         self.failed = int(record.get("failed") or 0)
+        total = int(record.get("total") or 0)
+        explicit = self.max_failures is not None and self.max_failures >= 0
+        # The fail-fast check runs when a failure brings `done` to this many with none succeeded.
+        self.fail_fast_at = None if explicit or total == 0 else min(FAIL_FAST_ITEMS, total)
+        self.unit = "lines" if source.kind == "jsonl" else "rows"
+        self.error_counts = ErrorCounts.from_json(record.get("error_counts"))
+        self.counts_saved = True
+        # Why the job fails fast, set when the all-failed prefix is complete (the counts as of then). A run
+        # that stopped right after such a prefix was written, before it could act on it, acts now.
+        self.fail_fast: str | None = None
+        if self.fail_fast_at is not None and self.failed == self.done >= self.fail_fast_at:
+            self.fail_fast = self._fail_fast_reason()
         self.in_offset = int(record.get("in_offset") or 0)
         self.out_offset = int(record.get("out_offset") or 0)
         max_rows = spec.max_batch_size if spec.max_batch_size > 0 else 1
@@ -120,11 +141,11 @@ class Feed:
         while True:
             self._feed()
             self._write_ready()
-            if self.max_failures is not None and 0 <= self.max_failures < self.failed:
+            reason = self._failure()
+            if reason is not None:
                 self._save()
                 self._drop_queued()
-                self.runner.finish_state(FAILED, f"{self.failed} items failed (max_failures {self.max_failures})")
-                return FAILED
+                return FAILED if self.runner.finish_state(FAILED, reason) else CANCELLED
             if self.exhausted and not self.order:
                 self._save()
                 return COMPLETED
@@ -160,22 +181,32 @@ class Feed:
         self._send(batch)
 
     def _send(self, groups: list[_Group]) -> None:
-        """XADD each group's request (again, for a resend: same request id) and start its reply timer."""
+        """XADD each group's request (again, for a resend: same request id) and start its reply timer. A
+        request that cannot be encoded fails its items here (they share its parameters), never the job."""
         if not groups:
             return
         pipe = self.runner.client.pipeline(transaction=False)
         now_us = self.redis_clock.to_redis(self.redis_clock.now_us())
+        sent: list[_Group] = []
         for group in groups:
             first = group.items[0]
             env = RequestEnvelope(id=group.request_id, model=self.model, version=self.version, inputs=pack(group.items),
                                   reply_to=self.runner.results, enqueued_at_us=now_us, outputs=first.outputs,
                                   parameters=first.parameters, priority=self.priority, client_id=first.client_id)
-            pipe.xadd(self.stream, {b"d": encode_request(env)})
+            try:
+                payload = encode_request(env)
+            except (ServingError, OverflowError, ValueError, TypeError) as exc:
+                group.errors = [_unencodable(first, exc)] * len(group.items)
+                continue
+            pipe.xadd(self.stream, {b"d": payload})
             self.by_id[group.request_id] = group
+            sent.append(group)
+        if not sent:
+            return
         pipe.expire(self.runner.results, RESULTS_TTL_S)
         ids = pipe.execute()
         sent_at = time.monotonic()
-        for group, entry_id in zip(groups, ids, strict=False):
+        for group, entry_id in zip(sent, ids, strict=False):
             group.entry = entry_id
             group.sent_at = sent_at
         self.next_check = min(self.next_check, sent_at + self.reply_timeout_s)
@@ -265,22 +296,51 @@ class Feed:
                             self.sink.write(item, outputs, None, self.model, self.version)
                         except InvalidInput as exc:  # the writer rejected the reply (shape, missing output)
                             error = exc.message
+                            self.sink.write(item, None, error, self.model, self.version)  # its line still
                     else:
                         self.sink.write(item, None, error, self.model, self.version)
-                    if error is not None:
-                        self.failed += item.count
-                        self.errors.append((item.line, error))
                     self.done += item.count
                     self.in_offset = item.end_offset
+                    if error is not None:
+                        self._on_failed(item, error)
+
+    def _on_failed(self, item: InputItem, error: str) -> None:
+        """Count a written failure; only failures pay for this, the success path stays as it was."""
+        self.failed += item.count
+        if self.failed - item.count < ERROR_SAMPLES:  # the record keeps the first samples only
+            self.errors.append((item.line, error))
+        self.error_counts.add(error, item.count)
+        self.counts_saved = False
+        # `failed == done`: nothing has succeeded yet, so this failure completes an all-failed prefix.
+        if self.fail_fast is None and self.fail_fast_at is not None and self.failed == self.done >= self.fail_fast_at:
+            self.fail_fast = self._fail_fast_reason()
+
+    def _fail_fast_reason(self) -> str:
+        n = self.done
+        which = f"all {n} {self.unit}" if n < FAIL_FAST_ITEMS else f"the first {n} {self.unit} all"
+        return f"{which} failed; {self.error_counts.most_common_text(self.unit)}"
+
+    def _failure(self) -> str | None:
+        """Why the job fails now, or None: the fail-fast rule, or more than max_failures failed."""
+        if self.fail_fast is not None:
+            return self.fail_fast
+        if self.max_failures is not None and 0 <= self.max_failures < self.failed:
+            return (f"{self.failed} items failed (max_failures {self.max_failures}); "
+                    f"{self.error_counts.most_common_text('items')}")
+        return None
 
     # -- progress, lease, cancel, failure threshold
 
     def _save(self) -> None:
         self.out_offset = self.sink.flush()  # first the output, then the record that describes it
         errors, self.errors = self.errors, []
-        self.runner.store.update(self.runner.job_id, {
+        fields: dict[str, Any] = {
             "done": self.done, "failed": self.failed, "written": self.done, "in_offset": self.in_offset,
-            "out_offset": self.out_offset, "updated_at": time.time()}, errors)
+            "out_offset": self.out_offset, "updated_at": time.time()}
+        if not self.counts_saved:
+            fields["error_counts"] = self.error_counts.to_json()
+            self.counts_saved = True
+        self.runner.store.update(self.runner.job_id, fields, errors)
 
     def _sample_clock(self) -> None:
         try:
@@ -306,3 +366,15 @@ class Feed:
         if entries:
             self.runner.client.xdel(self.stream, *entries)
         self.by_id.clear()
+
+
+def _unencodable(item: InputItem, exc: Exception) -> str:
+    """What the client sent that the envelope cannot carry (msgpack: integers beyond 64 bits)."""
+    if isinstance(exc, ServingError):
+        return exc.message
+    for key, value in item.parameters.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            return f"parameter '{key}' is outside the signed 64-bit integer range"
+    if isinstance(exc, OverflowError):
+        return "the request holds an integer outside the 64-bit range"
+    return "the request cannot be encoded for the model's queue"

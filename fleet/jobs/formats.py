@@ -8,7 +8,7 @@ in `inputs` (JSONL/.npy/.npz readers), `packing` (multi-row requests and reply s
 from __future__ import annotations
 
 from fleet.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
-from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output
+from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output, remove_output
 from fleet.jobs.packing import explode, group_items, pack, unpack
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "open_input",
     "open_output",
     "pack",
+    "remove_output",
     "unpack",
 ]

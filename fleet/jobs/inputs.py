@@ -5,10 +5,13 @@ unread item), so an interrupted job restarts where it stopped without rereading 
 here loads a whole file: JSONL is read line by line, .npy is memory-mapped, and .npz members are read
 row by row from the zip stream. A line that cannot be sent becomes an item with `error` set, so the
 runner records it as failed in order; a file that cannot be read at all raises InvalidInput at open.
+A JSONL line longer than the job's line limit is such an item too: it is skipped in bounded chunks,
+never held whole, so one huge line costs the job worker no more memory than a line at the limit.
 """
 
 from __future__ import annotations
 
+import logging
 import zipfile
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -25,7 +28,10 @@ from fleet.errors import InvalidInput, ServingError
 from fleet.kserve import parse_infer
 from fleet.model_config import ModelSpec, TensorSpec
 
-CHUNK_BYTES = 1 << 20  # count() and the resume line count read the file this much at a time
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # count(), the resume line count and skipping a too-long line read this much at a time
+DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # Settings.max_job_line_bytes' default
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 ARRAY_SUFFIXES = frozenset({".npy", ".npz"})
 
@@ -62,8 +68,9 @@ class JobInput(Protocol):
     def close(self) -> None: ...
 
 
-def open_input(path: Path, spec: ModelSpec) -> JobInput:
-    """Pick the reader by suffix; raises InvalidInput for a missing file or an unknown format."""
+def open_input(path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> JobInput:
+    """Pick the reader by suffix; raises InvalidInput for a missing file or an unknown format.
+    `max_line_bytes` bounds one JSONL line (without its newline); a longer line is an item with `error`."""
     suffix = path.suffix.lower()
     if suffix not in JSONL_SUFFIXES | ARRAY_SUFFIXES:
         raise InvalidInput(
@@ -75,7 +82,7 @@ def open_input(path: Path, spec: ModelSpec) -> JobInput:
         return NpyInput(path, spec)
     if suffix == ".npz":
         return NpzInput(path, spec)
-    return JsonlInput(path, spec)
+    return JsonlInput(path, spec, max_line_bytes)
 
 
 # ---------------------------------------------------------------- JSONL
@@ -110,15 +117,17 @@ class JsonlInput:
 
     kind = "jsonl"
 
-    def __init__(self, path: Path, spec: ModelSpec) -> None:
+    def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self.path = path
         self._spec = spec
         self._parse = parse_infer  # a line is exactly an /infer body
+        self._max_line_bytes = max_line_bytes
 
     def count(self) -> int:
         return count_lines(self.path)
 
     def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
+        limit = self._max_line_bytes
         with self.path.open("rb") as f:
             line = _newlines_before(f, start_offset)
             if start_offset > 0:
@@ -127,9 +136,19 @@ class JsonlInput:
                     raise InvalidInput(f"resume offset {start_offset} is not at a line start of '{self.path.name}'")
             f.seek(start_offset)
             index, offset = start_index, start_offset
-            for raw in f:
-                offset += len(raw)
+            # readline(limit + 1) never buffers more than the limit: a longer line comes back cut short,
+            # without its newline, and the rest of it is skipped in bounded chunks.
+            while raw := f.readline(limit + 1):
                 line += 1
+                if len(raw) > limit and raw[-1:] != b"\n":
+                    size, ended, blank = _skip_line(f, raw)
+                    offset += size
+                    if not blank:  # count_lines() skips a blank line however long: so does the index
+                        error = f"line {line} is {size - ended} bytes, over the limit of {limit} bytes per line"
+                        yield InputItem(index, line, offset, None, error=error)
+                        index += 1
+                    continue
+                offset += len(raw)
                 body = raw.strip()
                 if body:
                     yield self._item(index, line, offset, body)
@@ -145,11 +164,27 @@ class JsonlInput:
             return InputItem(index, line, end_offset, None, error=exc.message)
         except RecursionError:
             return InputItem(index, line, end_offset, None, error="failed to parse the request JSON: nested too deeply")
+        except Exception:  # a parser bug must cost one line, and its message (Python internals) stays in the log
+            log.exception("job input %s line %d: unexpected parser failure", self.path.name, line)
+            return InputItem(index, line, end_offset, None,
+                             error="the line could not be read as a KServe v2 infer request body")
         first = parsed.inputs[0].shape
         rows = max(1, first[0]) if self._spec.max_batch_size > 0 and first else 1
         return InputItem(
             index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters, rows=rows
         )
+
+
+def _skip_line(f: IO[bytes], head: bytes) -> tuple[int, int, bool]:
+    """Read past the rest of a too-long line, CHUNK_BYTES at a time: (its bytes with the newline, 1 if a
+    newline ended it, whether it is blank)."""
+    size, blank = len(head), not head.strip()
+    while chunk := f.readline(CHUNK_BYTES):
+        size += len(chunk)
+        blank = blank and not chunk.strip()
+        if chunk[-1:] == b"\n":
+            return size, 1, blank
+    return size, 0, blank
 
 
 # ---------------------------------------------------------------- arrays

@@ -5,6 +5,10 @@ runner stores with its cursor: reopening with that offset drops whatever was wri
 resumed job produces the same file as an uninterrupted one. JSONL lines are the online /infer JSON
 response (same `data` rendering) plus the item's `line`; array writers fill preallocated memmaps,
 so memory stays flat whatever the job size.
+
+A job that ends `failed` keeps its output (`finish(partial=True)`): JSONL holds the lines written before
+it stopped, arrays hold every row with the rows never written flagged in `failed`. A cancelled job's
+output is removed (`remove_output`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,23 @@ class JobOutput(Protocol):
 
     def flush(self) -> int: ...
 
-    def finish(self) -> None: ...
+    def finish(self, partial: bool = False) -> None:
+        """Make the output final; `partial`: the job stopped early (failed), keep what was written."""
+        ...
 
     def close(self) -> None: ...
+
+
+def remove_output(path: Path) -> None:
+    """Delete a job's output, whatever its format and however far it got (a cancelled job's), and its
+    directory if that leaves it empty."""
+    for extra in (path, Path(f"{path}.failed.npy"), Path(f"{path}.tmp")):
+        extra.unlink(missing_ok=True)
+    shutil.rmtree(Path(f"{path}.parts"), ignore_errors=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass  # not empty (or already gone): someone else's files stay
 
 
 def open_output(path: Path, kind: str, spec: ModelSpec, total: int, resume_offset: int = 0) -> JobOutput:
@@ -88,12 +106,19 @@ class JsonlOutput:
                 doc["id"] = item.client_id
             doc["model_name"] = model
             doc["model_version"] = str(version)
-            doc["outputs"] = [
-                {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
-                 "data": self._json_data(t, tensors.lookup(t.datatype))}
-                for t in outputs or ()
-            ]
-        line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+            try:
+                doc["outputs"] = [
+                    {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+                     "data": self._json_data(t, tensors.lookup(t.datatype))}
+                    for t in outputs or ()
+                ]
+            except InvalidInput as exc:  # NaN, infinity, non-UTF-8 BYTES: the /infer advice (binary) is
+                # not open to a JSONL job, so its line says only what JSON cannot carry.
+                raise InvalidInput(f"{exc.message.split('; ')[0]} (a JSONL job's output is JSON only)") from None
+        try:  # allow_nan=False: never a line that is not JSON, whatever json_data lets through
+            line = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+        except ValueError:
+            raise InvalidInput("the response holds NaN or infinity, which JSON cannot represent") from None
         self._file.write(line)
         self._offset += len(line)
 
@@ -101,7 +126,7 @@ class JsonlOutput:
         self._file.flush()
         return self._offset
 
-    def finish(self) -> None:
+    def finish(self, partial: bool = False) -> None:
         self.close()
 
     def close(self) -> None:
@@ -214,7 +239,9 @@ class _ArrayOutput:
             array.flush()
         self._mask().flush()
 
-    def finish(self) -> None:
+    def finish(self, partial: bool = False) -> None:
+        if partial:
+            self._mask()[self._rows:] = True  # never written: flagged, so no row reads as a result
         self.close()
 
     def close(self) -> None:
@@ -249,8 +276,10 @@ class NpzOutput(_ArrayOutput):
         files = [self.parts / f"{ts.name}.npy" for ts in spec.outputs]
         super().__init__(path, spec, total, resume_offset, spec.outputs, files, self.parts / f"{FAILED}.npy")
 
-    def finish(self) -> None:
+    def finish(self, partial: bool = False) -> None:
         """Write `<path>` atomically from the parts, then remove the parts directory."""
+        if partial:
+            self._mask()[self._rows:] = True
         self._sync()
         arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
         tmp = Path(f"{self.path}.tmp")

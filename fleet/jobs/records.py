@@ -4,6 +4,8 @@ function and the gateway calls these through a thread; none of it is on the infe
 
 States: queued -> running -> completed | failed | cancelled. A running job whose runner died goes back
 to being run by another job worker (fleet/jobs/recovery.py); its progress fields say where it stopped.
+Failed items are kept two ways: the first ERROR_SAMPLES as samples (line and message), and all of them
+counted by message in the record's `error_counts` (ErrorCounts), which the summary's `common_errors` shows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from fleet.keys import Keys
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 ERROR_SAMPLES = 20
+# Distinct messages counted per job (a file of garbage has as many messages as lines); past it, the rest
+# are counted under OTHER_ERRORS. Messages are cut at MAX_ERROR_CHARS (a model's error may be long).
+MAX_ERROR_KINDS = 50
+MAX_ERROR_CHARS = 500
+OTHER_ERRORS = "(other errors)"
+COMMON_ERRORS = 5  # shown in a job's summary
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 # KEYS = job hash, index, unfinished set; ARGV[1] = score, ARGV[2] = id, then field/value pairs.
@@ -122,6 +130,49 @@ class JobStore:
         return [json.loads(r) for r in raw]
 
 
+class ErrorCounts:
+    """A job's failed items counted by error message: bounded, saved in its record as JSON."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: dict[str, int] | None = None) -> None:
+        self.counts: dict[str, int] = counts or {}
+
+    @classmethod
+    def from_json(cls, raw: str | None) -> ErrorCounts:
+        if not raw:
+            return cls()
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return cls()  # a damaged field costs the summary, never the job
+        if not isinstance(doc, dict):
+            return cls()
+        return cls({str(k): int(v) for k, v in doc.items() if isinstance(v, int)})
+
+    def to_json(self) -> str:
+        return json.dumps(self.counts, separators=(",", ":"))
+
+    def add(self, message: str, n: int = 1) -> None:
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + "..."
+        counts = self.counts
+        if message not in counts and len(counts) >= MAX_ERROR_KINDS:
+            message = OTHER_ERRORS
+        counts[message] = counts.get(message, 0) + n
+
+    def most_common(self, k: int = COMMON_ERRORS) -> list[tuple[str, int]]:
+        """The `k` most frequent messages with their counts, most frequent first (ties: by message)."""
+        return sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+    def most_common_text(self, unit: str) -> str:
+        top = self.most_common(1)
+        if not top:
+            return "no error recorded"
+        message, count = top[0]
+        return f"most common error ({count} {unit}): {message}"
+
+
 def decode_record(raw: Mapping[Any, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {}
     for key, value in raw.items():
@@ -155,6 +206,8 @@ def view(record: Mapping[str, Any], errors: list[dict[str, Any]], now: float | N
         "failed": int(record.get("failed") or 0), "written": int(record.get("written") or 0),
         "throughput": round(throughput, 1), "eta_s": None if eta is None else round(eta, 1),
         "errors": errors, "error": record.get("error") or "",
+        "common_errors": [{"error": message, "count": count}
+                          for message, count in ErrorCounts.from_json(record.get("error_counts")).most_common()],
         "created_at": record.get("created_at"), "started_at": record.get("started_at"),
         "finished_at": record.get("finished_at"), "attempts": int(record.get("attempts") or 0),
         "max_failures": record.get("max_failures"),

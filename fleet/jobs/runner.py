@@ -30,8 +30,9 @@ import redis
 
 from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.feed import STOP, Feed
-from fleet.jobs.formats import open_input, open_output
-from fleet.jobs.records import COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
+from fleet.jobs.formats import open_input, open_output, remove_output
+from fleet.jobs.inputs import DEFAULT_MAX_LINE_BYTES
+from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
 from fleet.keys import Keys
 from fleet.model_config import ModelSpec
 from fleet.repository import scan
@@ -63,24 +64,27 @@ class JobOptions:
     window_rows: int
     lease_ms: int
     reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # one JSONL line; a longer one is that line's error
 
     @classmethod
     def from_settings(cls, settings: Settings) -> JobOptions:
         return cls(key_prefix=settings.key_prefix,
                    model_repositories=[str(Path(r).resolve()) for r in settings.model_repositories],
                    window_rows=settings.job_window_rows, lease_ms=settings.job_lease_ms,
-                   reply_timeout_s=settings.job_reply_timeout_s)
+                   reply_timeout_s=settings.job_reply_timeout_s, max_line_bytes=settings.max_job_line_bytes)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> JobOptions:
+        # .get(): RQ runs queued before an option existed carry no value for it
         return cls(key_prefix=str(doc["key_prefix"]), model_repositories=[str(r) for r in doc["model_repositories"]],
                    window_rows=int(doc["window_rows"]), lease_ms=int(doc["lease_ms"]),
-                   reply_timeout_s=float(doc.get("reply_timeout_s", DEFAULT_REPLY_TIMEOUT_S)))
+                   reply_timeout_s=float(doc.get("reply_timeout_s", DEFAULT_REPLY_TIMEOUT_S)),
+                   max_line_bytes=int(doc.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)))
 
     def to_json(self) -> dict[str, Any]:
         return {"key_prefix": self.key_prefix, "model_repositories": self.model_repositories,
                 "window_rows": self.window_rows, "lease_ms": self.lease_ms,
-                "reply_timeout_s": self.reply_timeout_s}
+                "reply_timeout_s": self.reply_timeout_s, "max_line_bytes": self.max_line_bytes}
 
 
 def run_job(job_id: str, options: dict[str, Any]) -> str:
@@ -113,6 +117,8 @@ class JobRunner:
         try:
             record = self.store.get(self.job_id)
             if record is None or record["state"] in TERMINAL:
+                if record is not None and record["state"] == CANCELLED:
+                    self._remove_output(record)  # cancelled while no runner held it: nobody else cleans up
                 return "nothing to do"
             now = time.time()
             if not self.store.transition(self.job_id, RUNNING, (QUEUED, RUNNING), {
@@ -125,14 +131,22 @@ class JobRunner:
                 raise  # the record cannot be updated; the lease lapses and another runner resumes
             except Exception as exc:
                 log.exception("job %s failed", self.job_id)
-                message = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+                # A ServingError says what is wrong with the job; anything else is a fault of ours, whose
+                # Python details belong in the job worker's log, not in the job's record.
+                message = (exc.message if isinstance(exc, ServingError)
+                           else f"internal error in the job runner ({type(exc).__name__}); see the job worker's log")
                 self.finish_state(FAILED, message)
                 return f"failed: {message}"
         finally:
             self.client.eval(_RELEASE, 1, self.lease, self.token)
 
-    def finish_state(self, state: str, error: str = "") -> None:
-        self.store.transition(self.job_id, state, (RUNNING,), {"finished_at": time.time(), "error": error})
+    def finish_state(self, state: str, error: str = "") -> bool:
+        """Running -> `state`; False if the job is no longer running (cancelled meanwhile)."""
+        return self.store.transition(self.job_id, state, (RUNNING,), {"finished_at": time.time(), "error": error})
+
+    def _remove_output(self, record: dict[str, Any]) -> None:
+        if record.get("output"):
+            remove_output(Path(record["output"]))
 
     def _spec(self, model: str) -> ModelSpec:
         repository = scan([Path(r) for r in self.options.model_repositories])
@@ -145,10 +159,10 @@ class JobRunner:
 
     def _run(self, record: dict[str, Any]) -> str:
         spec = self._spec(record["model"])
-        source = open_input(Path(record["input"]), spec)
+        source = open_input(Path(record["input"]), spec, self.options.max_line_bytes)
         total = record.get("total")
         if total is None:
-            total = source.count()
+            total = record["total"] = source.count()
             self.store.update(self.job_id, {"total": total})
         sink = open_output(Path(record["output"]), record["output_format"], spec, total,
                            resume_offset=record.get("out_offset") or 0)
@@ -161,9 +175,14 @@ class JobRunner:
             source.close()
         if outcome == COMPLETED:
             sink.finish()
-            self.finish_state(COMPLETED)
+            if not self.finish_state(COMPLETED):  # cancelled between the last item and here
+                outcome = CANCELLED
+        elif outcome == FAILED:
+            sink.finish(partial=True)  # a failed job keeps what it wrote: its completed items are results
         else:
             sink.close()
+        if outcome == CANCELLED:
+            self._remove_output(record)  # nobody may download it: it only takes disk space
         self.client.delete(self.results)
         return outcome
 

@@ -5,49 +5,81 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from fleet.errors import InvalidInput, VersionNotFound
+from fleet.errors import InvalidInput, TooLarge, VersionNotFound
 from gateway.jobs import service
+from gateway.jobs.uploads import UploadDecoder
 from gateway.routes import json_response, state_of
 
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "npy": "application/octet-stream", "npz": "application/octet-stream"}
+MAX_JOB_REQUEST_BYTES = 1 << 20  # a job's description (its input is uploaded, or named by path)
 
 
 async def upload(request: Request) -> Response:
-    """The raw request body becomes a file the next POST /v2/jobs can name as {"upload": token}."""
+    """The raw request body becomes a file the next POST /v2/jobs can name as {"upload": token}.
+
+    Stored decompressed (Content-Encoding gzip/deflate, a `.gz` name) and at most max_upload_bytes, as
+    received and as stored: past it, 413 and the partial file is deleted. Chunked bodies announce no
+    length, so the bound is counted here as the body streams in."""
+    st = state_of(request)
     name = request.query_params.get("name", "")
-    token, path = service.upload_path(state_of(request).jobs, name)
-    size = 0
+    token, path, gzipped = service.upload_path(st.jobs, name)
+    decoder = UploadDecoder(st.settings.max_upload_bytes, request.headers.get("content-encoding"),
+                            name if gzipped else None)
     partial = path.with_name(path.name + ".part")
     try:
         with partial.open("wb") as f:
             async for chunk in request.stream():
-                f.write(chunk)
-                size += len(chunk)
+                for piece in decoder.feed(chunk):
+                    f.write(piece)
+            decoder.finish()
         partial.rename(path)
     finally:
-        partial.unlink(missing_ok=True)
-    return json_response({"upload": token, "bytes": size}, 201)
+        partial.unlink(missing_ok=True)  # refused, failed or abandoned mid-body: nothing is left behind
+    return json_response({"upload": token, "bytes": decoder.stored, "received": decoder.received}, 201)
+
+
+async def _job_request_body(request: Request) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_JOB_REQUEST_BYTES:
+            raise TooLarge(f"the job request is over {MAX_JOB_REQUEST_BYTES} bytes: upload the input "
+                           "(POST /v2/jobs/uploads) and name it by its token")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _load_job_request(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        if "int_max_str_digits" in str(exc):  # Python's own advice would be no use to the client
+            raise InvalidInput("the job request holds a number with too many digits") from None
+        raise InvalidInput(f"the job request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("the job request is not valid JSON: nested too deeply") from None
 
 
 async def create(request: Request) -> Response:
     st = state_of(request)
-    try:
-        doc = json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidInput(f"the job request is not valid JSON: {exc}") from exc
+    doc = _load_job_request(await _job_request_body(request))
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise InvalidInput("a job needs at least {\"model\": ..., \"input\": ...}")
     view = st.catalog.view(doc["model"])  # unknown model: 400, as for inference
     versions = view.entry.versions
     raw_version = str(doc.get("version") or "")
     if raw_version:
-        if not raw_version.isdigit() or int(raw_version) not in versions:
-            raise VersionNotFound(doc["model"], raw_version)
+        # ASCII digits only ("²".isdigit() is true) and short enough to be a version at all
+        digits = raw_version.isascii() and raw_version.isdigit() and len(raw_version) <= 18
+        if not digits or int(raw_version) not in versions:
+            raise VersionNotFound(doc["model"], raw_version[:40])
         version = int(raw_version)
     else:
         if not versions:

@@ -4,6 +4,7 @@ the RQ setup they share with the job workers live in fleet/jobs/."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,8 +14,8 @@ from typing import Any
 import redis
 
 from fleet.errors import InvalidInput, NotFound, NotReadyYet
-from fleet.jobs.formats import open_input
-from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
+from fleet.jobs.formats import open_input, remove_output
+from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobStore, check_id, view
 from fleet.jobs.recovery import queue_run
 from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
@@ -24,6 +25,9 @@ from fleet.settings import Settings
 
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".npy": "array", ".npz": "array"}
 OUTPUT_FORMATS = {"jsonl": ".jsonl", "npy": ".npy", "npz": ".npz"}
+GZIP_SUFFIX = ".gz"  # an upload named like this is decompressed as it arrives (gateway/jobs/uploads.py)
+# Numeric job fields, like request parameters, travel as signed 64-bit integers (msgpack, Redis).
+MAX_INT64 = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,10 @@ def _input_path(ctx: JobsContext, spec_input: Any) -> Path:
                                "FLEET_JOB_INPUT_DIRS") from None
         if not path.is_file():
             raise InvalidInput(f"input file {spec_input!r} does not exist on the gateway")
+        if path.suffix.lower() == GZIP_SUFFIX:
+            # A job reads its input from a byte offset when it resumes, which a gzip stream cannot seek to.
+            raise InvalidInput(f"input file {spec_input!r} is compressed: jobs read uncompressed files; "
+                               "decompress it, or upload it (an upload named .gz is decompressed on arrival)")
         return path
     raise InvalidInput("'input' must be a file path or {\"upload\": \"<token>\"}")
 
@@ -74,9 +82,15 @@ def _int_field(doc: dict[str, Any], name: str, default: int | None) -> int | Non
     value = doc.get(name, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(f"'{name}' must be a non-negative integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT64:
+        raise InvalidInput(f"'{name}' must be an integer from 0 to {MAX_INT64}, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value in an error message, cut short (a 4,000-digit number is not worth echoing)."""
+    text = json.dumps(value) if isinstance(value, (bool, float, str, list, dict)) or value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: int) -> tuple[dict[str, Any], bool]:
@@ -129,31 +143,60 @@ def list_jobs(ctx: JobsContext, limit: int = 100) -> list[dict[str, Any]]:
 
 def cancel_job(ctx: JobsContext, job_id: str) -> dict[str, Any]:
     """Cancel a queued or running job. Its runner sees the state within a fraction of a second, stops
-    feeding and deletes its requests still queued on the lane; a queued run exits at once."""
-    if ctx.store.get(job_id) is None:
-        raise NotFound(f"unknown job '{job_id}'")
-    ctx.store.transition(job_id, CANCELLED, (QUEUED, RUNNING), {"finished_at": time.time()})
-    return get_job(ctx, job_id)
-
-
-def results_path(ctx: JobsContext, job_id: str) -> tuple[Path, str]:
+    feeding, deletes its requests still queued on the lane and its partial output; a queued run exits at
+    once. With no runner holding the job (none started yet, or its job worker died), the output is
+    deleted here: a runner that starts later reads `cancelled` first and writes nothing."""
     record = ctx.store.get(job_id)
     if record is None:
         raise NotFound(f"unknown job '{job_id}'")
-    if record["state"] != COMPLETED:
-        raise NotReadyYet(f"job '{job_id}' is {record['state']}; results are served once it has completed")
-    try:  # the gateway wrote it there; a record pointing elsewhere (edited, or another jobs_dir) is not served
-        output = contained(ctx.jobs_dir, record["output"])
-    except InvalidInput:
-        raise NotFound(f"the results of job '{job_id}' are not in this gateway's jobs directory") from None
+    cancelled = ctx.store.transition(job_id, CANCELLED, (QUEUED, RUNNING), {"finished_at": time.time()})
+    if cancelled and not ctx.client.exists(ctx.keys.job_lease(job_id)):
+        output = _own_output(ctx, record)
+        if output is not None:
+            remove_output(output)
+    return get_job(ctx, job_id)
+
+
+def _own_output(ctx: JobsContext, record: dict[str, Any]) -> Path | None:
+    """The job's output path if it lies in this gateway's jobs directory (where create_job put it)."""
+    try:
+        return contained(ctx.jobs_dir, record["output"])
+    except (InvalidInput, KeyError):
+        return None
+
+
+def results_path(ctx: JobsContext, job_id: str) -> tuple[Path, str]:
+    """The output of a completed job, or what a failed one wrote before it stopped (JSONL: its lines so
+    far; arrays: every row, those never written flagged in `failed`)."""
+    record = ctx.store.get(job_id)
+    if record is None:
+        raise NotFound(f"unknown job '{job_id}'")
+    state = record["state"]
+    if state == CANCELLED:
+        raise NotReadyYet(f"job '{job_id}' was cancelled; its partial output was deleted")
+    if state not in (COMPLETED, FAILED):
+        raise NotReadyYet(f"job '{job_id}' is {state}; results are served once it has completed (or failed)")
+    # the gateway wrote it there; a record pointing elsewhere (edited, or another jobs_dir) is not served
+    output = _own_output(ctx, record)
+    if output is None:
+        raise NotFound(f"the results of job '{job_id}' are not in this gateway's jobs directory")
+    if state == FAILED and not output.is_file():  # it failed before it could open one
+        raise NotFound(f"job '{job_id}' failed without an output to serve")
     return output, str(record.get("output_format") or "jsonl")
 
 
-def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path]:
-    suffix = Path(name).suffix.lower()
+def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path, bool]:
+    """(token, where to store the upload, whether its name says it is gzip-compressed: `x.jsonl.gz` is
+    stored decompressed as a .jsonl)."""
+    inner = Path(name)
+    gzipped = inner.suffix.lower() == GZIP_SUFFIX
+    if gzipped:
+        inner = inner.with_suffix("")
+    suffix = inner.suffix.lower()
     if suffix not in INPUT_SUFFIXES:
-        raise InvalidInput(f"unsupported upload type {suffix or name!r}: use .jsonl, .npy or .npz")
+        shown = Path(name).suffix or name
+        raise InvalidInput(f"unsupported upload type {shown!r}: use .jsonl, .npy or .npz (each may end in .gz)")
     token = uuid.uuid4().hex  # the file's name is ours: only the (checked) suffix comes from the caller
     directory = ctx.jobs_dir / "uploads"
     directory.mkdir(parents=True, exist_ok=True)
-    return token, directory / f"{token}{suffix}"
+    return token, directory / f"{token}{suffix}", gzipped

@@ -29,6 +29,7 @@ class RunningSystem:
     metrics_url: str
     process: subprocess.Popen[bytes]
     log: Path
+    grpc_url: str = ""  # host:port of the gateway's gRPC service, as tritonclient.grpc takes it
 
     def children(self, role: str) -> list[int]:
         """PIDs of this system's child processes running `fleet <role>`."""
@@ -38,7 +39,7 @@ class RunningSystem:
 @pytest.fixture(scope="session")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     tmp = tmp_path_factory.mktemp("fleet-up")
-    http_port, metrics_port = free_port(), free_port()
+    http_port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     log = tmp / "fleet.log"
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
     # A job whose runner was killed is resumed once its lease lapses: 2 s here instead of 10.
@@ -47,10 +48,11 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     env["FLEET_JOB_INPUT_DIRS"] = json.dumps([str(tmp_path_factory.getbasetemp())])
     cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(ROOT / "model_repository"),
            "--model-repository", str(TRITON_EXAMPLES), "--http-port", str(http_port),
-           "--metrics-port", str(metrics_port), "--data-dir", str(tmp / "data")]
+           "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port), "--data-dir", str(tmp / "data")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-    running = RunningSystem(f"127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics", proc, log)
+    running = RunningSystem(f"127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics", proc, log,
+                            f"127.0.0.1:{grpc_port}")
     deadline = time.monotonic() + 180
     while http_status(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
         if proc.poll() is not None or time.monotonic() > deadline:

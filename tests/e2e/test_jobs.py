@@ -1,17 +1,23 @@
 """Bulk jobs end to end against `fleet up` (real Redis, gateway, worker and RQ job worker processes):
-a 10k-item job on mlp equal to direct computation, bad lines, idempotent ids, cancel, and resume after
-the job worker is killed with SIGKILL mid-job."""
+a 10k-item job on mlp equal to direct computation, bad lines, idempotent ids, cancel (which deletes the
+partial output), resume after the job worker is killed with SIGKILL mid-job, numeric job fields out of
+range, a job whose lines all fail (it fails fast; `fleet submit` exits 1), one with some failed lines
+(`fleet submit` exits 3 and lists the most common errors), and compressed uploads."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -133,6 +139,11 @@ def test_server_paths_outside_the_input_dirs_are_refused(jobs: JobsClient, tmp_p
         assert exc.value.status == 400 and "outside the directories jobs may read" in exc.value.message
 
 
+def jobs_dir(system: RunningSystem) -> Path:
+    """Where `fleet up --data-dir DATA` keeps job uploads and outputs: DATA/jobs (tests/e2e/conftest.py)."""
+    return system.log.parent / "data" / "jobs"
+
+
 def pending_on(system: RunningSystem, model: str) -> float:
     import urllib.request
 
@@ -178,6 +189,12 @@ def test_cancel_stops_feeding_and_drops_queued_items(jobs: JobsClient, system: R
     # worker already holds (a batch or two) still runs. Uncancelled, this job keeps mlp busy for ~16 s
     # more (400k rows at the ~24k rows/s of bench/RESULTS.md), so executions would not stop within 5 s.
     settled = executions_settle(system, quiet_s=0.5, within_s=5.0)
+    # Its partial output is deleted (nobody can download a cancelled job's results).
+    job_dir = jobs_dir(system) / record["id"]
+    deadline = time.monotonic() + 5
+    while job_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not job_dir.exists(), sorted(p.name for p in job_dir.iterdir())
     assert pending_on(system, "mlp") == 0  # its queued requests were deleted, not left to compute
     done = jobs.get(record["id"])["done"]
     assert done < 400_000
@@ -212,14 +229,12 @@ def test_max_failures_fails_the_job(jobs: JobsClient, rows: np.ndarray, tmp_path
     record = jobs.create({"model": "mlp", "input": str(source), "max_failures": 1})
     record = wait_for(jobs, record["id"], finished)
     assert record["state"] == "failed" and "max_failures 1" in record["error"], record
+    assert "most common error (1 items): failed to parse the request JSON" in record["error"], record
     assert record["failed"] == 2
 
 
 def test_fleet_submit_cli_uploads_waits_and_downloads(system: RunningSystem, rows: np.ndarray,
                                                      reference: np.ndarray, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     source, out = tmp_path / "cli.npy", tmp_path / "cli.out.npy"
     np.save(source, rows[:3000])
     done = subprocess.run([sys.executable, "-m", "fleet", "submit", str(source), "--model", "mlp", "-o", str(out),
@@ -248,3 +263,93 @@ def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
     out = tmp_path / "term.out.jsonl"
     jobs.download(record["id"], out)
     check_outputs(read_output(out), reference[:15_000], list(range(1, 15_001)))
+
+
+def submit_cli(system: RunningSystem, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fleet", "submit", *argv, "--url", f"http://{system.url}"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("field", "value"), [("priority", 2**63), ("priority", 2**64 + 1), ("priority", -1),
+                                              ("priority", 1.5), ("priority", "1"), ("max_failures", 2**63),
+                                              ("max_failures", -(2**63) - 1)])
+def test_numeric_job_fields_out_of_range_are_refused_at_submission(
+        jobs: JobsClient, rows: np.ndarray, tmp_path: Path, field: str, value: object) -> None:
+    source = tmp_path / "ok.npy"
+    np.save(source, rows[:10])
+    before = {j["id"] for j in jobs.list()}
+    with pytest.raises(JobsClientError) as exc:
+        jobs.create({"model": "mlp", "input": str(source), field: value, "id": "refused"})
+    assert exc.value.status == 400 and f"'{field}' must be an integer from 0 to {2**63 - 1}" in exc.value.message
+    assert {j["id"] for j in jobs.list()} == before  # refused: nothing was created to fail later
+
+
+def test_numbers_too_long_for_python_are_client_errors_without_python_advice(system: RunningSystem) -> None:
+    url = f"http://{system.url}/v2/jobs"
+    huge = "9" * 5000
+    for body, status in ((f'{{"model": "mlp", "priority": {huge}}}', 400),
+                         (f'{{"model": "mlp", "version": "{huge}", "input": "x"}}', 404),
+                         ('{"model": "mlp", "version": "\u00b2", "input": "x"}', 404)):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == status, response.text
+        assert "sys.set_int_max_str_digits" not in response.text and "Traceback" not in response.text
+
+
+def test_a_job_whose_every_line_has_the_wrong_shape_fails_fast_and_submit_exits_1(
+        jobs: JobsClient, system: RunningSystem, tmp_path: Path) -> None:
+    """The issue's reproduction: 60,000 lines with shape [256] for mlp, whose input is [-1, 256]."""
+    source = tmp_path / "flat.jsonl"
+    line = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [256], "data": [0.5] * 256}]})
+    source.write_text((line + "\n") * 60_000)
+    done = submit_cli(system, str(source), "--model", "mlp", "--server-path", "-o", str(tmp_path / "out.jsonl"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    shape = "unexpected shape for input 'INPUT0' for model 'mlp'. Expected [-1, 256], got [256]"
+    assert f"the first 100 lines all failed; most common error (100 lines): {shape}" in done.stdout, done.stdout
+    record = jobs.get(done.stdout.splitlines()[0].strip())
+    assert record["state"] == "failed" and record["done"] == record["failed"] < 60_000, record
+    assert record["common_errors"] == [{"error": shape, "count": record["failed"]}]
+    assert f"{record['failed']}  {shape}" in done.stdout  # the summary's error table
+
+
+def test_submit_exits_3_when_some_lines_failed_and_lists_the_most_common_errors(
+        system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    source, out = tmp_path / "some-bad.jsonl", tmp_path / "some-bad.out.jsonl"
+    wrong = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]})
+    array = json.dumps([{"inputs": []}])  # a JSON array, not a request object
+    write_jsonl(source, rows[:300], bad={3: wrong, 100: wrong, 200: array})
+    done = submit_cli(system, str(source), "--model", "mlp", "-o", str(out))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "completed: 303 done, 3 failed" in done.stdout
+    table = done.stdout[done.stdout.index("failed items by error, most common first:"):].splitlines()
+    assert table[1].split(None, 1) == ["2", "unexpected shape for input 'INPUT0' for model 'mlp'. Expected "
+                                       "[-1, 256], got [1, 3]"]
+    assert table[2].split(None, 1)[0] == "1" and "must be an object" in table[2]
+    lines = read_output(out)
+    errors = [d["error"] for d in lines if "error" in d]
+    assert len(lines) == 303 and not any("attribute" in e or "Error" in e for e in errors), errors
+    check_outputs([d for d in lines if "error" not in d], reference[:300],
+                  [i + 1 + (i >= 3) + (i >= 100) + (i >= 200) for i in range(300)])
+
+
+def test_compressed_uploads_are_stored_decompressed(jobs: JobsClient, system: RunningSystem, rows: np.ndarray,
+                                                    reference: np.ndarray, tmp_path: Path) -> None:
+    source = tmp_path / "z.jsonl"
+    write_jsonl(source, rows[:500])
+    data = source.read_bytes()
+    # Content-Encoding: gzip on the upload (what an HTTP client's compression sends)
+    response = httpx.post(f"http://{system.url}/v2/jobs/uploads", params={"name": "z.jsonl"},
+                          content=gzip.compress(data), headers={"content-encoding": "gzip"})
+    assert response.status_code == 201 and response.json()["bytes"] == len(data), response.text
+    tokens = [response.json()["upload"]]
+    # a .jsonl.gz file, uploaded as it is (`fleet submit z.jsonl.gz` does this)
+    packed = tmp_path / "z.jsonl.gz"
+    packed.write_bytes(gzip.compress(data))
+    tokens.append(jobs.upload(packed))
+    for token in tokens:
+        record = wait_for(jobs, jobs.create({"model": "mlp", "input": {"upload": token}})["id"], finished)
+        assert record["state"] == "completed" and record["failed"] == 0, record
+        out = tmp_path / f"{token}.jsonl"
+        jobs.download(record["id"], out)
+        check_outputs(read_output(out), reference[:500], list(range(1, 501)))
+    uploads = jobs_dir(system) / "uploads"
+    assert not list(uploads.glob("*.gz")) and not list(uploads.glob("*.part"))

@@ -24,3 +24,17 @@ def test_perf_analyzer_simple(system: RunningSystem) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Request concurrency: 5" in proc.stdout
     assert "Server:" in proc.stdout  # it read our statistics extension
+
+
+def test_perf_analyzer_over_grpc(system: RunningSystem) -> None:
+    """perf_analyzer's gRPC client: ModelMetadata/ModelConfig/ModelStatistics and ModelInfer (it sends
+    triton_enable_empty_final_response on every request), synchronous and with --async."""
+    exe = str(PERF_ANALYZER) if PERF_ANALYZER.exists() else shutil.which("perf_analyzer")
+    assert exe, "perf_analyzer is not installed: run `make perf-analyzer` (make test does)"
+    for mode in ([], ["--async"]):
+        cmd = [exe, "-m", "simple", "-i", "grpc", "-u", system.grpc_url, "--concurrency-range", "1:8:4",
+               "--measurement-interval", "1000", *mode]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "Request concurrency: 5" in proc.stdout
+        assert "Server:" in proc.stdout  # it read the statistics over gRPC

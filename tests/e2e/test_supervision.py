@@ -110,7 +110,8 @@ class Fleet:
 
 def _fleet_up_command(repo: Path, http_port: int, metrics_port: int, data_dir: Path) -> list[str]:
     return [sys.executable, "-m", "fleet", "up", "--model-repository", str(repo), "--http-port", str(http_port),
-            "--metrics-port", str(metrics_port), "--data-dir", str(data_dir), "--workers", "1"]
+            "--metrics-port", str(metrics_port), "--grpc-port", str(free_port()), "--data-dir", str(data_dir),
+            "--workers", "1"]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -75,7 +75,12 @@ async def read_by_a_worker(s: InProcessSystem, model: str, count: int) -> None:
     queue = s.state.keys.queue(model)
 
     async def read() -> bool:
-        return bool((await s.state.client.xpending(queue, GROUP))["pending"] >= count)
+        try:
+            return bool((await s.state.client.xpending(queue, GROUP))["pending"] >= count)
+        except ResponseError as exc:  # the worker has not joined this stream yet (it creates the group)
+            if "NOGROUP" not in str(exc):
+                raise
+            return False
 
     await until(read, 5, f"{count} requests of {model} to be read")
 

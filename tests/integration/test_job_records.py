@@ -1,20 +1,38 @@
 """Bulk job records against a real Redis: idempotent creation, state transitions, progress with error
-samples, survival across a server restart with AOF, and the recovery of a job whose runner died."""
+samples and counts, survival across a server restart with AOF, the recovery of a job whose runner died,
+and what becomes of a cancelled or failed job's output."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore, check_id, view
+from fleet.errors import NotFound, NotReadyYet
+from fleet.jobs.records import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    MAX_ERROR_CHARS,
+    MAX_ERROR_KINDS,
+    OTHER_ERRORS,
+    QUEUED,
+    RUNNING,
+    ErrorCounts,
+    JobStore,
+    check_id,
+    view,
+)
 from fleet.jobs.recovery import recover_orphans
 from fleet.jobs.rq_setup import fetch, jobs_queue
 from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer, start_server
+from gateway.jobs import service
+from gateway.jobs.service import JobsContext
 
 FIELDS = {"model": "mlp", "version": 1, "priority": 0, "input": "/x.npy", "input_kind": "array",
           "output": "/o.npy", "output_format": "npy", "max_failures": -1}
@@ -95,3 +113,69 @@ def test_job_options_travel_as_json_and_older_runs_get_the_default_reply_timeout
     assert JobOptions.from_json(options.to_json()) == options
     queued_before = {k: v for k, v in options.to_json().items() if k != "reply_timeout_s"}  # an RQ job queued
     assert JobOptions.from_json(queued_before).reply_timeout_s == 60.0  # by a version without the option
+    older = {k: v for k, v in options.to_json().items() if k != "max_line_bytes"}
+    assert JobOptions.from_json(older).max_line_bytes == 16 * 1024 * 1024
+
+
+def test_error_counts_rank_messages_and_stay_bounded() -> None:
+    counts = ErrorCounts()
+    counts.add("shape", 3)
+    counts.add("json")
+    counts.add("shape")
+    counts.add("x" * (MAX_ERROR_CHARS + 50))
+    assert counts.most_common(2) == [("shape", 4), ("json", 1)]
+    assert max(len(m) for m in counts.counts) == MAX_ERROR_CHARS + 3
+    for i in range(3 * MAX_ERROR_KINDS):  # a file of garbage: every line its own message
+        counts.add(f"garbage at column {i}")
+    assert len(counts.counts) == MAX_ERROR_KINDS + 1 and counts.counts[OTHER_ERRORS] == 3 * MAX_ERROR_KINDS - 47
+    assert ErrorCounts.from_json(counts.to_json()).counts == counts.counts
+    assert ErrorCounts.from_json("not json").counts == {} and ErrorCounts.from_json(None).counts == {}
+    assert counts.most_common_text("lines") == f"most common error (103 lines): {OTHER_ERRORS}"
+
+
+def test_the_job_view_lists_the_most_common_errors() -> None:
+    record = {"id": "j", "state": COMPLETED, "failed": 9, "error_counts": '{"a": 1, "b": 5, "c": 3}'}
+    assert view(record, [])["common_errors"] == [{"error": "b", "count": 5}, {"error": "c", "count": 3},
+                                                 {"error": "a", "count": 1}]
+    assert view({"id": "j", "state": COMPLETED}, [])["common_errors"] == []
+
+
+def job_with_output(ctx: JobsContext, job_id: str, state: str) -> Path:
+    output = ctx.jobs_dir / job_id / "output.jsonl"
+    output.parent.mkdir(parents=True)
+    output.write_text('{"line": 1, "error": "x"}\n')
+    ctx.store.create(job_id, {**FIELDS, "output": str(output), "output_format": "jsonl"})
+    if state != QUEUED:
+        ctx.store.transition(job_id, state, (QUEUED,))
+    return output
+
+
+@pytest.fixture
+def ctx(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> Iterator[JobsContext]:
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    yield JobsContext(client, Keys(key_prefix), tmp_path.resolve(), JobOptions(key_prefix, [], 16, lease_ms=1000))
+    client.close()
+
+
+def test_cancelling_a_job_no_runner_holds_deletes_its_output_here(ctx: JobsContext) -> None:
+    orphan = job_with_output(ctx, "orphan", RUNNING)  # its job worker died: nobody else would clean up
+    assert service.cancel_job(ctx, "orphan")["state"] == CANCELLED
+    assert not orphan.exists() and not orphan.parent.exists()
+    held = job_with_output(ctx, "held", RUNNING)
+    ctx.client.set(ctx.keys.job_lease("held"), "runner", px=10_000)  # its runner deletes it when it stops
+    service.cancel_job(ctx, "held")
+    assert held.exists()
+    with pytest.raises(NotReadyYet, match="was cancelled; its partial output was deleted"):
+        service.results_path(ctx, "orphan")
+
+
+def test_a_failed_jobs_output_is_served_when_it_wrote_one(ctx: JobsContext) -> None:
+    output = job_with_output(ctx, "partial", RUNNING)
+    ctx.store.transition("partial", FAILED, (RUNNING,))
+    assert service.results_path(ctx, "partial") == (output, "jsonl")
+    output.unlink()
+    with pytest.raises(NotFound, match="failed without an output"):
+        service.results_path(ctx, "partial")
+    job_with_output(ctx, "busy", RUNNING)
+    with pytest.raises(NotReadyYet, match="is running"):
+        service.results_path(ctx, "busy")

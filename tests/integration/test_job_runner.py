@@ -1,6 +1,8 @@
 """The bulk job runner against a real Redis: the window bounds rows from submission until written (a stuck
-head cannot make answered rows pile up), and a lost reply never stalls a job (its request is sent again
-once its lane entry is gone; one still queued is left alone).
+head cannot make answered rows pile up), a lost reply never stalls a job (its request is sent again
+once its lane entry is gone; one still queued is left alone), a job whose first lines all fail fails
+fast with its most common error, a line the envelope cannot carry fails alone, and a cancelled job
+leaves no output behind.
 
 The test plays the model worker over the real streams (tests/support/lane_worker.py), so it decides which
 request is answered when; faults are real deletions of lane and reply entries."""
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,12 +22,12 @@ import redis
 
 from fleet.admission import bulk_lane
 from fleet.envelope import RequestEnvelope
-from fleet.jobs.records import CANCELLED, COMPLETED, QUEUED, RUNNING, JobStore
+from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobStore, view
 from fleet.jobs.runner import JobOptions, JobRunner
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from fleet.repository import scan
-from tests.support.lane_worker import ANSWER, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker
+from tests.support.lane_worker import ANSWER, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker, answer_all
 from tests.support.model_repo import python_config, write_model
 
 MODEL = "quad"
@@ -52,18 +55,21 @@ def write_jsonl(path: Path, x: np.ndarray) -> None:
 class Job:
     """One job record and a runner for it on a thread, as an RQ job worker would run it."""
 
-    def __init__(self, url: str, key_prefix: str, repo: Path, tmp: Path, items: np.ndarray, window_rows: int,
-                 reply_timeout_s: float) -> None:
+    def __init__(self, url: str, key_prefix: str, repo: Path, tmp: Path, items: np.ndarray | list[str],
+                 window_rows: int, reply_timeout_s: float, max_failures: int = -1) -> None:
         self.client = redis.Redis.from_url(url, protocol=2)
         self.keys = Keys(key_prefix)
         self.store = JobStore(self.client, self.keys)
         self.id = "job1"
         self.output = tmp / "out.jsonl"
         source = tmp / "in.jsonl"
-        write_jsonl(source, items)
+        if isinstance(items, list):
+            source.write_text("".join(line + "\n" for line in items))
+        else:
+            write_jsonl(source, items)
         self.store.create(self.id, {"model": MODEL, "version": 1, "priority": 0, "input": str(source),
                                     "input_kind": "jsonl", "output": str(self.output), "output_format": "jsonl",
-                                    "max_failures": -1})
+                                    "max_failures": max_failures})
         options = JobOptions(key_prefix, [str(repo)], window_rows, lease_ms=5000, reply_timeout_s=reply_timeout_s)
         self.runner = JobRunner(redis.Redis.from_url(url, protocol=2), self.id, options)
         self.outcome: list[str] = []
@@ -71,9 +77,22 @@ class Job:
         self.lane = self.keys.queue(MODEL, bulk_lane(scan([repo]).models[MODEL].spec))
 
     def state(self) -> str:
+        return str(self.record()["state"])
+
+    def record(self) -> dict[str, Any]:
         record = self.store.get(self.id)
         assert record is not None
-        return str(record["state"])
+        return view(record, self.store.errors(self.id))
+
+    def run_alone(self, timeout_s: float = 20.0) -> str:
+        """Run the job with nothing answering its lane (for jobs whose items never reach it)."""
+        self.thread.start()
+        self.thread.join(timeout_s)
+        assert self.outcome, f"job still {self.state()}"
+        return self.outcome[0]
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.output.read_text().splitlines()]
 
     def stop(self) -> None:
         """Cancel the job (if it still runs) so its runner returns, and wait for it."""
@@ -85,8 +104,8 @@ class Job:
 def make_job(redis_server: LocalServer, key_prefix: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def make(items: np.ndarray, window_rows: int, reply_timeout_s: float) -> Job:
-        job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s)
+    def make(items: np.ndarray | list[str], window_rows: int, reply_timeout_s: float, max_failures: int = -1) -> Job:
+        job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s, max_failures)
         jobs.append(job)
         return job
 
@@ -166,3 +185,105 @@ def test_a_lost_reply_is_sent_again_and_the_job_completes(make_job: Callable[...
     check_output(job, items)
     record = job.store.get(job.id)
     assert record is not None and record["done"] == len(items) and record["failed"] == 0
+
+
+def line(values: list[float], **extra: Any) -> str:
+    return json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, len(values)], "data": values}],
+                       **extra})
+
+
+GOOD = line([1.0, 2.0, 3.0, 4.0])
+WRONG_SHAPE = line([1.0, 2.0, 3.0])  # IN is [-1, 4]: every line like this fails the same way
+SHAPE_ERROR = f"unexpected shape for input 'IN' for model '{MODEL}'. Expected [-1, 4], got [1, 3]"
+
+
+def test_a_job_whose_first_lines_all_fail_fails_fast_with_its_most_common_error(
+        make_job: Callable[..., Job]) -> None:
+    job = make_job([WRONG_SHAPE] * 300, window_rows=16, reply_timeout_s=3600)
+    assert job.run_alone() == FAILED
+    record = job.record()
+    assert record["state"] == FAILED and record["total"] == 300
+    assert record["error"] == f"the first 100 lines all failed; most common error (100 lines): {SHAPE_ERROR}"
+    # It stops within a window of the 100th line, and says what went wrong with every line it read.
+    assert 100 <= record["done"] == record["failed"] < 100 + 16
+    assert record["common_errors"] == [{"error": SHAPE_ERROR, "count": record["done"]}]
+    assert len(record["errors"]) == 20 and record["errors"][0] == {"line": 1, "error": SHAPE_ERROR}
+    # A failed job keeps what it wrote: here one error line per line read.
+    assert [d["line"] for d in job.lines()] == list(range(1, record["done"] + 1))
+
+
+def test_a_small_job_whose_lines_all_fail_is_failed_not_completed(make_job: Callable[..., Job]) -> None:
+    job = make_job([WRONG_SHAPE] * 3 + ["{not json"] * 2, window_rows=16, reply_timeout_s=3600)
+    assert job.run_alone() == FAILED
+    record = job.record()
+    assert record["error"] == f"all 5 lines failed; most common error (3 lines): {SHAPE_ERROR}"
+    assert [c["count"] for c in record["common_errors"]] == [3, 2]
+
+
+def test_one_success_among_the_first_lines_lets_the_job_run_on(make_job: Callable[..., Job]) -> None:
+    lines = [WRONG_SHAPE] * 300
+    lines[60] = GOOD
+    job = make_job(lines, window_rows=16, reply_timeout_s=3600)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+    serve_until(job, worker, answer_all, lambda: bool(job.outcome))
+    record = job.record()
+    assert job.outcome == [COMPLETED] and record["done"] == 300 and record["failed"] == 299
+    assert record["common_errors"] == [{"error": SHAPE_ERROR, "count": 299}]
+
+
+def test_max_failures_replaces_the_fail_fast_rule(make_job: Callable[..., Job]) -> None:
+    job = make_job([WRONG_SHAPE] * 300, window_rows=16, reply_timeout_s=3600, max_failures=1000)
+    assert job.run_alone() == COMPLETED
+    record = job.record()
+    assert record["failed"] == 300 and record["common_errors"] == [{"error": SHAPE_ERROR, "count": 300}]
+
+
+@pytest.mark.parametrize("parameters", [{"big": 2**64}, {"big": -(2**63) - 1}, {"big": 10**30}])
+def test_a_parameter_the_envelope_cannot_carry_fails_its_line_not_the_job(make_job: Callable[..., Job],
+                                                                           parameters: dict[str, int]) -> None:
+    items = inputs(8)
+    lines = [line(row.tolist()) for row in items]
+    lines[3] = line(items[3].tolist(), parameters=parameters)
+    job = make_job(lines, window_rows=16, reply_timeout_s=3600)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+    serve_until(job, worker, answer_all, lambda: bool(job.outcome))
+    record = job.record()
+    assert job.outcome == [COMPLETED] and record["done"] == 8 and record["failed"] == 1, record
+    (sample,) = record["errors"]
+    assert sample["line"] == 4 and "'big'" in sample["error"] and "64-bit" in sample["error"], sample
+    out = job.lines()
+    assert [d["line"] for d in out] == list(range(1, 9)) and out[3] == {"line": 4, "error": sample["error"]}
+    good = [d["outputs"][0]["data"] for d in out if "outputs" in d]
+    np.testing.assert_array_equal(np.array(good, dtype=np.float32), np.delete(items, 3, axis=0) * 2)
+
+
+def test_an_output_json_cannot_carry_fails_its_line_not_the_job(make_job: Callable[..., Job]) -> None:
+    items = inputs(8)
+    items[5, 0] = 3e38  # finite in FP32; doubled by the model, it is infinity
+    job = make_job([line(row.tolist()) for row in items], window_rows=16, reply_timeout_s=3600)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+    with np.errstate(over="ignore"):  # the model's overflow is the point here
+        serve_until(job, worker, answer_all, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and job.record()["failed"] == 1
+    out = job.lines()  # every line valid JSON, the bad one an error line in its place
+    assert [d["line"] for d in out] == list(range(1, 9)) and "NaN or infinity" in out[5]["error"]
+
+
+def test_a_cancelled_job_deletes_its_partial_output(make_job: Callable[..., Job]) -> None:
+    job = make_job(inputs(400), window_rows=16, reply_timeout_s=3600)
+    head = f"{job.id}:8+{MAX_BATCH}"  # two requests are answered and written, then the job waits on this one
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        return HOLD if env.id == head else ANSWER
+
+    serve_until(job, worker, decide, lambda: job.output.exists() and job.record()["done"] >= 8)
+    assert job.output.stat().st_size > 0
+    job.store.transition(job.id, CANCELLED, (QUEUED, RUNNING))
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+    assert job.outcome == [CANCELLED] and not job.output.exists()
+    assert job.output.parent.exists()  # only the output goes: the directory still holds the input

@@ -38,9 +38,11 @@ class Cluster:
     redis: LocalServer | None = None
     redis_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)  # the cluster's gateway's (extra gateways: a free one each)
     gateway: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     extra_gateways: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    job_workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _logs: list[Path] = field(default_factory=list)
     _log_of: dict[int, Path] = field(default_factory=dict)
 
@@ -73,7 +75,8 @@ class Cluster:
         """The cluster's gateway (on `http_port`), or with another `http_port` an extra one, stopped with
         the cluster; `env` is added to the cluster's environment for this process only."""
         port = http_port or self.http_port
-        proc = self._spawn("gateway", ["gateway", "--http-port", str(port), "--metrics-port", str(free_port())],
+        proc = self._spawn("gateway", ["gateway", "--http-port", str(port), "--metrics-port", str(free_port()),
+                                       "--grpc-port", str(self.grpc_port if port == self.http_port else free_port())],
                            env)
         if port == self.http_port:
             self.gateway = proc
@@ -84,6 +87,12 @@ class Cluster:
     def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         proc = self._spawn("worker", ["worker", "--device", "cpu"], env)
         self.workers.append(proc)
+        return proc
+
+    def start_jobs_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """A `fleet jobs-worker` (an RQ worker running bulk jobs) on the cluster's Redis and jobs dir."""
+        proc = self._spawn("jobs-worker", ["jobs-worker"], env)
+        self.job_workers.append(proc)
         return proc
 
     def log_of(self, proc: subprocess.Popen[bytes]) -> str:
@@ -121,7 +130,7 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self._logs if p.exists())
 
     def stop(self) -> None:
-        procs = [p for p in [self.gateway, *self.extra_gateways, *self.workers] if p is not None]
+        procs = [p for p in [self.gateway, *self.extra_gateways, *self.workers, *self.job_workers] if p is not None]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

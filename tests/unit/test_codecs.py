@@ -164,7 +164,10 @@ def good_inputs(batch: int = 1) -> list[dict[str, object]]:
     ({"inputs": good_inputs(), "parameters": {"triton_x": 1}}, InvalidInput, "reserved"),
     ({"inputs": good_inputs(), "parameters": {"sequence_id": 5}}, InvalidInput, "sequence batching"),
     ({"inputs": [{**good_inputs()[0], "parameters": {"shared_memory_region": "r"}}, good_inputs()[1]]},
-     Unsupported, "shared memory"),
+     InvalidInput, "exactly one"),
+    ({"inputs": [{"name": "A", "datatype": "INT32", "shape": [1, 16],
+                  "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 64}}, good_inputs()[1]]},
+     Unsupported, "shared memory"),  # no regions: a bulk job's line
     ({"inputs": [{**good_inputs()[0], "parameters": {"binary_data_size": 64}}, good_inputs()[1]]}, InvalidInput,
      "exactly one"),
     ({}, InvalidInput, "inputs"),

@@ -320,6 +320,14 @@ def test_gateway_publishes_its_http_and_metrics_ports(services: dict[str, Any], 
     assert args.http_address == "0.0.0.0"
 
 
+def test_gateway_publishes_its_grpc_port(services: dict[str, Any], entrypoint: list[str]) -> None:
+    gateway = services["gateway"]
+    settings = settings_from_args(parse_fleet_argv(container_argv(entrypoint, gateway["command"]), "gateway"))
+    assert settings.allow_grpc and settings.grpc_port == 8001
+    assert (8001, 8001) in published_ports(gateway)
+    assert settings.grpc_host == "0.0.0.0"  # 127.0.0.1 would be unreachable through the published port
+
+
 def test_gateway_mounts_the_repository_read_only_and_is_healthchecked(services: dict[str, Any]) -> None:
     gateway = services["gateway"]
     assert mounts(gateway)["/models"] == ("./model_repository", True)

@@ -138,6 +138,8 @@ def test_format_record_includes_error_samples() -> None:
     assert "error:      too many failures" in lines
     assert lines[-3:] == ["errors (2 samples):", "  line 7: bad json", "  line 9: shape"]
     assert "error:" not in format_record(record(), UTC)
+    counted = format_record(record(common_errors=[{"error": "shape", "count": 12}, {"error": "bad json", "count": 3}]))
+    assert "failed items by error, most common first:\n  12  shape\n   3  bad json" in counted
 
 
 def test_progress_fields_and_durations() -> None:
@@ -157,6 +159,7 @@ def test_summary_line() -> None:
     ("data/in.jsonl", "jsonl", False, Path("data/in.out.jsonl")),
     ("data/x.npy", "npz", False, Path("data/x.out.npz")),
     ("/srv/big.jsonl", "npy", True, Path("big.out.npy")),
+    ("data/in.jsonl.gz", "jsonl", False, Path("data/in.out.jsonl")),
 ])
 def test_default_output_path(src: str, fmt: str, server: bool, expected: Path) -> None:
     assert default_output_path(src, fmt, server_path=server) == expected
@@ -164,6 +167,7 @@ def test_default_output_path(src: str, fmt: str, server: bool, expected: Path) -
 
 def test_exit_codes() -> None:
     assert [exit_code_for(s) for s in ("completed", "failed", "cancelled")] == [0, 1, 1]
+    assert [exit_code_for(s, failed=3) for s in ("completed", "failed", "cancelled")] == [3, 1, 1]
 
 
 # ---------------------------------------------------------------- JobsClient requests
@@ -244,10 +248,11 @@ def test_download_writes_dest_and_maps_409(tmp_path: Path) -> None:
 class FakeGateway:
     """Answers the /v2/jobs calls of one `fleet submit`: the job walks through `states`, then serves results."""
 
-    def __init__(self, states: list[dict[str, Any]]) -> None:
+    def __init__(self, states: list[dict[str, Any]], results_status: int = 200) -> None:
         self.states = states
         self.calls: list[str] = []
         self.created: dict[str, Any] = {}
+        self.results_status = results_status
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.calls.append(f"{request.method} {request.url.path}")
@@ -257,6 +262,8 @@ class FakeGateway:
             self.created = json.loads(request.read())
             return httpx.Response(201, json=record(state="queued", done=0))
         if request.url.path.endswith("/results"):
+            if self.results_status != 200:
+                return httpx.Response(self.results_status, json={"error": "job job-1 failed without an output"})
             return httpx.Response(200, content=b"RESULTS")
         return httpx.Response(200, json=self.states.pop(0) if len(self.states) > 1 else self.states[0])
 
@@ -270,7 +277,7 @@ def submit(argv: list[str], gateway: FakeGateway, sleep: Callable[[float], None]
 def test_submit_uploads_waits_and_downloads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "hi"}\n')
-    gw = FakeGateway([record(), record(state="completed", done=100, finished_at=20.0)])
+    gw = FakeGateway([record(), record(state="completed", done=100, failed=0, finished_at=20.0)])
     assert submit([str(src), "--model", "minilm", "--priority", "1"], gw) == 0
     assert gw.created == {"model": "minilm", "input": {"upload": "tok"}, "priority": 1}
     assert gw.calls == ["POST /v2/jobs/uploads", "POST /v2/jobs", "GET /v2/jobs/job-1", "GET /v2/jobs/job-1",
@@ -280,11 +287,34 @@ def test_submit_uploads_waits_and_downloads(tmp_path: Path, capsys: pytest.Captu
     assert out[0] == "job-1" and out[-1].startswith("job job-1 completed: 100 done") and "in.out.jsonl" in out[-1]
 
 
-def test_submit_failed_job_exits_1_without_download(capsys: pytest.CaptureFixture[str]) -> None:
-    gw = FakeGateway([record(state="failed", error="more than 5 items failed")])
-    assert submit(["/srv/in.jsonl", "--model", "m", "--server-path"], gw) == 1
-    assert gw.created["input"] == "/srv/in.jsonl" and not any(c.endswith("/results") for c in gw.calls)
-    assert "more than 5 items failed" in capsys.readouterr().out
+COMMON = [{"error": "unexpected shape for input 'IN'", "count": 1200}, {"error": "bad json", "count": 7}]
+
+
+def test_submit_failed_job_exits_1_and_fetches_what_it_wrote(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    failed = record(state="failed", error="the first 100 lines all failed; most common error (100 lines): shape",
+                    failed=100, common_errors=COMMON[:1])
+    out = tmp_path / "partial.jsonl"
+    gw = FakeGateway([failed])
+    assert submit(["/srv/in.jsonl", "--model", "m", "--server-path", "-o", str(out)], gw) == 1
+    assert gw.created["input"] == "/srv/in.jsonl" and out.read_bytes() == b"RESULTS"
+    text = capsys.readouterr().out
+    assert "the first 100 lines all failed" in text and f"-> {out}" in text
+    assert "failed items by error, most common first:" in text and "1200  unexpected shape for input 'IN'" in text
+    # A job that failed before writing anything has no output: nothing is fetched, still exit 1.
+    gw = FakeGateway([record(state="failed", error="model 'm' is not in the model repository")], results_status=404)
+    assert submit(["/srv/in.jsonl", "--model", "m", "--server-path", "-o", str(tmp_path / "none.jsonl")], gw) == 1
+    assert not (tmp_path / "none.jsonl").exists() and "->" not in capsys.readouterr().out
+
+
+def test_submit_completed_with_failed_items_exits_3_with_the_common_errors(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gw = FakeGateway([record(state="completed", done=100, failed=1207, common_errors=COMMON, finished_at=20.0)])
+    assert submit(["/srv/in.jsonl", "--model", "m", "--server-path", "-o", str(tmp_path / "o.jsonl")], gw) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3:] == ["failed items by error, most common first:", "  1200  unexpected shape for input 'IN'",
+                          "     7  bad json"]
+    assert (tmp_path / "o.jsonl").read_bytes() == b"RESULTS"
 
 
 def test_submit_no_wait_prints_id_only(capsys: pytest.CaptureFixture[str]) -> None:

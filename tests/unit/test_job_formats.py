@@ -17,7 +17,16 @@ from fleet.datatypes import BY_NAME
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs import inputs as inputs_module
-from fleet.jobs.formats import InputItem, explode, group_items, open_input, open_output, pack, unpack
+from fleet.jobs.formats import (
+    InputItem,
+    explode,
+    group_items,
+    open_input,
+    open_output,
+    pack,
+    remove_output,
+    unpack,
+)
 from fleet.model_config import ModelSpec, parse_config
 from tests.support.model_repo import python_config
 
@@ -116,6 +125,43 @@ def test_jsonl_invalid_utf8_and_non_batching(tmp_path: Path) -> None:
     bad, good = open_input(path, FLAT).read()
     assert bad.error is not None and good.error is None and good.rows == 1 and good.inputs is not None
     assert good.inputs[0].shape == (4,)
+
+
+def padded(size: int) -> str:
+    """A valid request line of exactly `size` bytes (spaces inside the JSON object)."""
+    body = json.dumps(request())
+    return body[:-1] + " " * (size - len(body)) + "}"
+
+
+def test_jsonl_lines_over_the_limit_are_their_own_errors(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inputs_module, "CHUNK_BYTES", 64)  # skipping reads many chunks, never the whole line
+    limit = 300
+    lines = [padded(limit), padded(limit + 1), " " * 5000, "x" * 5000, padded(100), "y" * 700]
+    path = tmp_path / "long.jsonl"
+    path.write_bytes("\n".join(lines).encode())  # the last line ends the file without a newline
+    src = open_input(path, BATCHED, max_line_bytes=limit)
+    items = list(src.read())
+    assert src.count() == len(items) == 5  # a blank line is skipped however long, as count() skips it
+    assert [(i.index, i.line) for i in items] == [(0, 1), (1, 2), (2, 4), (3, 5), (4, 6)]
+    at_limit, over, garbage, short, last = items
+    assert at_limit.error is None and short.error is None
+    assert over.error == f"line 2 is {limit + 1} bytes, over the limit of {limit} bytes per line"
+    assert garbage.error == f"line 4 is 5000 bytes, over the limit of {limit} bytes per line"
+    assert last.error == f"line 6 is 700 bytes, over the limit of {limit} bytes per line"
+    raw = path.read_bytes()
+    assert [i.end_offset for i in items] == [len(b"".join(raw.splitlines(keepends=True)[: i.line])) for i in items]
+    for k in range(1, len(items)):  # a resume cursor just past a skipped line reads on from there
+        assert list(src.read(k, items[k - 1].end_offset)) == items[k:]
+
+
+def test_a_json_array_line_says_what_is_wrong(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "arr.jsonl", [json.dumps([request()]), json.dumps(request(inputs=[[1, 2]])),
+                                               json.dumps(request(outputs={"name": "OUT"}))])
+    errors = [i.error or "" for i in open_input(path, BATCHED).read()]
+    assert all(e for e in errors), errors
+    assert not any("object has no attribute" in e or "Error" in e for e in errors), errors
+    assert "must be an object" in errors[0]
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "a", "a\n", "\na\n\n b \n\n", "x\r\n  \ny", "ab\ncd\n" * 9])
@@ -328,6 +374,17 @@ def test_jsonl_output_lines(tmp_path: Path) -> None:
     assert json.loads(lines[3]) == {"line": 4, "error": "boom"}
 
 
+def test_jsonl_output_refuses_what_json_cannot_carry_and_writes_nothing(tmp_path: Path) -> None:
+    out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 1)
+    with pytest.raises(InvalidInput, match="NaN or infinity") as exc:
+        out.write(InputItem(0, 1, 0, []), [fp32("OUT", [[np.inf, 0, 0, 0]])], None, "m", 1)
+    assert "binary" not in exc.value.message  # /infer's advice; a JSONL job has no binary output
+    out.write(InputItem(0, 1, 0, []), None, exc.value.message, "m", 1)  # what the runner writes instead
+    out.finish()
+    assert [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()] == [
+        {"line": 1, "error": exc.value.message}]
+
+
 def test_jsonl_output_resume_truncates(tmp_path: Path) -> None:
     straight = open_output(tmp_path / "a.jsonl", "jsonl", BATCHED, 9)
     write_jsonl_items(straight, range(9))
@@ -385,6 +442,34 @@ def test_npz_output_assembles_and_cleans_up(tmp_path: Path) -> None:
         np.testing.assert_array_equal(z["X"], [[0, 0], [0, 0], [2, 2]])
         np.testing.assert_array_equal(z["Y"], [[0, 0, 0], [0, 0, 0], [2, 2, 2]])
         np.testing.assert_array_equal(z["failed"], [False, True, False])
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+def test_a_failed_jobs_array_output_flags_the_rows_never_written(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"o.{kind}"
+    out = open_output(path, kind, BATCHED, 4)
+    out.write(array_item(0), results(0), None, "m", 1)
+    out.write(array_item(1), None, "failed", "m", 1)
+    out.finish(partial=True)
+    mask = np.load(f"{path}.failed.npy") if kind == "npy" else np.load(path)["failed"]
+    np.testing.assert_array_equal(mask, [False, True, True, True])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "npy", "npz"])
+def test_remove_output_leaves_nothing_of_a_cancelled_job(tmp_path: Path, kind: str) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    path = job_dir / f"output.{kind}"
+    out = open_output(path, kind, BATCHED, 4)
+    if kind == "jsonl":
+        write_jsonl_items(out, range(2))
+    else:
+        out.write(array_item(0), results(0), None, "m", 1)
+    out.flush()
+    out.close()  # as a cancelled runner leaves it: parts and masks on disk, no final file yet
+    assert any(job_dir.iterdir())
+    remove_output(path)
+    assert not job_dir.exists() and tmp_path.exists()
 
 
 def test_array_outputs_reject_unfit_models(tmp_path: Path) -> None:

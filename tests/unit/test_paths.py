@@ -152,12 +152,14 @@ def test_upload_tokens_are_plain_ascii_alphanumerics(ctx: JobsContext, token: st
 
 @pytest.mark.parametrize("name", ["../../etc/x.jsonl", "/abs/x.npy", "..\\x.NPZ", "a/../../b.ndjson"])
 def test_upload_names_choose_only_the_suffix(ctx: JobsContext, name: str) -> None:
-    token, path = service.upload_path(ctx, name)
-    assert token.isalnum() and path.parent == ctx.jobs_dir / "uploads"
+    token, path, gzipped = service.upload_path(ctx, name)
+    assert token.isalnum() and path.parent == ctx.jobs_dir / "uploads" and not gzipped
     assert path.name == token + Path(name).suffix.lower()
+    token, path, gzipped = service.upload_path(ctx, name + ".gz")  # stored decompressed, as the inner type
+    assert gzipped and path.name == token + Path(name).suffix.lower()
 
 
-@pytest.mark.parametrize("name", ["x.sh", "x.jsonl/..", "..", "", "x.jsonl.part"])
+@pytest.mark.parametrize("name", ["x.sh", "x.jsonl/..", "..", "", "x.jsonl.part", "x.gz", "x.sh.gz"])
 def test_upload_names_without_a_data_suffix_are_refused(ctx: JobsContext, name: str) -> None:
     with pytest.raises(InvalidInput, match="unsupported upload type"):
         service.upload_path(ctx, name)

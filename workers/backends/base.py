@@ -167,20 +167,36 @@ def _split_outputs(
     return [{k: scattered[k][i] if k in scattered else plain[i][k] for k in outputs} for i in range(len(items))]
 
 
+def _run_group(spec: ModelSpec, group: list[InferenceItem],
+               run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]) -> list[ItemResult]:
+    batch = merge([i.inputs for i in group], spec.ragged_inputs)
+    if spec.batch_inputs:
+        parts = batch_tensors(spec, [{k: v.shape for k, v in i.inputs.items()} for i in group])
+        batch.update(merge(parts))
+    return [ItemResult(outputs=o) for o in _split_outputs(spec, run(batch), group)]
+
+
 def run_merged(
     spec: ModelSpec, items: list[InferenceItem], run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 ) -> list[ItemResult]:
     """Framework backends: one forward pass over the concatenated batch, outputs split per request.
-    Ragged inputs go in as 1-D concatenations, with the config's batch inputs beside them."""
-    try:
-        groups = [items] if spec.max_batch_size > 0 else [[i] for i in items]  # no batching: one at a time
-        results: list[ItemResult] = []
-        for group in groups:
-            batch = merge([i.inputs for i in group], spec.ragged_inputs)
-            if spec.batch_inputs:
-                parts = batch_tensors(spec, [{k: v.shape for k, v in i.inputs.items()} for i in group])
-                batch.update(merge(parts))
-            results += [ItemResult(outputs=o) for o in _split_outputs(spec, run(batch), group)]
-        return results
-    except Exception as exc:  # a bad batch fails its own requests, never the worker
-        return failed(items, exc)
+    Ragged inputs go in as 1-D concatenations, with the config's batch inputs beside them.
+
+    A failed pass over several requests is run again one request at a time: which request was at fault
+    is unknown, and one client's bad data (a 400 from the backend) must not become its batch-mates'
+    error. Each request ends with its own result or its own error."""
+    groups = [items] if spec.max_batch_size > 0 else [[i] for i in items]  # no batching: one at a time
+    results: list[ItemResult] = []
+    for group in groups:
+        try:
+            results += _run_group(spec, group, run)
+        except Exception as exc:  # a bad batch fails its own requests, never the worker
+            if len(group) == 1:
+                results += failed(group, exc)
+                continue
+            for item in group:
+                try:
+                    results += _run_group(spec, [item], run)
+                except Exception as alone:
+                    results += failed([item], alone)
+    return results

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleet.errors import ConfigError
+from fleet.errors import ConfigError, InvalidInput
 from workers.backends.base import (
     InferenceItem,
     InProcessBackend,
@@ -18,6 +18,12 @@ from workers.backends.base import (
 class OnnxBackend(InProcessBackend):
     def __init__(self, ctx: LoadContext) -> None:
         import onnxruntime as ort
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, RuntimeException
+
+        # onnxruntime's own verdict that the data it was given is wrong (Triton's onnxruntime backend maps
+        # ORT_INVALID_ARGUMENT to TRITONSERVER_ERROR_INVALID_ARG, a 400): the client's fault, not ours.
+        self._invalid_argument: type[Exception] = InvalidArgument
+        self._runtime_exception: type[Exception] = RuntimeException
 
         spec = ctx.spec
         path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
@@ -43,13 +49,29 @@ class OnnxBackend(InProcessBackend):
         feed = {}
         for name, arr in inputs.items():
             if arr.dtype == np.object_:
-                # onnxruntime string tensors take str elements; the wire carries bytes.
-                arr = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])(arr)
+                # onnxruntime string tensors take str elements; the wire carries bytes. Bytes that are not
+                # UTF-8 are refused rather than replaced: the model must see what the client sent.
+                try:
+                    arr = np.vectorize(lambda b: b.decode("utf-8"), otypes=[object])(arr)
+                except UnicodeDecodeError:
+                    raise InvalidInput(f"input '{name}' of model '{self._spec.name}' holds bytes that are not "
+                                       f"UTF-8 text, which onnxruntime string tensors cannot take") from None
             feed[name] = arr
         return feed
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outs = self._session.run(self._output_names, self._feed(inputs))
+        try:
+            outs = self._session.run(self._output_names, self._feed(inputs))
+        except self._invalid_argument as exc:
+            raise InvalidInput(f"model '{self._spec.name}' (onnxruntime) refused the request's data: {exc}") from exc
+        except self._runtime_exception as exc:
+            # A Cast over string tensors fails only on text it cannot parse as the target type (Triton's
+            # simple_string given "a": "Status Message: stoll"): the data is at fault, not the model.
+            # Every other runtime failure stays the model's (500), as in Triton.
+            if "running Cast node" in str(exc) and any(a.dtype == np.object_ for a in inputs.values()):
+                raise InvalidInput(f"model '{self._spec.name}' could not convert its string input to a number "
+                                   f"(onnxruntime: {exc}): send text the model can parse") from exc
+            raise
         return dict(zip(self._output_names, outs, strict=True))
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:

@@ -1,0 +1,154 @@
+"""A tensor's JSON `data` (KServe v2) <-> its wire bytes (fleet.tensors), for every datatype.
+
+Input (`pack_json`): `data` is either flat (row-major, the element count of the shape) or nested exactly
+as the shape; anything ragged, of the wrong JSON type, or out of the datatype's range is an InvalidInput
+that names the input and what is wrong with it. The common case costs one type check pass and one numpy
+conversion: nothing is walked element by element in Python beyond that.
+
+Output (`json_data`): only what JSON carries unaltered is written as JSON. NaN and infinities are no JSON
+numbers, and bytes that are not UTF-8 are no JSON string (replacing them would silently change the data),
+so such an output is an InvalidInput telling the client to request that output as binary, where every
+bit passes (Triton answers the same way for outputs JSON cannot carry, e.g. FP16: INVALID_ARG, "use the
+binary data format for output"). The finiteness check is one vectorized pass over float outputs, and only
+on the JSON path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fleet import tensors
+from fleet.datatypes import Datatype
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
+# JSON values that are never a number element; bool is an int to Python, not to a tensor of numbers.
+_NOT_A_NUMBER = (bool, str, list, dict, type(None))
+_ASK_BINARY = ('request it as binary data instead ("parameters": {"binary_data": true} in its "outputs" '
+               'entry, or "binary_data_output": true for every output)')
+
+
+def _nesting_error(name: str, shape: Sequence[int], count: int) -> InvalidInput:
+    return InvalidInput(f"input '{name}': 'data' must be a flat list of {count} elements or nested exactly as "
+                        f"its shape {list(shape)}")
+
+
+def _elements(data: Any, shape: Sequence[int], name: str) -> list[Any]:
+    """The row-major elements of `data`: flat as sent, or flattened level by level while checking that each
+    level has exactly the length its shape dim says (Triton's reader would flatten `[[1, 2, 3], [4]]` for
+    shape [4]; a ragged nesting is almost always a client bug, so it is refused). A list left among the
+    elements (flat data with a nested part, or nested deeper than the shape) is caught by the type checks."""
+    if not isinstance(data, list):
+        return [data]  # a lone scalar: Triton takes it for a one-element tensor
+    if not data or not isinstance(data[0], list):
+        return data
+    level: list[Any] = [data]
+    for n in shape:
+        below: list[Any] = []
+        for item in level:
+            if not isinstance(item, list) or len(item) != n:
+                raise _nesting_error(name, shape, tensors.element_count(shape))
+            below.extend(item)
+        level = below
+    return level
+
+
+def _first_bad(flat: list[Any], ok: Callable[[Any], bool]) -> tuple[int, Any]:
+    """The failure path only: which element broke a check that the fast path ran with any()."""
+    return next((i, v) for i, v in enumerate(flat) if not ok(v))
+
+
+def _type_error(name: str, shape: Sequence[int], flat: list[Any], ok: Callable[[Any], bool],
+                expects: str) -> InvalidInput:
+    i, v = _first_bad(flat, ok)
+    if isinstance(v, list):
+        return _nesting_error(name, shape, len(flat))
+    got = "null" if v is None else "a boolean" if isinstance(v, bool) else \
+        "an object" if isinstance(v, dict) else "a string" if isinstance(v, str) else \
+        "a number with a fraction or exponent" if isinstance(v, float) else "a number"
+    return InvalidInput(f"input '{name}': element {i} of 'data' is {got}; {expects}")
+
+
+def _pack_bytes(flat: list[Any], name: str, shape: Sequence[int]) -> bytes:
+    if any(not isinstance(v, str) for v in flat):
+        raise _type_error(name, shape, flat, lambda v: isinstance(v, str), "BYTES elements are JSON strings")
+    try:
+        encoded = [v.encode() for v in flat]
+    except UnicodeEncodeError:
+        # JSON can spell a lone surrogate (\ud800), which is no Unicode text and has no UTF-8 form.
+        i, _ = _first_bad(flat, lambda v: not any("\ud800" <= c <= "\udfff" for c in v))
+        raise InvalidInput(f"input '{name}': element {i} of 'data' holds a lone surrogate escape (\\ud800 to "
+                           f"\\udfff), which is not text; send bytes that are not text as binary data") from None
+    arr = np.empty(len(encoded), dtype=np.object_)
+    arr[:] = encoded
+    return tensors.serialize_bytes(arr)
+
+
+def _pack_numbers(flat: list[Any], dt: Datatype, name: str, shape: Sequence[int]) -> bytes:
+    if any(isinstance(v, _NOT_A_NUMBER) for v in flat):
+        raise _type_error(name, shape, flat, lambda v: not isinstance(v, _NOT_A_NUMBER),
+                          f"{dt.name} elements are JSON numbers")
+    if dt.numpy.kind in "iu" and any(isinstance(v, float) for v in flat):
+        raise _type_error(name, shape, flat, lambda v: not isinstance(v, float),
+                          f"{dt.name} elements are JSON integers")
+    try:
+        with np.errstate(over="raise", invalid="raise"):  # 1e39 as FP32 would silently become inf
+            arr = np.array(flat, dtype=dt.numpy)
+    except (OverflowError, FloatingPointError, ValueError, TypeError):
+        kind = "integers" if dt.numpy.kind in "iu" else "finite numbers"
+        lo, hi = (np.iinfo(dt.numpy).min, np.iinfo(dt.numpy).max) if dt.numpy.kind in "iu" else \
+            (-float(np.finfo(dt.numpy).max), float(np.finfo(dt.numpy).max))
+        raise InvalidInput(f"input '{name}': 'data' holds a value outside the range of {dt.name}; its elements "
+                           f"must be {kind} from {lo} to {hi}") from None
+    if dt.numpy.kind == "f" and not np.isfinite(arr).all():  # 1e400: json made it inf already
+        raise InvalidInput(f"input '{name}': 'data' must be finite numbers (1e400 is infinite as a double)")
+    return tensors.to_bytes(arr, dt)
+
+
+def pack_json(data: Any, dt: Datatype, shape: Sequence[int], name: str) -> bytes:
+    """The wire bytes of input `name`'s JSON `data` as datatype `dt` of `shape` (row-major); raises
+    InvalidInput when the data does not have the shape's element count, nests otherwise than the shape, or
+    holds an element that is not of `dt`'s JSON type or not within its range."""
+    count = tensors.element_count(shape)
+    flat = _elements(data, shape, name)
+    if len(flat) != count:
+        raise InvalidInput(f"unexpected number of elements for input '{name}': got {len(flat)}, expected {count}")
+    if dt.name == "BYTES":
+        return _pack_bytes(flat, name, shape)
+    if dt.name == "BOOL":
+        if any(not isinstance(v, bool) for v in flat):
+            raise _type_error(name, shape, flat, lambda v: isinstance(v, bool), "BOOL elements are JSON booleans")
+        return np.array(flat, dtype=np.bool_).tobytes()
+    return _pack_numbers(flat, dt, name, shape)
+
+
+def json_data(t: WireTensor, dt: Datatype) -> list[Any]:
+    """Output `t` as a flat JSON `data` list; raises InvalidInput (asking for binary output) for NaN or
+    infinite floats and for BYTES elements that are not UTF-8 text, which JSON cannot carry unaltered."""
+    arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
+    if dt.name == "BYTES":
+        try:
+            return [v.decode() for v in arr]
+        except UnicodeDecodeError:
+            i, _ = _first_bad(list(arr), _is_utf8)
+            raise InvalidInput(f"output '{t.name}': element {i} is not UTF-8 text, which a JSON string cannot "
+                               f"carry unaltered; {_ASK_BINARY}") from None
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise InvalidInput(f"output '{t.name}' holds NaN or infinity, which JSON cannot represent; "
+                           f"{_ASK_BINARY}")
+    values: list[Any] = arr.tolist()
+    return values
+
+
+def _is_utf8(v: bytes) -> bool:
+    try:
+        v.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -1,0 +1,12 @@
+"""Triton's gRPC protocol (`inference.GRPCInferenceService`, the messages of tritonclient.grpc's own
+generated modules) served by the gateway process on the same event loop as HTTP, over the same state:
+
+    server.py         the grpc.aio server: port, message limits, keepalive, compression, graceful stop
+    handlers.py       every RPC of the proto: auth, request parsing, ServingError -> status (gateway/errors.py)
+    service.py        the RPCs: health, metadata, config, statistics, repository, ModelInfer, and the rest
+    stream.py         ModelStreamInfer: many requests in flight on one stream, answered as they complete
+    codec.py          ModelInferRequest -> ParsedInfer (what HTTP's parser produces), reply -> ModelInferResponse
+    shm_rpcs.py       the shared-memory RPCs over the registry HTTP uses (gateway/shared_memory.py)
+    settings_rpcs.py  LogSettings and TraceSetting over what HTTP uses (gateway/runtime_settings.py)
+    not_yet.py        RPCs not served (none today): THE place where one answers UNIMPLEMENTED until wired in
+"""

@@ -1,0 +1,133 @@
+"""The RPCs of inference.GRPCInferenceService that fleet serves, over the gateway's own state.
+
+Each method takes the parsed request message and the call's context and returns the response message;
+errors are ServingErrors, turned into gRPC statuses in one place (gateway/grpc/handlers.py, with
+gateway/errors.py's table). What the health, metadata and repository RPCs answer comes from
+gateway/model_info.py, which the HTTP routes render too; ModelInfer decodes into the ParsedInfer HTTP's
+parser produces (codec.py) and then takes the one data path (gateway/dataplane.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+
+from fleet.errors import ModelNotFound, ModelNotReady, Unsupported, VersionNotFound
+from gateway import model_info
+from gateway.grpc import settings_rpcs, shm_rpcs
+from gateway.grpc.codec import decode_infer, encode_infer, request_version
+from gateway.grpc.stream import StreamSessions
+from gateway.routes import EXTENSIONS, SERVER_VERSION
+from gateway.state import GatewayState
+
+
+class InferenceService:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.streams = StreamSessions(self.infer, state.dataplane)
+
+    def drain(self) -> None:
+        """The server is stopping: open streams read no more requests and end once theirs are answered."""
+        self.streams.drain()
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        reason = await model_info.not_ready_reason(self.state.catalog, self.state.broker)
+        return pb.ServerReadyResponse(ready=reason is None)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        # As tritonserver: an unknown model or version is not ready (no error); a version that is not a
+        # number is one.
+        version = request_version(request.version)
+        try:
+            self.state.catalog.resolve(request.name, version)
+        except (ModelNotFound, VersionNotFound, ModelNotReady):
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(name="triton", version=SERVER_VERSION, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        doc = model_info.model_metadata(self.state.catalog, request.name, request_version(request.version))
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=doc["name"], versions=doc["versions"], platform=doc["platform"],
+            inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in doc["inputs"]],
+            outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in doc["outputs"]],
+        )
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        # The normalised config HTTP's /config renders as JSON (fleet/config_json.py), as the message.
+        view = model_info.model_view(self.state.catalog, request.name, request_version(request.version))
+        return pb.ModelConfigResponse(config=view.entry.spec.proto)
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        name = request.name or None
+        doc = await self.state.statistics(name, request_version(request.version) if name else None)
+        return json_format.ParseDict(doc, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        if request.repository_name:
+            raise Unsupported("naming a model repository is not supported: fleet serves its repositories as one")
+        items = model_info.repository_index(self.state.catalog, request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**item) for item in items])
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        raise Unsupported(model_info.MODEL_CONTROL_OFF)
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        raise Unsupported(model_info.MODEL_CONTROL_OFF)
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        dataplane = self.state.dataplane
+        dataplane.admit()  # Overloaded past max_in_flight, counted with the HTTP requests
+        try:
+            return await self.infer(request, context.time_remaining())
+        finally:
+            dataplane.release()
+
+    def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncGenerator[bytes, None]:
+        return self.streams.serve(requests, context)
+
+    # Shared memory: the registry HTTP's routes use (gateway/shared_memory.py), through gateway/grpc/shm_rpcs.py.
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.system_status(self.state.shared_memory, request)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.system_register(self.state.shared_memory, request)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.system_unregister(self.state.shared_memory, request)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.cuda_status(self.state.shared_memory, request)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.cuda_register(self.state.shared_memory, request)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return shm_rpcs.cuda_unregister(self.state.shared_memory, request)
+
+    # The logging and trace extensions: HTTP's functions (gateway/runtime_settings.py), via settings_rpcs.py.
+
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        return await settings_rpcs.log_settings(self.state.runtime, request)
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        return await settings_rpcs.trace_setting(self.state.runtime, request)
+
+    async def infer(self, request: Any, timeout_s: float | None) -> Any:
+        """One ModelInferRequest through the data path; `timeout_s`: how long its caller still waits."""
+        catalog, dataplane = self.state.catalog, self.state.dataplane
+        view, v = catalog.resolve(request.model_name, request_version(request.model_version))
+        spec = view.entry.spec
+        req = decode_infer(request, spec, dataplane.regions)
+        reply = await dataplane.run(request.model_name, v, spec, req, caller_timeout_s=timeout_s)
+        return encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)

@@ -1,0 +1,264 @@
+"""The gateway's shared-memory registry (gateway/shared_memory.py) and the tensors that name a region
+(fleet/tensor_regions.py through fleet.kserve), on real POSIX shared-memory objects made with Triton's
+client library, as a client on the gateway's host makes them. No server: the end-to-end flow is in
+tests/e2e/test_shared_memory.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.utils.shared_memory as shm
+
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput, NotFound, TooLarge, Unsupported
+from fleet.kserve import parse_infer, render_infer
+from fleet.model_config import parse_config
+from fleet.tensor_regions import RegionRef
+from gateway import shared_memory
+from gateway.shared_memory import SharedMemoryRegistry
+
+SIMPLE = parse_config(
+    'name: "s"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+    'input [ { name: "A" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "B" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+    'output [ { name: "C" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "D" data_type: TYPE_INT32 dims: [ 16 ] } ]',
+    source="s", model_name="s",
+)
+
+
+class Objects:
+    """POSIX shared-memory objects of one test, each under a key no other test (or engineer) uses."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+
+    def make(self, byte_size: int) -> tuple[str, Any]:
+        key = f"/fleet_unit_{uuid.uuid4().hex[:12]}"
+        handle = shm.create_shared_memory_region(key[1:], key, byte_size, create_only=True)
+        self.handles.append(handle)
+        return key, handle
+
+
+@pytest.fixture
+def objects() -> Iterator[Objects]:
+    made = Objects()
+    yield made
+    for handle in made.handles:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_register_status_unregister_with_tritons_semantics(objects: Objects) -> None:
+    key, _ = objects.make(256)
+    reg = SharedMemoryRegistry()
+    reg.register("in", key, 0, 128)
+    reg.register("out", key, 128, 128)  # distinct names over one object: allowed, as in Triton
+    assert reg.status() == [{"name": "in", "key": key, "offset": 0, "byte_size": 128},
+                            {"name": "out", "key": key, "offset": 128, "byte_size": 128}]
+    assert reg.status("out") == [{"name": "out", "key": key, "offset": 128, "byte_size": 128}]
+    with pytest.raises(InvalidInput, match="shared memory region 'in' already in manager"):
+        reg.register("in", key, 0, 8)
+    with pytest.raises(NotFound, match="Unable to find system shared memory region: 'nope'"):
+        reg.status("nope")
+    reg.unregister("nope")  # an unknown name is no error
+    reg.unregister("in")
+    assert [r["name"] for r in reg.status()] == ["out"]
+    reg.unregister()
+    assert reg.status() == []
+
+
+@pytest.mark.parametrize("key", ["/a/b", "a/b", "/../etc/passwd", "/..", "..", ".", "/", "", "/x\0y"])
+def test_keys_that_are_no_shm_name_are_refused(key: str) -> None:
+    with pytest.raises(InvalidInput, match="is not a POSIX shared memory name"):
+        SharedMemoryRegistry().register("r", key, 0, 8)
+
+
+def test_missing_objects_symlinks_and_bounds_are_refused(objects: Objects, tmp_path: Path) -> None:
+    reg = SharedMemoryRegistry()
+    with pytest.raises(InvalidInput, match="Unable to open shared memory region: '/fleet_unit_none'"):
+        reg.register("r", "/fleet_unit_none", 0, 8)
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 64)
+    link = Path("/dev/shm") / f"fleet_unit_link_{uuid.uuid4().hex[:8]}"
+    link.symlink_to(target)
+    try:
+        with pytest.raises(InvalidInput, match="Unable to open shared memory region"):
+            reg.register("r", f"/{link.name}", 0, 8)  # a symlink must not lead the gateway to another file
+    finally:
+        link.unlink()
+    key, _ = objects.make(64)
+    with pytest.raises(InvalidInput, match=r"failed to register shared memory region 'r': invalid args \(offset 60 "
+                                           r"\+ byte_size 8 is past the end"):
+        reg.register("r", key, 60, 8)
+    with pytest.raises(InvalidInput, match="byte_size must be at least 1"):
+        reg.register("r", key, 0, 0)
+    assert reg.status() == []
+
+
+def test_slices_read_and_write_within_the_region(objects: Objects) -> None:
+    key, handle = objects.make(9000)
+    data = np.arange(2048, dtype=np.int32)
+    shm.set_shared_memory_region(handle, [data])
+    reg = SharedMemoryRegistry()
+    reg.register("r", key, 4100, 4096)  # an offset that is no multiple of a page
+    assert reg.slice(RegionRef("r", 4, 8)).read() == data[1026:1028].tobytes()
+    reg.slice(RegionRef("r", 8, 8)).write("OUT", np.array([7, 9], dtype=np.int32).tobytes())
+    assert list(shm.get_contents_as_numpy(handle, np.int32, [2], offset=4108)) == [7, 9]
+    with pytest.raises(InvalidInput, match=r"Invalid offset for shared memory region: 'r'"):
+        reg.slice(RegionRef("r", 4096, 0))
+    with pytest.raises(InvalidInput, match=r"Invalid offset \+ byte size for shared memory region: 'r'"):
+        reg.slice(RegionRef("r", 4000, 97))
+    with pytest.raises(InvalidInput, match="Unable to find shared memory region: 'q'.*each gateway process"):
+        reg.slice(RegionRef("q", 0, 4))
+    with pytest.raises(InvalidInput, match=r"output 'OUT' \(8 bytes\) should be at least 12 bytes"):
+        reg.slice(RegionRef("r", 0, 8)).write("OUT", b"\0" * 12)
+
+
+def test_a_region_unregistered_in_flight_stays_mapped_for_its_request(objects: Objects) -> None:
+    key, handle = objects.make(64)
+    shm.set_shared_memory_region(handle, [np.full(16, 5, dtype=np.int32)])
+    reg = SharedMemoryRegistry()
+    reg.register("r", key, 0, 64)
+    held = reg.slice(RegionRef("r", 0, 64))
+    reg.unregister()
+    assert held.read() == np.full(16, 5, dtype=np.int32).tobytes()  # Triton too waits for in-flight requests
+
+
+def test_an_object_shrunk_after_registering_is_an_error_not_a_crash(objects: Objects) -> None:
+    key, _ = objects.make(8192)
+    reg = SharedMemoryRegistry()
+    reg.register("r", key, 4096, 4096)
+    os.truncate(f"/dev/shm{key}", 4100)  # touching the pages past the end now would be SIGBUS
+    with pytest.raises(InvalidInput, match="shrank to 4100 bytes"):
+        reg.slice(RegionRef("r", 0, 64)).read()
+    with pytest.raises(InvalidInput, match="shrank"):
+        reg.slice(RegionRef("r", 8, 8)).write("OUT", b"\0" * 8)
+
+
+def test_an_input_read_is_bounded_like_a_body(objects: Objects) -> None:
+    key, _ = objects.make(256)
+    reg = SharedMemoryRegistry(max_read_bytes=64)
+    reg.register("r", key, 0, 256)
+    assert len(reg.slice(RegionRef("r", 0, 64)).read()) == 64
+    with pytest.raises(TooLarge, match="65 bytes of shared memory region 'r' exceed the limit of 64 bytes"):
+        reg.slice(RegionRef("r", 0, 65)).read()
+    reg.slice(RegionRef("r", 0, 256)).write("OUT", b"\0" * 256)  # outputs are bounded by the region only
+
+
+def test_the_number_of_regions_is_bounded(objects: Objects, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_memory, "MAX_REGIONS", 2)
+    key, _ = objects.make(64)
+    reg = SharedMemoryRegistry()
+    reg.register("a", key, 0, 8)
+    reg.register("b", key, 0, 8)
+    with pytest.raises(InvalidInput, match="holds 2 regions already"):
+        reg.register("c", key, 0, 8)
+
+
+def test_cuda_answers_as_with_nothing_registered(objects: Objects) -> None:
+    reg = SharedMemoryRegistry()
+    assert reg.cuda_status() == []
+    reg.cuda_unregister()
+    reg.cuda_unregister("nope")
+    with pytest.raises(InvalidInput, match="CUDA shared memory is not supported by this gateway"):
+        reg.cuda_register("g")
+    with pytest.raises(NotFound, match="Unable to find cuda shared memory region: 'g'"):
+        reg.cuda_status("g")
+    key, _ = objects.make(64)
+    reg.register("sys", key, 0, 64)
+    with pytest.raises(NotFound, match="registered as system shared memory, not CUDA"):
+        reg.cuda_status("sys")
+
+
+def _infer(inputs: list[dict[str, Any]], outputs: list[dict[str, Any]] | None = None) -> bytes:
+    doc: dict[str, Any] = {"inputs": inputs}
+    if outputs is not None:
+        doc["outputs"] = outputs
+    return json.dumps(doc).encode()
+
+
+def _in_region(name: str, region: str, byte_size: int, offset: int = 0) -> dict[str, Any]:
+    params: dict[str, Any] = {"shared_memory_region": region, "shared_memory_byte_size": byte_size}
+    if offset:
+        params["shared_memory_offset"] = offset
+    return {"name": name, "datatype": "INT32", "shape": [1, 16], "parameters": params}
+
+
+def test_an_http_request_reads_inputs_from_and_writes_outputs_to_regions(objects: Objects) -> None:
+    key, handle = objects.make(256)
+    a, b = np.arange(16, dtype=np.int32), np.full(16, 3, dtype=np.int32)
+    shm.set_shared_memory_region(handle, [a, b])
+    reg = SharedMemoryRegistry()
+    reg.register("ins", key, 0, 128)
+    reg.register("outs", key, 128, 128)
+    body = _infer([_in_region("A", "ins", 64), _in_region("B", "ins", 64, offset=64)],
+                  [{"name": "C", "parameters": {"shared_memory_region": "outs", "shared_memory_byte_size": 64,
+                                                "binary_data": False}},
+                   {"name": "D", "parameters": {"binary_data": True}}])
+    req = parse_infer(body, None, SIMPLE, reg)
+    assert [bytes(t.data) for t in req.inputs] == [a.tobytes(), b.tobytes()]
+    c, d = (a + b).tobytes(), (a - b).tobytes()
+    rendered, hlen = render_infer("s", 1, req, [WireTensor("C", "INT32", (1, 16), c),
+                                               WireTensor("D", "INT32", (1, 16), d)], {})
+    assert hlen is not None and rendered[hlen:] == d  # only the binary output travels in the body
+    doc = json.loads(rendered[:hlen])
+    assert doc["outputs"][0] == {"name": "C", "datatype": "INT32", "shape": [1, 16]}  # as Triton: no data
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.int32, [1, 16], offset=128), [a + b])
+
+
+@pytest.mark.parametrize("inputs,outputs,exc,match", [
+    ([_in_region("A", "ins", 60), _in_region("B", "ins", 64)], None, InvalidInput,
+     "unexpected total byte size 60 for input 'A', expecting 64"),
+    ([_in_region("A", "gone", 64), _in_region("B", "ins", 64)], None, InvalidInput,
+     "Unable to find shared memory region: 'gone'"),
+    ([_in_region("A", "ins", 64, offset=100), _in_region("B", "ins", 64)], None, InvalidInput,
+     r"Invalid offset \+ byte size for shared memory region: 'ins'"),
+    ([{**_in_region("A", "ins", 64), "data": [1] * 16}, _in_region("B", "ins", 64)], None, InvalidInput,
+     "exactly one of 'data', 'binary_data_size'"),
+    ([{**_in_region("A", "ins", 64), "parameters": {"shared_memory_region": "ins"}}, _in_region("B", "ins", 64)],
+     None, InvalidInput, "'shared_memory_byte_size' is required"),
+    ([{**_in_region("A", "ins", 64), "parameters": {"shared_memory_region": 5, "shared_memory_byte_size": 64}},
+      _in_region("B", "ins", 64)], None, InvalidInput, "Unable to parse 'shared_memory_region'"),
+    ([_in_region("A", "ins", 64), _in_region("B", "ins", 64)],
+     [{"name": "C", "parameters": {"shared_memory_region": "ins", "shared_memory_byte_size": 64,
+                                   "binary_data": True}}], InvalidInput,
+     "Output can't set both 'shared_memory_region' and 'binary_data'"),
+    ([_in_region("A", "ins", 64), _in_region("B", "ins", 64)],
+     [{"name": "C", "parameters": {"shared_memory_region": "ins", "shared_memory_byte_size": 64,
+                                   "shared_memory_offset": -1}}], InvalidInput,
+     "Unable to parse 'shared_memory_offset'"),
+    ([_in_region("A", "ins", 64), _in_region("B", "ins", 64)],
+     [{"name": "C", "parameters": {"shared_memory_region": "nope", "shared_memory_byte_size": 64}}], InvalidInput,
+     "Unable to find shared memory region: 'nope'"),
+])
+def test_bad_shared_memory_tensors_are_clear_400s(objects: Objects, inputs: list[dict[str, Any]],
+                                                  outputs: list[dict[str, Any]] | None, exc: type[Exception],
+                                                  match: str) -> None:
+    key, _ = objects.make(128)
+    reg = SharedMemoryRegistry()
+    reg.register("ins", key, 0, 128)
+    with pytest.raises(exc, match=match):
+        parse_infer(_infer(inputs, outputs), None, SIMPLE, reg)
+
+
+def test_an_output_region_too_small_is_refused_when_writing(objects: Objects) -> None:
+    key, _ = objects.make(256)
+    reg = SharedMemoryRegistry()
+    reg.register("r", key, 0, 256)
+    body = _infer([{"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16} for n in "AB"],
+                  [{"name": "C", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 32}}])
+    req = parse_infer(body, None, SIMPLE, reg)
+    with pytest.raises(InvalidInput, match=r"output 'C' \(32 bytes\) should be at least 64 bytes"):
+        render_infer("s", 1, req, [WireTensor("C", "INT32", (1, 16), b"\0" * 64)], {})
+
+
+def test_without_regions_shared_memory_is_unsupported() -> None:
+    body = _infer([{"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16} for n in "AB"],
+                  [{"name": "C", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 64}}])
+    with pytest.raises(Unsupported, match="shared memory"):
+        parse_infer(body, None, SIMPLE)  # a bulk job's line: the client's region is on another host
