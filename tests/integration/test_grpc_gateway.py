@@ -337,13 +337,14 @@ def computed(live: GrpcSystem, model: str) -> int:
 def test_a_client_deadline_cancels_the_request(live: GrpcSystem, client: tg.InferenceServerClient) -> None:
     """Behind a busy instance, a request whose deadline passes is deleted from its stream (or dropped by
     the worker holding it): never computed."""
+    assert client.is_server_live()  # the channel is connected: the deadline below is spent in the gateway
     before = computed(live, "slow")
     busy: queue.Queue[Any] = queue.Queue()
     client.async_infer("slow", slow_input(1.0), lambda result, error: busy.put((result, error)))
     time.sleep(0.1)  # the first one computes
     with pytest.raises(InferenceServerException) as err:
         client.infer("slow", slow_input(2.0), client_timeout=0.15)
-    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED", err.value.message()
     result, error = busy.get(timeout=10)
     assert error is None and result.as_numpy("OUT").tolist() == [[1.0]]
     time.sleep(SLOW_MS / 1000 * 1.5)
@@ -351,6 +352,7 @@ def test_a_client_deadline_cancels_the_request(live: GrpcSystem, client: tg.Infe
 
 
 def test_a_cancelled_async_request_is_not_computed(live: GrpcSystem, client: tg.InferenceServerClient) -> None:
+    assert client.is_server_live()
     before = computed(live, "slow")
     first: queue.Queue[Any] = queue.Queue()
     client.async_infer("slow", slow_input(1.0), lambda result, error: first.put(error))
