@@ -165,8 +165,8 @@ def _outputs(request: Any, spec: ModelSpec, regions: Regions | None) -> tuple[li
         name = item.name
         if spec.output(name) is None:
             raise InvalidInput(f"unexpected inference output '{name}' for model '{spec.name}'")
-        if name in names:
-            continue  # listed twice: one output (current Triton cores merge them too)
+        if name in names:  # as over HTTP (fleet/kserve.py): never merged silently
+            raise InvalidInput(f"output '{name}' is requested more than once")
         params = parameters_dict(item.parameters)
         params.pop("binary_data", None)  # outputs always travel as raw bytes over gRPC
         target = output_to_region(regions, name, params)

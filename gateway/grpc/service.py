@@ -15,7 +15,15 @@ from typing import Any
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 
-from fleet.errors import ModelNotFound, ModelNotReady, Unsupported, VersionNotFound
+from fleet.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    ModelNotFound,
+    ModelNotReady,
+    ServingError,
+    Unsupported,
+    VersionNotFound,
+)
 from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
 from gateway.grpc.codec import decode_infer, encode_infer, request_version
@@ -89,6 +97,15 @@ class InferenceService:
         dataplane.admit()  # Overloaded past max_in_flight, counted with the HTTP requests
         try:
             return await self.infer(request, context.time_remaining())
+        except ServingError as exc:
+            # The request's expiry is the caller's deadline, so a worker or the gateway may answer
+            # "Request timeout expired" just as the deadline passes: the caller's own deadline is the
+            # cause, and tritonclient expects DEADLINE_EXCEEDED for it.
+            # (50 ms: the expiry is judged on Redis's clock, estimated to within a few ms.)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining < 0.05 and exc.code == ErrorCode.UNAVAILABLE:
+                raise DeadlineExceeded("Deadline Exceeded") from exc
+            raise
         finally:
             dataplane.release()
 

@@ -173,10 +173,10 @@ def test_two_inputs_take_raw_entries_in_order() -> None:
     assert [bytes(t.data) for t in parsed.inputs] == [a.tobytes(), b.tobytes()]
 
 
-def test_an_output_listed_twice_is_one_output() -> None:
-    parsed = decode_infer(grpc_request([("X", "FP32", [1])], raw=[b"\0\0\0\0"], outputs=["Y", "Y"]),
-                          spec_for("FP32"), None)
-    assert parsed.outputs == ["Y"]
+def test_an_output_listed_twice_is_refused_as_over_http() -> None:
+    with pytest.raises(InvalidInput, match="output 'Y' is requested more than once"):
+        decode_infer(grpc_request([("X", "FP32", [1])], raw=[b"\0\0\0\0"], outputs=["Y", "Y"]),
+                     spec_for("FP32"), None)
 
 
 def test_parameters_without_effect_over_grpc_are_dropped() -> None:
