@@ -33,6 +33,7 @@ async def follow_settings(url: str, keys: Keys, kinds: Sequence[str], on_change:
     Redis): the subscription is then made anew, and everything read again."""
     backoff = Backoff()
     while True:
+        _raise_if_cancelled()
         client = async_client(url)
         pubsub = client.pubsub()
         try:
@@ -41,6 +42,7 @@ async def follow_settings(url: str, keys: Keys, kinds: Sequence[str], on_change:
                 await on_change(kind)
             backoff.reset()
             async for message in pubsub.listen():
+                _raise_if_cancelled()
                 if message.get("type") != "message":
                     continue
                 data = message.get("data")
@@ -48,6 +50,7 @@ async def follow_settings(url: str, keys: Keys, kinds: Sequence[str], on_change:
                 if kind in kinds:
                     await on_change(kind)
         except (RedisError, OSError) as exc:
+            _raise_if_cancelled()
             log.warning("settings listener: %s", exc)
         finally:
             try:
@@ -72,9 +75,21 @@ async def follow_log_settings(url: str, keys: Keys, settings: Settings) -> None:
         await client.aclose()
 
 
-async def stop_following(task: asyncio.Task[None]) -> None:
-    """Cancel a follow_settings task and wait for it. Cancelled again until it ends: redis-py can swallow a
-    cancellation that lands while it connects, and the task would then listen on forever."""
+def _raise_if_cancelled() -> None:
+    """redis-py can turn a cancellation that lands while it connects into a connection error (or swallow
+    it): the task's pending cancellation request still says what was meant."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop_following(task: asyncio.Task[None], wait_s: float = 5.0) -> None:
+    """Cancel a follow_settings task and wait for it, cancelling again until it ends, for at most `wait_s`
+    (a stop never hangs on it: it holds nothing that must be released in order)."""
+    deadline = asyncio.get_running_loop().time() + wait_s
     while not task.done():
+        if asyncio.get_running_loop().time() > deadline:
+            log.warning("the settings listener did not stop within %.0f s; leaving it", wait_s)
+            return
         task.cancel()
         await asyncio.wait({task}, timeout=0.1)
