@@ -23,7 +23,8 @@ from fleet.log_settings import CHANNEL_MESSAGE as LOGGING
 from fleet.log_settings import parse_log_update, read_log_settings, store_log_update
 from fleet.logs import apply_log_settings, current_log_settings, default_log_settings
 from fleet.settings import Settings
-from fleet.settings_watch import follow_settings, stop_following
+from fleet.settings_watch import follow_settings
+from fleet.subscription import stop_following
 from fleet.supervision import Supervisor
 from fleet.trace_settings import (
     CHANNEL_MESSAGE as TRACE,

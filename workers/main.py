@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from redis.exceptions import RedisError
 
 from fleet.admission import lane_count
-from fleet.backoff import Backoff
 from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
@@ -23,7 +22,8 @@ from fleet.redis_clients import async_client, wait_for_redis
 from fleet.redis_time import RedisClock
 from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
-from fleet.settings_watch import follow_log_settings, stop_following
+from fleet.settings_watch import follow_log_settings
+from fleet.subscription import follow_channel, stop_following
 from workers.backends import load_backend
 from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
@@ -174,32 +174,17 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
 async def listen_for_cancellations(url: str, keys: Keys, loops: dict[str, ModelLoop]) -> None:
     """Drop queued requests whose callers went away (gateway/broker.py publishes them): never computed.
     Best effort: a cancellation missed while reconnecting only costs a reply nobody reads."""
-    backoff = Backoff()
-    while True:
-        client = async_client(url)
-        pubsub = client.pubsub()
+
+    async def cancel(data: object) -> None:
         try:
-            await pubsub.subscribe(keys.cancel())
-            backoff.reset()
-            async for message in pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                try:
-                    model, request_id = json.loads(message["data"])
-                except (ValueError, TypeError):
-                    continue
-                loop = loops.get(model) if isinstance(model, str) else None
-                if loop is not None:
-                    loop.cancel({request_id})
-        except (RedisError, OSError) as exc:
-            log.warning("cancellation listener: %s", exc)
-        finally:
-            try:
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
-                await client.aclose()
-            except (RedisError, OSError):
-                pass
-        await asyncio.sleep(backoff.next_delay())
+            model, request_id = json.loads(data)  # type: ignore[arg-type]
+        except (ValueError, TypeError):
+            return
+        loop = loops.get(model) if isinstance(model, str) else None
+        if loop is not None:
+            loop.cancel({request_id})
+
+    await follow_channel(url, keys.cancel(), "cancellation listener", cancel)
 
 
 def serve(settings: Settings, device: str = "cpu") -> int:

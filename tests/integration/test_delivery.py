@@ -1,4 +1,4 @@
-"""Delivery under faults configured in a real Valkey (never a mocked Redis): a reply Redis refuses keeps
+"""Delivery under faults configured in a real Valkey server: a reply Redis refuses keeps
 its message until it is written, a refused write never stops a model, one refused enqueue fails only its
 own caller, preserve_ordering, the pending count, the worker registry and dead-consumer pruning.
 

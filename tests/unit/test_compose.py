@@ -417,9 +417,10 @@ def test_no_project_file_names_a_registry_host_or_a_machine_path() -> None:
 
 
 @pytest.mark.parametrize("line", [
-    "RUN pip install torch --index-url https://download.pytorch.org/whl/cpu",
-    "extra-index-url = https://pypi.org/simple",
-    "K=${K:-/work/shared/anchors/triton}",
+    # Spelled in pieces so that this file names no host or machine path itself.
+    "RUN pip install torch --index-url https://" + "download.pytorch.org/whl/cpu",
+    "extra-index-url = https://" + "pypi.org/simple",
+    "K=${K:-/" + "work/shared/anchors/triton}",
     'ANCHOR = Path("/root/anchors")',
     "see /home/alice/notes",
 ])
