@@ -11,11 +11,9 @@ JSON `data` is packed once with numpy. `render_infer` does the reverse for the r
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import sys
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +24,8 @@ from fleet.model_config import ModelSpec, TensorSpec
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
 from fleet.tensor_regions import Regions, RegionSlice, input_from_region, output_to_region
 
-__all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", "compress", "decompress",
-           "json_data", "parse_infer", "render_infer", "response_encoding", "split_body"]
+__all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", "json_data", "parse_infer",
+           "render_infer", "split_body"]
 
 # Request-level parameters with a meaning to the server; the rest pass through to the model.
 RESERVED_PARAMETERS = frozenset(
@@ -52,54 +50,6 @@ class ParsedInfer:
 
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
-
-
-def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """The body as sent before `encoding`; at most `limit` bytes, so a small compressed body cannot
-    expand into gigabytes in this process (a "zip bomb")."""
-    if not encoding or encoding == "identity":
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise InvalidInput(f"unsupported Content-Encoding '{encoding}'")
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, limit)
-        if inflater.unconsumed_tail:
-            raise InvalidInput(f"the decompressed request body exceeds the limit of {limit} bytes")
-        out += inflater.flush()
-    except zlib.error as exc:
-        raise InvalidInput(f"failed to decompress request body: it is not a valid {encoding} stream "
-                           f"(Content-Encoding: {encoding})") from exc
-    if not inflater.eof:
-        raise InvalidInput(f"failed to decompress request body ({encoding}): truncated stream")
-    return out
-
-
-def response_encoding(accept_encoding: str | None) -> str | None:
-    """The compression to answer with, from Accept-Encoding: Triton picks the best q-value among
-    identity, gzip and deflate. None = identity (also when nothing acceptable is offered)."""
-    if not accept_encoding:
-        return None
-    best, best_q = None, 0.0
-    for item in accept_encoding.split(","):
-        token, _, params = item.strip().partition(";")
-        q = 1.0
-        params = params.strip()
-        if params.startswith("q="):
-            try:
-                q = float(params[2:])
-            except ValueError:
-                continue
-        token = token.strip().lower()
-        if token in ("gzip", "deflate", "identity") and q > best_q:
-            best, best_q = token, q
-    return None if best == "identity" else best
-
-
-def compress(body: bytes, encoding: str) -> bytes:
-    if encoding == "gzip":
-        return gzip.compress(body, compresslevel=6)
-    return zlib.compress(body)  # "deflate" means the zlib format, as Triton and tritonclient use it
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:

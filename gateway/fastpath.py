@@ -16,8 +16,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.content_encoding import compress, decompress, response_encoding
 from fleet.errors import InvalidInput, ServingError, TooLarge
-from fleet.kserve import compress, decompress, response_encoding
 from fleet.trace_points import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START
 from gateway.errors import status_for
 from gateway.routes import parse_version

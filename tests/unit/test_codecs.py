@@ -210,7 +210,7 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
     import gzip
     import zlib
 
-    from fleet.kserve import decompress
+    from fleet.content_encoding import decompress
 
     body = json.dumps({"inputs": good_inputs()}).encode()
     packed = {"gzip": gzip.compress, "deflate": zlib.compress, None: lambda b: b}[encoding](body)
@@ -227,7 +227,7 @@ def test_compressed_request_bodies(encoding: str | None) -> None:
 def test_a_decompression_bomb_stops_at_the_body_limit() -> None:
     import gzip
 
-    from fleet.kserve import decompress
+    from fleet.content_encoding import decompress
 
     bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~64 KB
     assert len(bomb) < 100_000
@@ -293,7 +293,7 @@ def test_hostile_requests_only_raise_serving_errors(doc: dict[str, object], tail
     ("identity;q=0.1, gzip", "gzip"), ("gzip;q=abc, deflate", "deflate"),
 ])
 def test_response_encoding_negotiation(header: str | None, expected: str | None) -> None:
-    from fleet.kserve import response_encoding
+    from fleet.content_encoding import response_encoding
 
     assert response_encoding(header) == expected
 
