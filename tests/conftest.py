@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,3 +30,36 @@ def key_prefix() -> str:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# A test that hangs in an event loop shows pytest-timeout's thread stacks, which only say "the loop is
+# waiting". Shortly before that timeout, the main thread is interrupted to print what each asyncio task
+# is awaiting (a signal handler runs on the main thread, where the hung loop is the running loop).
+_TASK_DUMP_BEFORE_TIMEOUT_S = 15.0
+
+
+def _dump_asyncio_tasks(signum: int, frame: object) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    print(f"\n~~~~~~ asyncio tasks ({len(asyncio.all_tasks(loop))}) ~~~~~~", file=sys.stderr)
+    for task in asyncio.all_tasks(loop):
+        task.print_stack(limit=12, file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_task_dump(request: pytest.FixtureRequest) -> Iterator[None]:
+    timeout = float(request.config.getini("timeout") or 0)
+    if timeout <= _TASK_DUMP_BEFORE_TIMEOUT_S or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR2, _dump_asyncio_tasks)
+    timer = threading.Timer(timeout - _TASK_DUMP_BEFORE_TIMEOUT_S, os.kill, (os.getpid(), signal.SIGUSR2))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
