@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleet.backoff import Backoff
+from fleet.cancellation import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                raise_if_cancelled()  # a cancellation turned into an error is still a stop, not a failure
                 now = time.monotonic()
                 self.failures = [t for t in self.failures if now - t < self.window_s] + [now]
                 self.down.add(task_name)

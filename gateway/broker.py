@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.backoff import Backoff
+from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.envelope import ReplyEnvelope, decode_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
 from fleet.keys import GROUP, Keys
@@ -142,9 +143,7 @@ class Broker:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, f"gateway {self.gateway_id} broker")
         try:
             await self._client.delete(self.reply_key)
         except RedisError:
@@ -299,13 +298,15 @@ class Broker:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
+                raise_if_cancelled()
                 if self._down_since is None:
                     self._down_since = loop.time()
                 delay = backoff.next_delay()
                 log.warning("reply reader: %s; retrying in %.2f s", exc, delay)
                 self._redis_back.clear()
                 try:
-                    await asyncio.wait_for(self._redis_back.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._redis_back.wait()
                 except TimeoutError:
                     pass
                 continue
@@ -352,9 +353,11 @@ class Broker:
 
     async def _reachable(self) -> bool:
         try:
-            await asyncio.wait_for(self._client.ping(), 1.0)
+            async with asyncio.timeout(1.0):
+                await self._client.ping()
             return True
         except (RedisError, OSError, TimeoutError):
+            raise_if_cancelled()
             return False
 
     async def _sweep(self) -> None:
@@ -366,9 +369,11 @@ class Broker:
             sweeps += 1
             if sweeps % CLOCK_SAMPLE_EVERY == 0 and self._down_since is None:
                 try:
-                    await asyncio.wait_for(self.redis_clock.sample(self._client), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self.redis_clock.sample(self._client)
                 except (RedisError, OSError, TimeoutError):
-                    pass  # the reader notices an outage; the last estimate stays
+                    raise_if_cancelled()
+                    # The reader notices an outage; the last estimate stays.
             now = loop.time()
             down_s = None if self._down_since is None else now - self._down_since
             if down_s is not None and down_s > self.outage_s and await self._reachable():

@@ -17,6 +17,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from fleet.cancellation import cancel_and_wait
 from fleet.errors import BrokerUnavailable
 from fleet.keys import Keys
 from fleet.log_settings import CHANNEL_MESSAGE as LOGGING
@@ -24,7 +25,6 @@ from fleet.log_settings import parse_log_update, read_log_settings, store_log_up
 from fleet.logs import apply_log_settings, current_log_settings, default_log_settings
 from fleet.settings import Settings
 from fleet.settings_watch import follow_settings
-from fleet.subscription import stop_following
 from fleet.supervision import Supervisor
 from fleet.trace_settings import (
     CHANNEL_MESSAGE as TRACE,
@@ -64,7 +64,7 @@ class RuntimeSettings:
 
     async def stop(self) -> None:
         if self._task is not None:
-            await stop_following(self._task)
+            await cancel_and_wait([self._task], "settings listener")
         self.tracer.close()
 
     async def _on_change(self, kind: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.keys import Keys
 from fleet.redis_clients import async_client
 from fleet.repository import scan
@@ -85,8 +86,7 @@ class GatewayState:
     async def stop(self) -> None:
         await asyncio.gather(*(drain() for drain in self.drains))
         if self._refresher:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+            await cancel_and_wait([self._refresher], "readiness refresher")
         await self.runtime.stop()
         await self.broker.stop()
         self.jobs.client.close()
@@ -116,6 +116,7 @@ class GatewayState:
                 await self.refresh_readiness()
                 failing_since = None
             except (RedisError, OSError) as exc:
+                raise_if_cancelled()
                 log.warning("cannot read worker heartbeats: %s", exc)
                 # One failed read (a Redis restart) does not make every model unready: the heartbeats
                 # read last stay valid for as long as their keys would have lived.

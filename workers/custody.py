@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
 from fleet.backoff import Backoff
+from fleet.cancellation import raise_if_cancelled
 from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
@@ -257,7 +258,7 @@ class Custody:
             try:
                 await self.consumer.ack([m for ms, _ in carried for m in ms])
             except (RedisError, OSError) as exc:
-                _reraise_if_cancelled()
+                raise_if_cancelled()
                 self._settle_acks(carried, False)
                 delay = backoff.next_delay()
                 log.warning("%s: acknowledging failed (%s); retrying in %.2f s", self.model, exc, delay)
@@ -305,7 +306,8 @@ class Custody:
         backoff = Backoff()
         while not (self._stopping and not self.holding.rows() and not self._finishing):
             try:
-                await asyncio.wait_for(self._refresh_now.wait(), self.config.keepalive_s)
+                async with asyncio.timeout(self.config.keepalive_s):
+                    await self._refresh_now.wait()
             except TimeoutError:
                 pass
             self._refresh_now.clear()
@@ -318,7 +320,7 @@ class Custody:
                 lost = await self.consumer.keep(held)
                 backoff.reset()
             except (RedisError, OSError) as exc:
-                _reraise_if_cancelled()
+                raise_if_cancelled()
                 log.warning("%s: refreshing held messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
                 continue
@@ -349,7 +351,7 @@ class Custody:
                     await self._prune()
                 backoff.reset()
             except (RedisError, OSError) as exc:
-                _reraise_if_cancelled()
+                raise_if_cancelled()
                 log.warning("%s: claiming abandoned messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
 
@@ -402,8 +404,3 @@ class Custody:
                                  functools.partial(self.consumer.dead_letter, message, reason, payload))
         finally:
             self.release([message])
-
-def _reraise_if_cancelled() -> None:
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError  # redis-py turned our cancellation into a connection error

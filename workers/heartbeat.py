@@ -18,6 +18,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fleet.cancellation import raise_if_cancelled
 from fleet.keys import Keys
 from fleet.redis_time import RedisClock
 
@@ -62,6 +63,7 @@ class Heartbeat:
         try:
             await self.beat()
         except (RedisError, OSError) as exc:
+            raise_if_cancelled()
             log.warning("heartbeat failed: %s", exc)
 
     async def sample_clock(self) -> None:
@@ -73,6 +75,7 @@ class Heartbeat:
                 await self.redis_clock.calibrate(self._client)
                 self._calibrated = True
         except (RedisError, OSError) as exc:
+            raise_if_cancelled()
             log.debug("cannot sample Redis's clock: %s", exc)
 
     async def run(self) -> None:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from redis.exceptions import RedisError
 
 from fleet.admission import lane_count
+from fleet.cancellation import cancel_and_wait
 from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
@@ -23,7 +24,7 @@ from fleet.redis_time import RedisClock
 from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
 from fleet.settings_watch import follow_log_settings
-from fleet.subscription import follow_channel, stop_following
+from fleet.subscription import follow_channel
 from workers.backends import load_backend
 from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
@@ -157,9 +158,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     log.info("worker %s stopping: draining", worker_id)
     heartbeat.ready.clear()
     await heartbeat.clear()
-    beat_task.cancel()
-    cancel_task.cancel()
-    await stop_following(settings_task)
+    await cancel_and_wait([beat_task, cancel_task, settings_task], f"worker {worker_id}")
     for loop in loops:
         loop.stop()
     await asyncio.gather(*tasks, return_exceptions=True)

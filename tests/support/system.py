@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from fleet.cancellation import cancel_and_wait
 from fleet.settings import Settings
 from gateway.app import create_app
 from gateway.state import GatewayState
@@ -56,5 +57,10 @@ async def in_process_system(redis_url: str, key_prefix: str, repositories: Seque
     finally:
         stop.set()
         if worker_task is not None:
-            await asyncio.wait_for(worker_task, 30)
+            # Bounded either way: a worker that does not drain in 30 s fails the test instead of hanging it.
+            await asyncio.wait({worker_task}, timeout=30)
+            if not worker_task.done():
+                await cancel_and_wait([worker_task], "in-process worker")
+                raise TimeoutError("the in-process worker did not drain within 30 s")
+            worker_task.result()
         await state.stop()
