@@ -1,18 +1,19 @@
-"""Every RPC of inference.GRPCInferenceService, as grpc.aio handlers around gateway/grpc/service.py.
+"""Every RPC of inference.GRPCInferenceService, as handlers of gateway/grpc/calls.py around
+gateway/grpc/service.py.
 
 Built from the service's descriptor in tritonclient's own generated module, so every RPC of the proto
 is registered: the service's method where it has one, else UNIMPLEMENTED with not_yet.py's reason.
 Around each: auth (the `authorization` metadata key, the same keys and scopes as HTTP: each RPC has
-the scope of the HTTP route that does the same, gateway/auth.py), request parsing (requests arrive as
-bytes, so a malformed message is our INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
-request!"), and the one mapping of ServingError to a status (gateway/errors.py).
+the scope of the HTTP route that does the same, gateway/auth.py), request parsing (a malformed message is
+INVALID_ARGUMENT), and the one mapping of ServingError to a status (gateway/errors.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
@@ -54,11 +55,38 @@ HTTP_TWIN: dict[str, str] = {
 }
 
 
-def _authorization(context: Any) -> bytes | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value.encode() if isinstance(value, str) else bytes(value)
-    return None
+class RpcError(Exception):
+    """The status a call ends with (gRPC's numeric code and its message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallContext(Protocol):
+    """What a handler reads of its call (gateway/grpc/calls.py provides it)."""
+
+    def time_remaining(self) -> float | None: ...
+
+    def invocation_metadata(self) -> list[tuple[str, str]]: ...
+
+    @property
+    def authorization(self) -> bytes | None: ...
+
+
+Unary = Callable[[bytes, CallContext], Awaitable[bytes]]
+Streaming = Callable[[AsyncIterator[bytes], CallContext], AsyncGenerator[bytes, None]]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: exactly one of `unary` (request bytes -> response bytes) or `streaming` (request bytes
+    as they come -> response bytes as they are ready)."""
+
+    name: str
+    unary: Unary | None = None
+    streaming: Streaming | None = None
 
 
 def _not_yet(reason: str) -> Callable[[Any, Any], Awaitable[Any]]:
@@ -67,37 +95,32 @@ def _not_yet(reason: str) -> Callable[[Any, Any], Awaitable[Any]]:
     return unimplemented
 
 
-def _unary(name: str, impl: Callable[[Any, Any], Awaitable[Any]], request_type: Any, area: str | None,
-           access: Access) -> Any:
+def _unary(impl: Callable[[Any, Any], Awaitable[Any]], request_type: Any, area: str | None,
+           access: Access) -> Unary:
     guarded = access.guards(area)
 
-    async def behavior(raw: bytes, context: Any) -> bytes:
+    async def behavior(raw: bytes, context: CallContext) -> bytes:
         try:
             if guarded:
-                access.check(area, _authorization(context))
+                access.check(area, context.authorization)
             response = await impl(parse_message(request_type, raw), context)
             return bytes(response.SerializeToString())
         except ServingError as exc:
-            code, message = grpc_status_for(exc.code), exc.message
-        except Exception as exc:  # never take the server down: INTERNAL, and the log says what
-            log.exception("gRPC %s failed", name)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-        await context.abort(code, message)
-        raise AssertionError("context.abort raises")
+            raise RpcError(grpc_status_for(exc.code), exc.message) from None
 
-    return grpc.unary_unary_rpc_method_handler(behavior)
+    return behavior
 
 
 def _bidi(impl: Callable[[AsyncIterator[bytes], Any], AsyncGenerator[bytes, None]], area: str | None,
-          access: Access) -> Any:
+          access: Access) -> Streaming:
     guarded = access.guards(area)
 
-    async def behavior(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async def behavior(requests: AsyncIterator[bytes], context: CallContext) -> AsyncGenerator[bytes, None]:
         if guarded:
             try:
-                access.check(area, _authorization(context))
+                access.check(area, context.authorization)
             except ServingError as exc:
-                await context.abort(grpc_status_for(exc.code), exc.message)
+                raise RpcError(grpc_status_for(exc.code), exc.message) from None
         answers = impl(requests, context)
         try:
             async for answer in answers:
@@ -107,20 +130,21 @@ def _bidi(impl: Callable[[AsyncIterator[bytes], Any], AsyncGenerator[bytes, None
             # still has in flight is cancelled now, not whenever the generator is collected.
             await answers.aclose()
 
-    return grpc.stream_stream_rpc_method_handler(behavior)
+    return behavior
 
 
-def generic_handler(service: InferenceService, access: Access) -> Any:
-    """The grpc.GenericRpcHandler serving every RPC of the proto over `service`."""
-    handlers: dict[str, Any] = {}
+def methods(service: InferenceService, access: Access) -> dict[str, Method]:
+    """Every RPC of the proto over `service`, by its HTTP/2 path (/inference.GRPCInferenceService/NAME)."""
+    table: dict[str, Method] = {}
     for method in SERVICE.methods:
         area = scope_of(HTTP_TWIN[method.name])
         impl = getattr(service, method.name, None)
+        path = f"/{SERVICE_NAME}/{method.name}"
         if method.client_streaming or method.server_streaming:
             assert impl is not None, f"{method.name}: only ModelStreamInfer streams, and it is served"
-            handlers[method.name] = _bidi(impl, area, access)
+            table[path] = Method(method.name, streaming=_bidi(impl, area, access))
             continue
         if impl is None:
             impl = _not_yet(NOT_YET[method.name])
-        handlers[method.name] = _unary(method.name, impl, getattr(pb, method.input_type.name), area, access)
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        table[path] = Method(method.name, unary=_unary(impl, getattr(pb, method.input_type.name), area, access))
+    return table
