@@ -6,7 +6,8 @@
 #
 # Usage: bench/compare.sh OUTDIR
 #   env: PASSES=2            number of passes; each pass runs every system once, the order rotating per pass
-#        SYSTEMS="triton-native triton-pytriton fleet"   which systems (and the order of pass 1); add fleet-base
+#        SYSTEMS="triton-native triton-pytriton fleet"   which systems (and the order of pass 1); fleet-http is fleet
+#                            measured over HTTP whatever PA_PROTOCOL says (gRPC and HTTP in one run); add fleet-base
 #                            to measure the fleet of BASE_ROOT too, e.g. SYSTEMS="fleet-base fleet"
 #        BASE_ROOT=          fleet-base's checkout, e.g. one made by `git worktree add ../fleet-base COMMIT`;
 #                            run with its own .venv/bin/python if it has one, else this checkout's (BASE_PYTHON
@@ -100,10 +101,12 @@ for ((p = 1; p <= PASSES; p++)); do
       triton-pytriton) run_triton pytriton "$dir" ;;
       fleet)           "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
                          --models "double mlp" --out "$dir" --check "${CHECK:-32}" ;;
+      fleet-http)      "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
+                         --models "double mlp" --out "$dir" --check "${CHECK:-32}" --protocol http ;;
       fleet-base)      "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
                          --models "double mlp" --out "$dir" --check "${CHECK:-32}" \
                          --root "$BASE_ROOT" --python "$BASE_PYTHON" ;;
-      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet fleet-base)" >&2; exit 2 ;;
+      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet fleet-http fleet-base)" >&2; exit 2 ;;
     esac
   done
 done
@@ -111,18 +114,18 @@ done
 echo; echo "== all tables ($OUT)"
 [ -f "$OUT/direct.txt" ] && cat "$OUT/direct.txt"
 "$PY" "$BENCH/summary.py" --compare "$OUT"
-if [[ " ${SYS[*]} " == *" fleet-base "* ]]; then
-  # summary.py --compare knows the three systems above; before/after gets its own table here.
-  "$PY" - "$BENCH" "$OUT" <<'EOF'
+pair_table() {  # pair_table FIRST SECOND: the medians of two fleet systems side by side
+  "$PY" - "$BENCH" "$OUT" "$1" "$2" <<'EOF'
 import statistics, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from summary import print_levels, print_table, read_dir  # noqa: E402
 out, cells = Path(sys.argv[2]), {}
-for system in ("fleet-base", "fleet"):
+first, second = sys.argv[3], sys.argv[4]
+for system in (first, second):
     for d in sorted(out.glob(f"pass*/{system}")):
         levels = read_dir(d, ["double", "mlp"])
-        if system == "fleet-base":
+        if system != "fleet":
             print_levels(f"{d.parent.name} / {system}", levels)
         for lv in levels:
             if lv.infer_s is not None:
@@ -132,13 +135,17 @@ def median(levels, key):
     return statistics.median(values) if values else None
 rows = []
 for (model, conc), by in sorted(cells.items()):
-    base, new = median(by.get("fleet-base"), "infer_s"), median(by.get("fleet"), "infer_s")
+    base, new = median(by.get(first), "infer_s"), median(by.get(second), "infer_s")
     row = [model, str(conc)]
-    for system, v in (("fleet-base", base), ("fleet", new)):
+    for system, v in ((first, base), (second, new)):
         p50 = median(by.get(system), "p50_ms")
         row.append("-" if v is None else f"{v:,.0f} ({p50:.2f})" if p50 is not None else f"{v:,.0f}")
     rows.append(row + [f"{new / base:.2f}x" if base and new else "-"])
-print_table(f"median over passes, fleet-base (before) vs fleet (after), {out}",
-            ["model", "C", "fleet-base infer/s (p50 ms)", "fleet infer/s (p50 ms)", "fleet/fleet-base"], rows)
+print_table(f"median over passes, {first} vs {second}, {out}",
+            ["model", "C", f"{first} infer/s (p50 ms)", f"{second} infer/s (p50 ms)", f"{second}/{first}"], rows)
 EOF
-fi
+}
+# summary.py --compare knows triton-native, triton-pytriton and fleet; the pairs get their own tables here.
+[[ " ${SYS[*]} " == *" fleet-base "* ]] && pair_table fleet-base fleet
+[[ " ${SYS[*]} " == *" fleet-http "* ]] && pair_table fleet-http fleet
+exit 0

@@ -90,7 +90,8 @@ class Call:
                  "_half_closed", "_sent_headers", "__weakref__")
 
     def __init__(self, conn: GrpcConnection, stream_id: int, method: Method | None,
-                 headers: list[tuple[bytes, bytes]], response_encoding: bytes | None) -> None:
+                 headers: list[tuple[bytes, bytes]], timeout: bytes | None, encoding: bytes,
+                 response_encoding: bytes | None) -> None:
         self._conn = conn
         self._stream_id = stream_id
         self._method = method
@@ -105,17 +106,13 @@ class Call:
         self._expired = False
         self._half_closed = False
         self._sent_headers = False
-        self._encoding = b"identity"
+        self._encoding = encoding
         self._response_encoding = response_encoding
-        for name, value in headers:
-            if name == b"grpc-timeout":
-                timeout = parse_timeout(value)
-                if timeout is not None:
-                    loop = conn.loop
-                    self._deadline = loop.time() + timeout
-                    self._timer = loop.call_at(self._deadline, self._expire)
-            elif name == b"grpc-encoding":
-                self._encoding = value
+        seconds = None if timeout is None else parse_timeout(timeout)
+        if seconds is not None:
+            loop = conn.loop
+            self._deadline = loop.time() + seconds
+            self._timer = loop.call_at(self._deadline, self._expire)
 
     # ------------------------------------------------------------------ CallContext
 
@@ -210,8 +207,20 @@ class Call:
             self.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         else:
             if not self._ended:
-                if self.send_message(response):
-                    self.finish()
+                self._answer(response)
+
+    def _answer(self, response: bytes) -> None:
+        """The one response of a unary call and its OK status, in one write where possible."""
+        limit = self._conn.max_message_bytes
+        if len(response) > limit or self._response_encoding is not None:
+            if self.send_message(response):
+                self.finish()
+            return
+        self._ended = True
+        self._cleanup()
+        conn = self._conn
+        conn.h2.send_response(self._stream_id, RESPONSE_HEADERS, _PREFIX.pack(0, len(response)) + response, OK_TRAILERS)
+        conn.wrote()
 
     async def _run_streaming(self) -> None:
         assert self._method is not None and self._method.streaming is not None
@@ -318,17 +327,13 @@ class Call:
         self._conn.call_ended(self._stream_id)
 
 
-def response_encoding(level: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def response_encoding(level: str, accept: bytes | None) -> bytes | None:
     """The compression of the responses: gRPC's choice for a compression level among what the client
-    accepts (low: gzip first, high: the strongest it takes, as grpc core ranks them)."""
-    if level == "none":
+    accepts (grpc-accept-encoding; low: gzip first, high: the strongest it takes, as grpc core ranks them)."""
+    if level == "none" or not accept:
         return None
-    accepted: list[bytes] = []
-    for name, value in headers:
-        if name == b"grpc-accept-encoding":
-            accepted = [v.strip() for v in value.split(b",")]
+    accepted = [v.strip() for v in accept.split(b",")]
     ranked = [e for e in (b"gzip", b"deflate") if e in accepted]
     if not ranked:
         return None
     return {"low": ranked[0], "med": ranked[len(ranked) // 2], "high": ranked[-1]}[level]
-

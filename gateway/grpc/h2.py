@@ -133,8 +133,10 @@ class H2Connection:
                   (SETTINGS_INITIAL_WINDOW_SIZE, s.initial_window), (SETTINGS_MAX_FRAME_SIZE, s.max_frame_size),
                   (SETTINGS_MAX_HEADER_LIST_SIZE, s.max_header_list_size), (SETTINGS_ENABLE_PUSH, 0)]
         self._out.append(frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in values)))
-        self._recv_window = s.connection_window
-        self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(s.connection_window - DEFAULT_WINDOW)))
+        # The connection window starts at 65,535 whatever SETTINGS say; only an update widens it.
+        if s.connection_window > DEFAULT_WINDOW:
+            self._recv_window = s.connection_window
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(s.connection_window - DEFAULT_WINDOW)))
 
     def take_output(self) -> bytes:
         if not self._out:
@@ -176,6 +178,26 @@ class H2Connection:
         sent = self._emit_data(stream, data, 0)
         if sent < len(data):
             stream.pending += data[sent:]
+
+    def send_response(self, stream_id: int, headers: bytes, data: bytes, trailers: bytes) -> None:
+        """A whole unary answer: headers, one DATA payload, trailers; in one piece when the windows
+        and the peer's frame size allow (the common case), else as send_headers/send_data/send_trailers."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        n = len(data)
+        if stream.pending or n > stream.send_window or n > self._send_window or n > self._peer_max_frame:
+            self.send_headers(stream_id, headers)
+            self.send_data(stream_id, data)
+            self.send_trailers(stream_id, trailers)
+            return
+        stream.send_window -= n
+        self._send_window -= n
+        stream.headers_sent = True
+        self._out.append(b"".join((frame(HEADERS, END_HEADERS, stream_id, headers), frame(DATA, 0, stream_id, data),
+                                   frame(HEADERS, END_HEADERS | END_STREAM, stream_id, trailers))))
+        self._sent_data()
+        self._close_send(stream)
 
     def send_trailers(self, stream_id: int, block: bytes) -> None:
         """The last HEADERS (END_STREAM), after whatever DATA still waits for a window."""

@@ -108,22 +108,31 @@ class GrpcConnection(asyncio.Protocol):
 
     def _new_stream(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> Call:
         path = b""
-        method_ok = content_ok = False
-        for name, value in headers:
+        post = content_ok = False
+        timeout = accept = None
+        encoding = b"identity"
+        for name, value in headers:  # one pass: this runs for every call
             if name == b":path":
                 path = value
             elif name == b":method":
-                method_ok = value == b"POST"
+                post = value == b"POST"
             elif name == b"content-type":
                 content_ok = value.startswith(b"application/grpc")
-        method: Method | None = self.frontend.methods.get(path.decode("latin-1")) if method_ok and content_ok else None
-        call = Call(self, stream_id, method, headers,
-                    response_encoding(self.frontend.settings.grpc_response_compression_level, headers))
+            elif name == b"grpc-timeout":
+                timeout = value
+            elif name == b"grpc-encoding":
+                encoding = value
+            elif name == b"grpc-accept-encoding":
+                accept = value
+        frontend = self.frontend
+        method: Method | None = frontend.methods.get(path.decode("latin-1")) if post and content_ok else None
+        call = Call(self, stream_id, method, headers, timeout, encoding,
+                    response_encoding(frontend.settings.grpc_response_compression_level, accept))
         self.calls[stream_id] = call
         if method is None:
             if not content_ok:
                 call.fail(grpc.StatusCode.UNKNOWN, "the content-type is not application/grpc")
-            elif not method_ok:
+            elif not post:
                 call.fail(grpc.StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests")
             else:
                 call.fail(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}")

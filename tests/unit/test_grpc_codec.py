@@ -31,7 +31,8 @@ from gateway.errors import GRPC_STATUS, STATUS
 from gateway.grpc.codec import decode_infer, encode_infer, parse_message, request_version
 from gateway.grpc.handlers import HTTP_TWIN, SERVICE
 from gateway.grpc.not_yet import NOT_YET
-from gateway.grpc.server import address, server_options
+from gateway.grpc.calls import response_encoding
+from gateway.grpc.server import address, local_settings
 from gateway.grpc.service import InferenceService
 
 DATATYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
@@ -351,15 +352,19 @@ def test_grpc_flags_pass_from_fleet_up_to_its_gateway() -> None:
         parser.parse_args(["gateway", "--allow-grpc", "maybe"])
 
 
-def test_server_options_follow_tritonserver_s_flags() -> None:
-    settings = Settings(max_input_bytes=1000, grpc_keepalive_time_ms=5, grpc_keepalive_timeout_ms=6,
+def test_server_settings_follow_tritonserver_s_flags() -> None:
+    settings = Settings(max_input_bytes=1000, grpc_keepalive_time_ms=5000, grpc_keepalive_timeout_ms=6000,
                         grpc_keepalive_permit_without_calls=True, grpc_http2_max_pings_without_data=7,
-                        grpc_http2_min_recv_ping_interval_without_data_ms=8, grpc_http2_max_ping_strikes=9,
-                        grpc_response_compression_level="med")
-    assert dict(server_options(settings)) == {
-        "grpc.max_receive_message_length": 1000, "grpc.max_send_message_length": 1000,
-        "grpc.keepalive_time_ms": 5, "grpc.keepalive_timeout_ms": 6, "grpc.keepalive_permit_without_calls": 1,
-        "grpc.http2.max_pings_without_data": 7, "grpc.http2.min_recv_ping_interval_without_data_ms": 8,
-        "grpc.http2.max_ping_strikes": 9, "grpc.so_reuseport": 0, "grpc.default_compression_level": 2}
-    assert "grpc.default_compression_level" not in dict(server_options(Settings()))
+                        grpc_http2_min_recv_ping_interval_without_data_ms=8000, grpc_http2_max_ping_strikes=9,
+                        max_header_bytes=4096)
+    applied = local_settings(settings)
+    assert (applied.keepalive_time_s, applied.keepalive_timeout_s, applied.keepalive_permit_without_calls,
+            applied.max_pings_without_data, applied.min_recv_ping_interval_without_data_s, applied.max_ping_strikes,
+            applied.max_header_list_size) == (5.0, 6.0, True, 7, 8.0, 9, 4096)
+    # The response compression level picks among what the client accepts, as grpc core ranks them.
+    accepts = b"identity,deflate,gzip"
+    assert [response_encoding(level, accepts) for level in ("none", "low", "med", "high")] == \
+        [None, b"gzip", b"deflate", b"deflate"]
+    assert response_encoding("high", b"identity") is None
+    assert response_encoding("low", None) is None
     assert address("::1", 8001) == "[::1]:8001" and address("0.0.0.0", 8001) == "0.0.0.0:8001"
