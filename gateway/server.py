@@ -47,7 +47,7 @@ def serve(settings: Settings) -> int:
 
     async def run_both() -> int:
         if settings.allow_grpc:
-            # Made in the running loop (grpc.aio binds to it) and its port taken before anything serves:
+            # Made in the running loop and its port taken before anything serves:
             # a taken port fails the start, as a taken HTTP port does.
             frontend = GrpcFrontend(settings, app.state.fleet)
             try:

@@ -1,7 +1,10 @@
 """Triton's gRPC protocol (`inference.GRPCInferenceService`, the messages of tritonclient.grpc's own
 generated modules) served by the gateway process on the same event loop as HTTP, over the same state:
 
-    server.py         the grpc.aio server: port, message limits, keepalive, compression, graceful stop
+    server.py         the server: port, connections, keepalive, graceful stop (fleet's own, not grpc.aio)
+    h2.py             one HTTP/2 connection without I/O: frames, settings, flow control, pings, GOAWAY
+    header_codec.py   HPACK: the decoder (the `hpack` library's static table and Huffman code) and encodings
+    calls.py          one call on a stream: messages, compression, deadline, status and trailers
     handlers.py       every RPC of the proto: auth, request parsing, ServingError -> status (gateway/errors.py)
     service.py        the RPCs: health, metadata, config, statistics, repository, ModelInfer, and the rest
     stream.py         ModelStreamInfer: many requests in flight on one stream, answered as they complete

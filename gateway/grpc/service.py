@@ -24,12 +24,21 @@ from fleet.errors import (
     Unsupported,
     VersionNotFound,
 )
+from fleet.trace_points import (
+    GRPC_SEND_END,
+    GRPC_SEND_START,
+    GRPC_WAITREAD_END,
+    GRPC_WAITREAD_START,
+    REQUEST_END,
+    REQUEST_START,
+)
 from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
 from gateway.grpc.codec import decode_infer, encode_infer, request_version
 from gateway.grpc.stream import StreamSessions
 from gateway.routes import EXTENSIONS, SERVER_VERSION
 from gateway.state import GatewayState
+from gateway.tracer import Trace
 
 
 class InferenceService:
@@ -94,9 +103,21 @@ class InferenceService:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         dataplane = self.state.dataplane
-        dataplane.admit()  # Overloaded past max_in_flight, counted with the HTTP requests
+        # The trace extension: a request not traced pays this one attribute read (gateway/tracer.py). The
+        # message has been read when the handler runs, so both read stamps are taken now; the send stamps
+        # as the response goes to the connection (it is written in the same loop turn).
+        tracer = self.state.tracer
+        trace = tracer.sample(request.model_name, GRPC_WAITREAD_START) if tracer.active else None
+        if trace is not None:
+            trace.stamp(GRPC_WAITREAD_END)
         try:
-            return await self.infer(request, context.time_remaining())
+            dataplane.admit()  # Overloaded past max_in_flight, counted with the HTTP requests
+        except ServingError:
+            if trace is not None:
+                trace.finish()
+            raise
+        try:
+            return await self.infer(request, context.time_remaining(), trace)
         except ServingError as exc:
             # The request's expiry is the caller's deadline, so a worker or the gateway may answer
             # "Request timeout expired" just as the deadline passes: the caller's own deadline is the
@@ -108,6 +129,10 @@ class InferenceService:
             raise
         finally:
             dataplane.release()
+            if trace is not None:
+                trace.stamp(GRPC_SEND_START)
+                trace.stamp(GRPC_SEND_END)
+                trace.finish()
 
     def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> AsyncGenerator[bytes, None]:
         return self.streams.serve(requests, context)
@@ -140,11 +165,16 @@ class InferenceService:
     async def TraceSetting(self, request: Any, context: Any) -> Any:
         return await settings_rpcs.trace_setting(self.state.runtime, request)
 
-    async def infer(self, request: Any, timeout_s: float | None) -> Any:
+    async def infer(self, request: Any, timeout_s: float | None, trace: Trace | None = None) -> Any:
         """One ModelInferRequest through the data path; `timeout_s`: how long its caller still waits."""
         catalog, dataplane = self.state.catalog, self.state.dataplane
+        if trace is not None:
+            trace.stamp(REQUEST_START)
         view, v = catalog.resolve(request.model_name, request_version(request.model_version))
         spec = view.entry.spec
         req = decode_infer(request, spec, dataplane.regions)
-        reply = await dataplane.run(request.model_name, v, spec, req, caller_timeout_s=timeout_s)
-        return encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
+        reply = await dataplane.run(request.model_name, v, spec, req, trace, caller_timeout_s=timeout_s)
+        response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
+        if trace is not None:
+            trace.stamp(REQUEST_END)
+        return response

@@ -31,6 +31,10 @@ from fleet.trace_points import (
     COMPUTE_INPUT_END,
     COMPUTE_OUTPUT_START,
     COMPUTE_START,
+    GRPC_SEND_END,
+    GRPC_SEND_START,
+    GRPC_WAITREAD_END,
+    GRPC_WAITREAD_START,
     HTTP_RECV_END,
     HTTP_RECV_START,
     HTTP_SEND_END,
@@ -237,6 +241,29 @@ def test_a_traced_request_records_every_hop_in_order_on_one_clock(system: System
     finally:
         client.update_trace_settings(model_name="double", settings={
             "trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None})
+
+
+def test_a_grpc_request_is_traced_with_triton_s_grpc_stamps(system: System) -> None:
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{system.cluster.grpc_port}")
+    try:
+        system.client.update_trace_settings(model_name="double", settings={
+            "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1", "log_frequency": "1"})
+        before = trace_files(system)
+        x = grpcclient.InferInput("IN", [1, 4], "FP32")
+        x.set_data_from_numpy(np.arange(4, dtype=np.float32).reshape(1, 4))
+        out = grpc.infer("double", [x], request_id="traced-grpc").as_numpy("OUT")
+        np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32).reshape(1, 4) * 2)
+        new = eventually(lambda: trace_files(system) - before, "the trace file is written")
+        (record,) = json.loads(next(iter(new)).read_text())
+        assert record["request_id"] == "traced-grpc" and record["model_name"] == "double"
+        names = [t["name"] for t in record["timestamps"]]
+        assert names == [GRPC_WAITREAD_START, GRPC_WAITREAD_END, *HOPS[2:-2], GRPC_SEND_START, GRPC_SEND_END]
+        gateway_in = [t["ns"] for t in record["timestamps"]][:4]
+        assert gateway_in == sorted(gateway_in)
+    finally:
+        system.client.update_trace_settings(model_name="double", settings={
+            "trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None})
+        grpc.close()
 
 
 def queued_envelope(system: System, model: str, request_id: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 (tritonclient.grpc) and by raw messages: every datatype, BF16 rounding, hypothesis-generated
 ModelInferRequests (every OK answer checked value by value, every refusal an INVALID_ARGUMENT that never
 reached a worker), deadlines and cancellation (never computed), streams, the shared admission count,
-message limits and gzip, and auth. The gateway runs as `fleet gateway` runs it: grpc.aio and the
-gateway's state on one uvloop loop (tests/support/grpc_system.py)."""
+message limits and gzip, and auth. The gateway runs as `fleet gateway` runs it: the gRPC server and
+the gateway's state on one uvloop loop (tests/support/grpc_system.py)."""
 
 from __future__ import annotations
 

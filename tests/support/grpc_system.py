@@ -1,5 +1,5 @@
 """The gateway's gRPC server in process, for integration tests: in_process_system (the gateway's state,
-a real worker, real Redis) plus the real grpc.aio server (gateway/grpc/server.py) on a 127.0.0.1 port,
+a real worker, real Redis) plus the real gRPC server (gateway/grpc/server.py) on a 127.0.0.1 port,
 all on one uvloop loop in a thread, as `fleet gateway` runs them. Tests drive it from plain synchronous
 code with Triton's own clients (tritonclient.grpc) or a raw grpc channel, and HTTP through `post`."""
 

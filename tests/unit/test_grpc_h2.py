@@ -251,6 +251,34 @@ def test_sending_waits_for_the_peer_s_windows_and_frame_size() -> None:
     assert 1 not in peer.conn.streams  # both sides closed
 
 
+@pytest.mark.parametrize("window", [100, 10])
+def test_a_unary_answer_goes_in_one_piece_or_waits_like_any_data(window: int) -> None:
+    peer = Peer()
+    peer.handshake((h2.SETTINGS_INITIAL_WINDOW_SIZE, window))
+    peer.out()
+    peer.conn.receive(peer.headers(1, end_stream=True))
+    peer.conn.send_response(1, b"\x88", b"m" * 25, b"\x40")
+    sent = [(k, f, len(p)) for k, f, _, p in peer.out()]
+    if window >= 25:
+        assert sent == [(h2.HEADERS, h2.END_HEADERS, 1), (h2.DATA, 0, 25),
+                        (h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1)]
+        assert 1 not in peer.conn.streams
+    else:
+        assert sent == [(h2.HEADERS, h2.END_HEADERS, 1), (h2.DATA, 0, 10)]
+        peer.conn.receive(frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+        assert [(k, len(p)) for k, _, _, p in peer.out()] == [(h2.DATA, 15), (h2.HEADERS, 1)]
+
+
+def test_an_answer_to_a_reset_stream_is_dropped() -> None:
+    peer = Peer()
+    peer.handshake()
+    peer.conn.receive(peer.headers(1))
+    peer.conn.receive(frame(h2.RST_STREAM, 0, 1, struct.pack(">I", h2.CANCEL)))
+    peer.out()
+    peer.conn.send_response(1, b"\x88", b"late", b"\x40")
+    assert peer.out() == []
+
+
 def test_data_is_cut_to_the_peer_s_max_frame_size_and_the_connection_window() -> None:
     peer = Peer()
     peer.handshake((h2.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
