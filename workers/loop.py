@@ -318,11 +318,10 @@ class ModelLoop:
         if timeout_s is None:
             await self._wake.wait()
         elif timeout_s >= TIMER_RESOLUTION_S:
-            # Aimed a millisecond early: the rest is timed precisely below. asyncio.timeout, not wait_for:
-            # no task per nap, and (3.11) no lost cancellation when the wake and a stop coincide.
+            # Aimed a millisecond early: the rest is timed precisely below. (wait_for, whose 3.11 race can
+            # lose a cancellation: run() stops the driver with cancel_and_wait, which cancels again.)
             try:
-                async with asyncio.timeout(timeout_s - TIMER_RESOLUTION_S / 2):
-                    await self._wake.wait()
+                await asyncio.wait_for(self._wake.wait(), timeout_s - TIMER_RESOLUTION_S / 2)
             except TimeoutError:
                 pass
         elif timeout_s > 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import queue
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -31,6 +32,7 @@ from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
 from fleet.redis_server import LocalServer
+from gateway.grpc import h2
 from tests.integration.test_datatypes import bf16_round_to_nearest_even, inputs_where_rounding_matters
 from tests.support.grpc_system import GrpcSystem
 from tests.support.queue_models import SLEEPER
@@ -143,6 +145,56 @@ def arrays(n: int) -> st.SearchStrategy[dict[str, np.ndarray]]:
         width = {"FP16": 16, "FP32": 32, "FP64": 64}[d]
         return st.lists(st.floats(width=width), min_size=n, max_size=n).map(lambda v: np.array(v, np_type))
     return st.fixed_dictionaries({d: of(d) for d in TYPES})
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_big_tensors_cross_the_flow_control_windows_both_ways(live: GrpcSystem, streaming: bool) -> None:
+    """12 MiB each way: more than the client's initial windows and the server's frame size, so both
+    directions wait for WINDOW_UPDATEs and split into many DATA frames."""
+    x = np.random.default_rng(7).standard_normal((1, 3 * 1024 * 1024)).astype(np.float32)
+    c = tg.InferenceServerClient(live.target)
+    try:
+        if not streaming:
+            out = c.infer("doubler", [tensor("IN", x, "FP32")], client_timeout=60).as_numpy("OUT")
+        else:
+            answers: queue.Queue[Any] = queue.Queue()
+            c.start_stream(callback=lambda result, error: answers.put((result, error)))
+            c.async_stream_infer("doubler", [tensor("IN", x, "FP32")], request_id="big")
+            result, error = answers.get(timeout=60)
+            c.stop_stream()
+            assert error is None, error
+            out = result.as_numpy("OUT")
+        np.testing.assert_array_equal(out, x * 2)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    h2.PREFACE + h2.frame(h2.PING, 0, 0, b"12345678"),  # no SETTINGS first
+    h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xff\xff\xff\xff\xff\xff\xff"),
+    h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + bytes(range(256)) * 20,
+], ids=["http1", "no-settings", "bad-hpack", "garbage"])
+def test_protocol_errors_end_only_their_connection(live: GrpcSystem, client: tg.InferenceServerClient,
+                                                   payload: bytes) -> None:
+    host, port = live.target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(payload)
+        received = b""
+        while chunk := raw.recv(65536):  # the server answers GOAWAY and closes
+            received += chunk
+    kinds = [f[0] for f in _frames(received)]
+    assert kinds[0] == h2.SETTINGS and kinds[-1] == h2.GOAWAY
+    assert client.is_server_live()
+
+
+def _frames(data: bytes) -> list[tuple[int, bytes]]:
+    out, pos = [], 0
+    while pos + 9 <= len(data):
+        length = int.from_bytes(data[pos:pos + 3], "big")
+        out.append((data[pos + 3], data[pos + 9:pos + 9 + length]))
+        pos += 9 + length
+    return out
 
 
 @settings(max_examples=25, deadline=None, database=None)
@@ -469,8 +521,11 @@ def guarded(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory)
     repo = tmp_path_factory.mktemp("grpc-guarded")
     _sleeper(repo, "slow", "")
     # Responses gzip-compressed at tritonserver's "high" level: every answer below also decodes through it.
+    # Keepalive pings every 300 ms, also without calls: Triton's clients answer them as they go.
     system = GrpcSystem(redis_server.url, [repo], api_keys="key-one,key-two", max_in_flight=2,
-                        max_input_bytes=64 * 1024, grpc_response_compression_level="high")
+                        max_input_bytes=64 * 1024, grpc_response_compression_level="high",
+                        grpc_keepalive_time_ms=300, grpc_keepalive_timeout_ms=500,
+                        grpc_keepalive_permit_without_calls=True, grpc_http2_max_pings_without_data=0)
     try:
         yield system
     finally:
@@ -478,6 +533,29 @@ def guarded(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory)
 
 
 KEY = {"authorization": "Bearer key-two"}
+
+
+def test_keepalive_pings_and_closes_a_connection_that_never_answers(guarded: GrpcSystem) -> None:
+    host, port = guarded.target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0))
+        started = time.monotonic()
+        received = b""
+        while chunk := raw.recv(65536):  # never answering the pings: closed after 300 + 500 ms
+            received += chunk
+        elapsed = time.monotonic() - started
+    kinds = [f[0] for f in _frames(received)]
+    assert h2.PING in kinds, kinds
+    assert 0.7 < elapsed < 4.0, elapsed
+    # Clients that answer pings keep their connection across several keepalive periods.
+    client = tg.InferenceServerClient(guarded.target)
+    try:
+        for _ in range(3):
+            assert client.is_server_live()
+            time.sleep(0.4)
+        assert client.is_server_live()
+    finally:
+        client.close()
 
 
 def test_auth_uses_http_s_keys_and_scopes(guarded: GrpcSystem) -> None:
