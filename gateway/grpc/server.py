@@ -25,6 +25,7 @@ from fleet.settings import Settings
 from gateway.auth import Access
 from gateway.grpc import h2
 from gateway.grpc.calls import Call, response_encoding
+from gateway.grpc.h2_frames import ConnectionError_, LocalSettings
 from gateway.grpc.handlers import Method, methods
 from gateway.grpc.service import InferenceService
 from gateway.state import GatewayState
@@ -34,9 +35,9 @@ log = logging.getLogger(__name__)
 KEEPALIVE_TICK_S = 1.0  # how often connections are checked for a keepalive ping due or unanswered
 
 
-def local_settings(settings: Settings) -> h2.LocalSettings:
+def local_settings(settings: Settings) -> LocalSettings:
     """tritonserver's gRPC flags, as this server applies them."""
-    return h2.LocalSettings(
+    return LocalSettings(
         keepalive_time_s=settings.grpc_keepalive_time_ms / 1000,
         keepalive_timeout_s=settings.grpc_keepalive_timeout_ms / 1000,
         keepalive_permit_without_calls=settings.grpc_keepalive_permit_without_calls,
@@ -81,7 +82,7 @@ class GrpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.h2.receive(data)
-        except h2.ConnectionError_ as exc:
+        except ConnectionError_ as exc:
             log.debug("gRPC connection error: %s", exc)
             self.h2.goaway(exc.code, str(exc))
             self._flush()

@@ -32,7 +32,7 @@ from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
 from fleet.redis_server import LocalServer
-from gateway.grpc import h2
+from gateway.grpc import h2_frames as wire
 from tests.integration.test_datatypes import bf16_round_to_nearest_even, inputs_where_rounding_matters
 from tests.support.grpc_system import GrpcSystem
 from tests.support.queue_models import SLEEPER
@@ -171,9 +171,9 @@ def test_big_tensors_cross_the_flow_control_windows_both_ways(live: GrpcSystem, 
 
 @pytest.mark.parametrize("payload", [
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-    h2.PREFACE + h2.frame(h2.PING, 0, 0, b"12345678"),  # no SETTINGS first
-    h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xff\xff\xff\xff\xff\xff\xff"),
-    h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + bytes(range(256)) * 20,
+    wire.PREFACE + wire.frame(wire.PING, 0, 0, b"12345678"),  # no SETTINGS first
+    wire.PREFACE + wire.frame(wire.SETTINGS, 0, 0) + wire.frame(wire.HEADERS, wire.END_HEADERS, 1, b"\xff" * 7),
+    wire.PREFACE + wire.frame(wire.SETTINGS, 0, 0) + bytes(range(256)) * 20,
 ], ids=["http1", "no-settings", "bad-hpack", "garbage"])
 def test_protocol_errors_end_only_their_connection(live: GrpcSystem, client: tg.InferenceServerClient,
                                                    payload: bytes) -> None:
@@ -184,7 +184,7 @@ def test_protocol_errors_end_only_their_connection(live: GrpcSystem, client: tg.
         while chunk := raw.recv(65536):  # the server answers GOAWAY and closes
             received += chunk
     kinds = [f[0] for f in _frames(received)]
-    assert kinds[0] == h2.SETTINGS and kinds[-1] == h2.GOAWAY
+    assert kinds[0] == wire.SETTINGS and kinds[-1] == wire.GOAWAY
     assert client.is_server_live()
 
 
@@ -538,14 +538,14 @@ KEY = {"authorization": "Bearer key-two"}
 def test_keepalive_pings_and_closes_a_connection_that_never_answers(guarded: GrpcSystem) -> None:
     host, port = guarded.target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:
-        raw.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0))
+        raw.sendall(wire.PREFACE + wire.frame(wire.SETTINGS, 0, 0))
         started = time.monotonic()
         received = b""
         while chunk := raw.recv(65536):  # never answering the pings: closed after 300 + 500 ms
             received += chunk
         elapsed = time.monotonic() - started
     kinds = [f[0] for f in _frames(received)]
-    assert h2.PING in kinds, kinds
+    assert wire.PING in kinds, kinds
     assert 0.7 < elapsed < 4.0, elapsed
     # Clients that answer pings keep their connection across several keepalive periods.
     client = tg.InferenceServerClient(guarded.target)

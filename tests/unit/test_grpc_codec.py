@@ -28,10 +28,10 @@ from fleet.kserve import ParsedInfer, parse_infer
 from fleet.model_config import ModelSpec, parse_config
 from fleet.settings import Settings
 from gateway.errors import GRPC_STATUS, STATUS
+from gateway.grpc.calls import response_encoding
 from gateway.grpc.codec import decode_infer, encode_infer, parse_message, request_version
 from gateway.grpc.handlers import HTTP_TWIN, SERVICE
 from gateway.grpc.not_yet import NOT_YET
-from gateway.grpc.calls import response_encoding
 from gateway.grpc.server import address, local_settings
 from gateway.grpc.service import InferenceService
 

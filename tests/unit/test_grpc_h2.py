@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.grpc import h2
+from gateway.grpc import h2_frames as wire
 from gateway.grpc.calls import decompress, parse_timeout, percent_encode
 from gateway.grpc.handlers import RpcError
 from gateway.grpc.header_codec import HeaderDecoder, HeaderError, indexed, literal
@@ -87,7 +88,7 @@ def test_what_the_server_sends_decodes_with_the_library() -> None:
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return h2.frame(kind, flags, stream, payload)
+    return wire.frame(kind, flags, stream, payload)
 
 
 def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
@@ -123,7 +124,7 @@ class Peer:
     def __init__(self, **local: object) -> None:
         self.now = 0.0
         self.opened: dict[int, tuple[list[tuple[bytes, bytes]], Sink]] = {}
-        self.conn = h2.H2Connection(h2.LocalSettings(**local), self._open, lambda: self.now)  # type: ignore[arg-type]
+        self.conn = h2.H2Connection(wire.LocalSettings(**local), self._open, lambda: self.now)  # type: ignore[arg-type]
         self.encoder = hpack.Encoder()
         self.greeting = frames(self.conn.take_output())
 
@@ -134,11 +135,11 @@ class Peer:
 
     def handshake(self, *settings: tuple[int, int]) -> None:
         payload = b"".join(struct.pack(">HI", k, v) for k, v in settings)
-        self.conn.receive(h2.PREFACE + frame(h2.SETTINGS, 0, 0, payload))
+        self.conn.receive(wire.PREFACE + frame(wire.SETTINGS, 0, 0, payload))
 
     def headers(self, stream: int, end_stream: bool = False, path: bytes = b"/svc/M") -> bytes:
         block = self.encoder.encode([(b":method", b"POST"), (b":path", path), (b"content-type", b"application/grpc")])
-        return frame(h2.HEADERS, h2.END_HEADERS | (h2.END_STREAM if end_stream else 0), stream, block)
+        return frame(wire.HEADERS, wire.END_HEADERS | (wire.END_STREAM if end_stream else 0), stream, block)
 
     def out(self) -> list[tuple[int, int, int, bytes]]:
         return frames(self.conn.take_output())
@@ -147,21 +148,21 @@ class Peer:
 def test_the_server_speaks_first_and_acknowledges_the_client_s_settings() -> None:
     peer = Peer()
     kinds = [f[0] for f in peer.greeting]
-    assert kinds == [h2.SETTINGS, h2.WINDOW_UPDATE]
+    assert kinds == [wire.SETTINGS, wire.WINDOW_UPDATE]
     peer.handshake()
-    assert peer.out() == [(h2.SETTINGS, h2.ACK, 0, b"")]
+    assert peer.out() == [(wire.SETTINGS, wire.ACK, 0, b"")]
 
 
 @pytest.mark.parametrize("start", [b"GET / HTTP/1.1\r\n\r\n", b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n"])
 def test_anything_but_the_preface_is_a_protocol_error(start: bytes) -> None:
-    with pytest.raises(h2.ConnectionError_) as caught:
+    with pytest.raises(wire.ConnectionError_) as caught:
         Peer().conn.receive(start)
-    assert caught.value.code == h2.PROTOCOL_ERROR
+    assert caught.value.code == wire.PROTOCOL_ERROR
 
 
 def test_the_preface_must_be_followed_by_settings() -> None:
-    with pytest.raises(h2.ConnectionError_, match="must start with SETTINGS"):
-        Peer().conn.receive(h2.PREFACE + frame(h2.PING, 0, 0, b"12345678"))
+    with pytest.raises(wire.ConnectionError_, match="must start with SETTINGS"):
+        Peer().conn.receive(wire.PREFACE + frame(wire.PING, 0, 0, b"12345678"))
 
 
 @settings(max_examples=50, deadline=None)
@@ -169,13 +170,13 @@ def test_the_preface_must_be_followed_by_settings() -> None:
 def test_a_request_arrives_whole_however_the_bytes_are_split(cuts: list[int]) -> None:
     peer = Peer()
     message = b"\x00\x00\x00\x00\x05hello"
-    wire = h2.PREFACE + frame(h2.SETTINGS, 0, 0) + peer.headers(1) + frame(h2.DATA, 0, 1, message[:6]) + \
-        frame(h2.DATA, h2.END_STREAM | h2.PADDED, 1, b"\x03" + message[6:] + b"\x00\x00\x00")
+    sent = wire.PREFACE + frame(wire.SETTINGS, 0, 0) + peer.headers(1) + frame(wire.DATA, 0, 1, message[:6]) + \
+        frame(wire.DATA, wire.END_STREAM | wire.PADDED, 1, b"\x03" + message[6:] + b"\x00\x00\x00")
     pos = 0
     for cut in cuts:
-        peer.conn.receive(wire[pos:pos + cut])
+        peer.conn.receive(sent[pos:pos + cut])
         pos += cut
-    peer.conn.receive(wire[pos:])
+    peer.conn.receive(sent[pos:])
     headers, sink = peer.opened[1]
     assert (b":path", b"/svc/M") in headers
     assert bytes(sink.data) == message and sink.ended
@@ -185,8 +186,9 @@ def test_headers_continue_across_continuation_frames() -> None:
     peer = Peer()
     peer.handshake()
     block = peer.encoder.encode([(b":method", b"POST"), (b":path", b"/svc/Long"), (b"x-pad", b"p" * 100)])
-    peer.conn.receive(frame(h2.HEADERS, h2.END_STREAM, 1, block[:10]) + frame(h2.CONTINUATION, 0, 1, block[10:50]) +
-                      frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[50:]))
+    peer.conn.receive(frame(wire.HEADERS, wire.END_STREAM, 1, block[:10]) +
+                      frame(wire.CONTINUATION, 0, 1, block[10:50]) +
+                      frame(wire.CONTINUATION, wire.END_HEADERS, 1, block[50:]))
     headers, sink = peer.opened[1]
     assert (b"x-pad", b"p" * 100) in headers and sink.ended
 
@@ -195,30 +197,30 @@ def test_a_header_block_interrupted_by_another_frame_is_a_protocol_error() -> No
     peer = Peer()
     peer.handshake()
     block = peer.encoder.encode([(b":path", b"/svc/M")])
-    with pytest.raises(h2.ConnectionError_, match="interrupted"):
-        peer.conn.receive(frame(h2.HEADERS, 0, 1, block) + frame(h2.PING, 0, 0, b"12345678"))
+    with pytest.raises(wire.ConnectionError_, match="interrupted"):
+        peer.conn.receive(frame(wire.HEADERS, 0, 1, block) + frame(wire.PING, 0, 0, b"12345678"))
 
 
-@pytest.mark.parametrize(("wire", "code"), [
-    (frame(h2.HEADERS, h2.END_HEADERS, 2, b"\x82"), h2.PROTOCOL_ERROR),  # a client opens odd streams only
-    (frame(h2.DATA, 0, 0, b"x"), h2.PROTOCOL_ERROR),
-    (frame(h2.DATA, 0, 7, b"x"), h2.PROTOCOL_ERROR),  # idle stream
-    (frame(h2.SETTINGS, 0, 0, b"\x00\x05\x00\x00\x00\x01"), h2.PROTOCOL_ERROR),  # max frame size 1
-    (frame(h2.SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff"), h2.FLOW_CONTROL_ERROR),
-    (frame(h2.SETTINGS, 0, 0, b"\x00\x04\x00"), h2.FRAME_SIZE_ERROR),
-    (frame(h2.PING, 0, 0, b"1234"), h2.FRAME_SIZE_ERROR),
-    (frame(h2.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), h2.PROTOCOL_ERROR),
-    (frame(h2.WINDOW_UPDATE, 0, 0, b"\x7f\xff\xff\xff"), h2.FLOW_CONTROL_ERROR),
-    (frame(h2.PUSH_PROMISE, 0, 1, b"\x00\x00\x00\x02"), h2.PROTOCOL_ERROR),
-    (frame(h2.RST_STREAM, 0, 9, b"\x00\x00\x00\x08"), h2.PROTOCOL_ERROR),
-    (frame(h2.HEADERS, h2.END_HEADERS, 1, b"\x80"), h2.COMPRESSION_ERROR),
-    (b"\x10\x00\x01\x00\x00\x00\x00\x00\x00" + b"x" * 10, h2.FRAME_SIZE_ERROR),  # 1 MiB + 1: over the max
+@pytest.mark.parametrize(("sent", "code"), [
+    (frame(wire.HEADERS, wire.END_HEADERS, 2, b"\x82"), wire.PROTOCOL_ERROR),  # a client opens odd streams only
+    (frame(wire.DATA, 0, 0, b"x"), wire.PROTOCOL_ERROR),
+    (frame(wire.DATA, 0, 7, b"x"), wire.PROTOCOL_ERROR),  # idle stream
+    (frame(wire.SETTINGS, 0, 0, b"\x00\x05\x00\x00\x00\x01"), wire.PROTOCOL_ERROR),  # max frame size 1
+    (frame(wire.SETTINGS, 0, 0, b"\x00\x04\xff\xff\xff\xff"), wire.FLOW_CONTROL_ERROR),
+    (frame(wire.SETTINGS, 0, 0, b"\x00\x04\x00"), wire.FRAME_SIZE_ERROR),
+    (frame(wire.PING, 0, 0, b"1234"), wire.FRAME_SIZE_ERROR),
+    (frame(wire.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), wire.PROTOCOL_ERROR),
+    (frame(wire.WINDOW_UPDATE, 0, 0, b"\x7f\xff\xff\xff"), wire.FLOW_CONTROL_ERROR),
+    (frame(wire.PUSH_PROMISE, 0, 1, b"\x00\x00\x00\x02"), wire.PROTOCOL_ERROR),
+    (frame(wire.RST_STREAM, 0, 9, b"\x00\x00\x00\x08"), wire.PROTOCOL_ERROR),
+    (frame(wire.HEADERS, wire.END_HEADERS, 1, b"\x80"), wire.COMPRESSION_ERROR),
+    (b"\x10\x00\x01\x00\x00\x00\x00\x00\x00" + b"x" * 10, wire.FRAME_SIZE_ERROR),  # 1 MiB + 1: over the max
 ])
-def test_connection_errors(wire: bytes, code: int) -> None:
+def test_connection_errors(sent: bytes, code: int) -> None:
     peer = Peer()
     peer.handshake()
-    with pytest.raises(h2.ConnectionError_) as caught:
-        peer.conn.receive(wire)
+    with pytest.raises(wire.ConnectionError_) as caught:
+        peer.conn.receive(sent)
     assert caught.value.code == code
 
 
@@ -229,51 +231,52 @@ def test_arbitrary_bytes_after_the_handshake_are_frames_or_a_connection_error(ga
     peer.handshake()
     try:
         peer.conn.receive(garbage)
-    except h2.ConnectionError_:
+    except wire.ConnectionError_:
         pass
 
 
 def test_sending_waits_for_the_peer_s_windows_and_frame_size() -> None:
     peer = Peer()
-    peer.handshake((h2.SETTINGS_INITIAL_WINDOW_SIZE, 10))
+    peer.handshake((wire.SETTINGS_INITIAL_WINDOW_SIZE, 10))
     peer.out()
     peer.conn.receive(peer.headers(1, end_stream=True))
     peer.conn.send_headers(1, b"\x88")
     peer.conn.send_data(1, b"a" * 25)
     peer.conn.send_trailers(1, b"\x40")
     sent = peer.out()
-    assert [(k, len(p)) for k, _, _, p in sent] == [(h2.HEADERS, 1), (h2.DATA, 10)]  # trailers wait for the data
-    peer.conn.receive(frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 10)))
-    assert [(k, len(p)) for k, _, _, p in peer.out()] == [(h2.DATA, 10)]
-    peer.conn.receive(frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+    assert [(k, len(p)) for k, _, _, p in sent] == [(wire.HEADERS, 1), (wire.DATA, 10)]  # trailers wait for the data
+    peer.conn.receive(frame(wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 10)))
+    assert [(k, len(p)) for k, _, _, p in peer.out()] == [(wire.DATA, 10)]
+    peer.conn.receive(frame(wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
     rest = peer.out()
-    assert [(k, f, len(p)) for k, f, _, p in rest] == [(h2.DATA, 0, 5), (h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1)]
+    assert [(k, f, len(p)) for k, f, _, p in rest] == [(wire.DATA, 0, 5),
+                                                       (wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 1)]
     assert 1 not in peer.conn.streams  # both sides closed
 
 
 @pytest.mark.parametrize("window", [100, 10])
 def test_a_unary_answer_goes_in_one_piece_or_waits_like_any_data(window: int) -> None:
     peer = Peer()
-    peer.handshake((h2.SETTINGS_INITIAL_WINDOW_SIZE, window))
+    peer.handshake((wire.SETTINGS_INITIAL_WINDOW_SIZE, window))
     peer.out()
     peer.conn.receive(peer.headers(1, end_stream=True))
     peer.conn.send_response(1, b"\x88", b"m" * 25, b"\x40")
     sent = [(k, f, len(p)) for k, f, _, p in peer.out()]
     if window >= 25:
-        assert sent == [(h2.HEADERS, h2.END_HEADERS, 1), (h2.DATA, 0, 25),
-                        (h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1)]
+        assert sent == [(wire.HEADERS, wire.END_HEADERS, 1), (wire.DATA, 0, 25),
+                        (wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 1)]
         assert 1 not in peer.conn.streams
     else:
-        assert sent == [(h2.HEADERS, h2.END_HEADERS, 1), (h2.DATA, 0, 10)]
-        peer.conn.receive(frame(h2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
-        assert [(k, len(p)) for k, _, _, p in peer.out()] == [(h2.DATA, 15), (h2.HEADERS, 1)]
+        assert sent == [(wire.HEADERS, wire.END_HEADERS, 1), (wire.DATA, 0, 10)]
+        peer.conn.receive(frame(wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+        assert [(k, len(p)) for k, _, _, p in peer.out()] == [(wire.DATA, 15), (wire.HEADERS, 1)]
 
 
 def test_an_answer_to_a_reset_stream_is_dropped() -> None:
     peer = Peer()
     peer.handshake()
     peer.conn.receive(peer.headers(1))
-    peer.conn.receive(frame(h2.RST_STREAM, 0, 1, struct.pack(">I", h2.CANCEL)))
+    peer.conn.receive(frame(wire.RST_STREAM, 0, 1, struct.pack(">I", wire.CANCEL)))
     peer.out()
     peer.conn.send_response(1, b"\x88", b"late", b"\x40")
     assert peer.out() == []
@@ -281,33 +284,33 @@ def test_an_answer_to_a_reset_stream_is_dropped() -> None:
 
 def test_data_is_cut_to_the_peer_s_max_frame_size_and_the_connection_window() -> None:
     peer = Peer()
-    peer.handshake((h2.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
+    peer.handshake((wire.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
     peer.out()
     peer.conn.receive(peer.headers(1, end_stream=True))
     peer.conn.send_data(1, b"b" * 70_000)
-    sizes = [len(p) for k, _, _, p in peer.out() if k == h2.DATA]
+    sizes = [len(p) for k, _, _, p in peer.out() if k == wire.DATA]
     assert sizes == [16_384, 16_384, 16_384, 16_383]  # the connection window: 65,535 until the peer widens it
-    peer.conn.receive(frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 10_000)))
-    assert [len(p) for k, _, _, p in peer.out() if k == h2.DATA] == [70_000 - 65_535]
+    peer.conn.receive(frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 10_000)))
+    assert [len(p) for k, _, _, p in peer.out() if k == wire.DATA] == [70_000 - 65_535]
 
 
 def test_a_peer_sending_past_the_connection_window_is_a_flow_control_error() -> None:
     peer = Peer(connection_window=70_000)
     peer.handshake()
     peer.conn.receive(peer.headers(1))
-    with pytest.raises(h2.ConnectionError_) as caught:
-        peer.conn.receive(frame(h2.DATA, 0, 1, b"x" * 70_001))
-    assert caught.value.code == h2.FLOW_CONTROL_ERROR
+    with pytest.raises(wire.ConnectionError_) as caught:
+        peer.conn.receive(frame(wire.DATA, 0, 1, b"x" * 70_001))
+    assert caught.value.code == wire.FLOW_CONTROL_ERROR
 
 
 def test_received_data_is_returned_in_window_updates() -> None:
     peer = Peer(connection_window=100_000, initial_window=60_000)
     peer.handshake()
     peer.out()
-    peer.conn.receive(peer.headers(1) + frame(h2.DATA, 0, 1, b"x" * 20_000))
+    peer.conn.receive(peer.headers(1) + frame(wire.DATA, 0, 1, b"x" * 20_000))
     assert peer.out() == []  # less than half of either window: nothing returned yet
-    peer.conn.receive(frame(h2.DATA, 0, 1, b"x" * 30_000))
-    updates = {(s, struct.unpack(">I", p)[0]) for k, _, s, p in peer.out() if k == h2.WINDOW_UPDATE}
+    peer.conn.receive(frame(wire.DATA, 0, 1, b"x" * 30_000))
+    updates = {(s, struct.unpack(">I", p)[0]) for k, _, s, p in peer.out() if k == wire.WINDOW_UPDATE}
     assert updates == {(0, 50_000), (1, 50_000)}
 
 
@@ -316,8 +319,8 @@ def test_a_reset_reaches_the_stream_and_streams_past_the_limit_are_refused() -> 
     peer.handshake()
     peer.out()
     peer.conn.receive(peer.headers(1) + peer.headers(3))
-    assert [(k, s, p) for k, _, s, p in peer.out()] == [(h2.RST_STREAM, 3, struct.pack(">I", h2.REFUSED_STREAM))]
-    peer.conn.receive(frame(h2.RST_STREAM, 0, 1, struct.pack(">I", h2.CANCEL)))
+    assert [(k, s, p) for k, _, s, p in peer.out()] == [(wire.RST_STREAM, 3, struct.pack(">I", wire.REFUSED_STREAM))]
+    peer.conn.receive(frame(wire.RST_STREAM, 0, 1, struct.pack(">I", wire.CANCEL)))
     assert peer.opened[1][1].reset and 3 not in peer.opened
     peer.conn.receive(peer.headers(5))  # room again
     assert 5 in peer.opened
@@ -331,8 +334,8 @@ def test_after_goaway_new_streams_are_refused_and_the_last_one_is_named() -> Non
     peer.conn.goaway()
     peer.conn.receive(peer.headers(3))
     (goaway, reset) = peer.out()
-    assert goaway[0] == h2.GOAWAY and struct.unpack(">II", goaway[3][:8]) == (1, h2.NO_ERROR)
-    assert reset[0] == h2.RST_STREAM and reset[2] == 3
+    assert goaway[0] == wire.GOAWAY and struct.unpack(">II", goaway[3][:8]) == (1, wire.NO_ERROR)
+    assert reset[0] == wire.RST_STREAM and reset[2] == 3
 
 
 def test_pings_are_answered_and_too_many_without_data_end_the_connection() -> None:
@@ -342,17 +345,17 @@ def test_pings_are_answered_and_too_many_without_data_end_the_connection() -> No
     peer.out()
     for _ in range(3):  # the first ping and two strikes are tolerated
         peer.now += 1
-        peer.conn.receive(frame(h2.PING, 0, 0, b"abcdefgh"))
-        assert peer.out() == [(h2.PING, h2.ACK, 0, b"abcdefgh")]
+        peer.conn.receive(frame(wire.PING, 0, 0, b"abcdefgh"))
+        assert peer.out() == [(wire.PING, wire.ACK, 0, b"abcdefgh")]
     peer.conn.send_headers(1, b"\x88")  # the server sent something: the count starts again
-    peer.conn.receive(frame(h2.PING, 0, 0, b"abcdefgh"))
+    peer.conn.receive(frame(wire.PING, 0, 0, b"abcdefgh"))
     peer.now += 1
-    peer.conn.receive(frame(h2.PING, 0, 0, b"abcdefgh"))
-    peer.conn.receive(frame(h2.PING, 0, 0, b"abcdefgh"))
-    with pytest.raises(h2.ConnectionError_, match="too_many_pings"):
-        peer.conn.receive(frame(h2.PING, 0, 0, b"abcdefgh"))
-    goaway = [f for f in peer.out() if f[0] == h2.GOAWAY]
-    assert struct.unpack(">I", goaway[0][3][4:8])[0] == h2.ENHANCE_YOUR_CALM and goaway[0][3][8:] == b"too_many_pings"
+    peer.conn.receive(frame(wire.PING, 0, 0, b"abcdefgh"))
+    peer.conn.receive(frame(wire.PING, 0, 0, b"abcdefgh"))
+    with pytest.raises(wire.ConnectionError_, match="too_many_pings"):
+        peer.conn.receive(frame(wire.PING, 0, 0, b"abcdefgh"))
+    goaway = [f for f in peer.out() if f[0] == wire.GOAWAY]
+    assert struct.unpack(">I", goaway[0][3][4:8])[0] == wire.ENHANCE_YOUR_CALM and goaway[0][3][8:] == b"too_many_pings"
 
 
 def test_keepalive_pings_after_silence_and_gives_up_without_an_answer() -> None:
@@ -366,7 +369,7 @@ def test_keepalive_pings_after_silence_and_gives_up_without_an_answer() -> None:
     assert peer.conn.keepalive_due()
     peer.conn.ping()
     assert not peer.conn.keepalive_due() and not peer.conn.keepalive_expired()
-    peer.conn.receive(frame(h2.PING, h2.ACK, 0, b"fleetkap"))  # answered
+    peer.conn.receive(frame(wire.PING, wire.ACK, 0, b"fleetkap"))  # answered
     peer.now += 11
     peer.conn.ping()  # the second without data between
     peer.now += 11
