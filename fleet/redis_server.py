@@ -4,6 +4,7 @@ where REDIS_URL points at a managed server."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -37,10 +38,36 @@ def find_server_binary() -> str:
     )
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now, for a server started next. Chosen below the kernel's ephemeral range
+    where there is one: a port from that range (what binding port 0 gives) can be taken by any outgoing
+    connection between this call and the server's bind. Never the same port twice in one process."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    with _handed_out_lock:
+        for _ in range(200) if low > 11_000 else ():
+            port = random.randrange(10_000, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
 
 
 @dataclass

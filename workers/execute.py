@@ -15,6 +15,7 @@ from fleet.datatypes import Datatype
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor
 from fleet.errors import InferenceFailed, PoisonRequest, ServingError
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.reshape import client_shape, model_shape
 from workers.backends.base import Backend, InferenceItem, ItemResult, failed
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,16 @@ class BatchOutcome:
     started_ns: int = 0  # time.perf_counter_ns() when the batch started (traced requests' COMPUTE_START)
 
 
-def _decode(env: RequestEnvelope, to_arrays: bool) -> InferenceItem:
-    inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in env.inputs} \
+def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:
+    wire = env.inputs
+    if reshaped:  # the model takes these inputs in its `reshape` shape (fleet/reshape.py): same bytes
+        wire = [t if t.name not in reshaped else WireTensor(
+            t.name, t.datatype, model_shape(reshaped[t.name].dims, reshaped[t.name].reshape or (), t.shape, batched),
+            t.data) for t in wire]
+    inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in wire} \
         if to_arrays else {}
     return InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
-                         request_id=env.client_id, wire=env.inputs)
+                         request_id=env.client_id, wire=wire)
 
 
 def _internal(env: RequestEnvelope, message: str) -> ReplyEnvelope:
@@ -57,8 +63,8 @@ def _kind_matches(produced: np.dtype, declared: Datatype) -> bool:
 def _shape_error(spec: ModelSpec, ts: TensorSpec, env: RequestEnvelope, shape: tuple[int, ...]) -> str | None:
     """Why an output's shape contradicts its config dims (and the request's batch size), or None.
     Per output of every request: the passing case builds nothing."""
-    if ts.is_shape_tensor or ts.reshape is not None:
-        return None  # the model produces another shape than `dims` by design
+    if ts.is_shape_tensor:
+        return None
     dims = ts.dims
     batched = spec.max_batch_size > 0
     rest = shape[1:] if batched else shape
@@ -69,6 +75,16 @@ def _shape_error(spec: ModelSpec, ts: TensorSpec, env: RequestEnvelope, shape: t
     expected = [env.batch_rows(True), *dims] if batched else list(dims)
     return (f"model '{spec.name}' returned output '{ts.name}' with shape {list(shape)}, but its config "
             f"(and the request's batch size) makes it {expected}")
+
+
+def _client_shape(spec: ModelSpec, ts: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    return client_shape(ts.dims, ts.reshape or (), shape, spec.max_batch_size > 0)
+
+
+def _reshape_error(spec: ModelSpec, ts: TensorSpec, shape: tuple[int, ...]) -> str:
+    expected = ", ".join((["batch"] if spec.max_batch_size > 0 else []) + [str(d) for d in ts.reshape or ()])
+    return (f"model '{spec.name}' returned output '{ts.name}' with shape {list(shape)}, but its config "
+            f"reshape makes it [{expected}]")
 
 
 def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyEnvelope:
@@ -93,10 +109,16 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
     for name in wanted:
         ts = spec.output(name)
         if ts is not None and name in wire and wire[name].datatype == ts.datatype.name:
-            problem = _shape_error(spec, ts, env, wire[name].shape)
+            out = wire[name]
+            if ts.reshape is not None:
+                shape = _client_shape(spec, ts, out.shape)
+                if shape is None:
+                    return _internal(env, _reshape_error(spec, ts, out.shape))
+                out = WireTensor(out.name, out.datatype, shape, out.data)
+            problem = _shape_error(spec, ts, env, out.shape)
             if problem is not None:
                 return _internal(env, problem)
-            outputs.append(wire[name])  # already the declared type: forward the bytes
+            outputs.append(out)  # already the declared type: forward the bytes
             continue
         arr = produced.get(name)
         if arr is None and name in wire:  # another type than declared: decode, cast below
@@ -105,6 +127,11 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
         if ts is None or arr is None:
             return _internal(env, f"model '{spec.name}' did not produce output '{name}'")
         arr = np.asarray(arr)
+        if ts.reshape is not None:  # the model produced its `reshape` shape; the client gets `dims`
+            shape = _client_shape(spec, ts, arr.shape)
+            if shape is None:
+                return _internal(env, _reshape_error(spec, ts, arr.shape))
+            arr = arr.reshape(shape)
         if not _kind_matches(arr.dtype, ts.datatype):
             got = wire[name].datatype if name in wire else str(arr.dtype)
             return _internal(env, f"model '{spec.name}' returned output '{name}' as {got}, but its config "
@@ -120,11 +147,13 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
     """Never raises: every failure becomes an error reply for the requests it touched."""
     t0 = time.perf_counter_ns()
     to_arrays = not backend.takes_wire
+    reshaped = {t.name: t for t in spec.inputs if t.reshape is not None and not t.is_shape_tensor}
+    batched = spec.max_batch_size > 0
     items: list[InferenceItem] = []
     early: dict[int, ReplyEnvelope] = {}
     for i, env in enumerate(envs):
         try:
-            items.append(_decode(env, to_arrays))
+            items.append(_decode(env, to_arrays, reshaped, batched))
         except ServingError as exc:
             early[i] = ReplyEnvelope(id=env.id, model_version=env.version, error_code=exc.code.value,
                                      error_message=exc.message)

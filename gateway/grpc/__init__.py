@@ -2,7 +2,10 @@
 generated modules) served by the gateway process on the same event loop as HTTP, over the same state:
 
     server.py         the server: port, connections, keepalive, graceful stop (fleet's own, not grpc.aio)
-    h2.py             one HTTP/2 connection without I/O: frames, settings, flow control, pings, GOAWAY
+    h2.py             one HTTP/2 connection without I/O, receiving: frames, settings, flow control, GOAWAY
+    h2_send.py        ... and sending: headers, DATA within the peer's windows, trailers, resets, pings
+    h2_frames.py      HTTP/2's wire vocabulary: frame types, flags, codes, settings, a stream's state
+    h2_pings.py       gRPC's keepalive and ping-strike policy, on an injected clock
     header_codec.py   HPACK: the decoder (the `hpack` library's static table and Huffman code) and encodings
     calls.py          one call on a stream: messages, compression, deadline, status and trailers
     handlers.py       every RPC of the proto: auth, request parsing, ServingError -> status (gateway/errors.py)

@@ -8,6 +8,7 @@ INPUT__i naming.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,9 @@ class TorchBackend(InProcessBackend):
         path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
         if not path.exists():
             raise ConfigError(f"{spec.name}: model file {path} is missing (run `make models`?)")
-        module = torch.jit.load(str(path), map_location=self._device)  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():  # TorchScript is what Triton's pytorch backend loads: deprecated or not
+            warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
+            module = torch.jit.load(str(path), map_location=self._device)  # type: ignore[no-untyped-call]
         self._module = module.eval()
         self._spec = spec
         self._arg_names = [t.name for t in spec.inputs] + [b.target_name for b in spec.batch_inputs]
