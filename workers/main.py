@@ -19,6 +19,7 @@ from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.logs import configure_logging
+from fleet.placement import instance_device, placement_problem
 from fleet.redis_clients import async_client, wait_for_redis
 from fleet.redis_time import RedisClock
 from fleet.repository import ModelEntry, scan
@@ -130,8 +131,14 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     for name, entry in sorted(repository.models.items()):
         if stop.is_set():
             break
+        problem = placement_problem(entry.spec, device)
+        if problem is not None:  # another worker's device fits it (fleet/placement.py)
+            log.info("model '%s' is not served by this %s worker: %s", name, device, problem)
+            heartbeat.failed[name] = f"not served by a {device} worker: {problem}"
+            continue
         try:
-            instances = await asyncio.to_thread(load_instances, entry, device, settings.max_deliveries)
+            instances = await asyncio.to_thread(load_instances, entry, instance_device(entry.spec, device),
+                                                settings.max_deliveries)
         except Exception as exc:
             log.error("model '%s' failed to load: %s", name, exc)
             heartbeat.failed[name] = str(exc)

@@ -29,7 +29,9 @@ class InProcessSystem:
 @asynccontextmanager
 async def in_process_system(redis_url: str, key_prefix: str, repositories: Sequence[Path], *,
                             worker: bool = True, ready_timeout_s: float = 60.0,
+                            ready_models: Sequence[str] | None = None,
                             **overrides: Any) -> AsyncIterator[InProcessSystem]:
+    """`ready_models`: wait for these models only (default: every model of the repositories)."""
     defaults: dict[str, Any] = {"block_ms": 100, "request_timeout_s": 30, "heartbeat_interval_s": 0.2}
     settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model_repositories=tuple(repositories),
                         **{**defaults, **overrides})
@@ -44,7 +46,8 @@ async def in_process_system(redis_url: str, key_prefix: str, repositories: Seque
             deadline = loop.time() + ready_timeout_s
             while True:
                 await state.refresh_readiness()
-                if state.catalog.all_ready():
+                if state.catalog.all_ready() if ready_models is None else \
+                        all(state.catalog.ready_versions(m) for m in ready_models):
                     break
                 if loop.time() > deadline:
                     raise TimeoutError("the worker did not report every model ready")
