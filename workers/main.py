@@ -33,6 +33,7 @@ from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop import LoopConfig, ModelLoop
+from workers.warmup import warm_up
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
@@ -54,6 +55,8 @@ def load_instances(entry: ModelEntry, device: str, max_deliveries: int = 3) -> d
                                   device=device, max_deliveries=max_deliveries)
                 insts.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name)))
                 out.setdefault(version, []).append(insts[-1])
+                # model_warmup: before the model is advertised; a failing sample fails the load.
+                warm_up(entry.spec, entry.path, version, insts[-1].backend)
     except Exception:
         close_instances(out)
         raise
