@@ -52,6 +52,9 @@ def _input(spec: ModelSpec, model_dir: Path, sample: Any, name: str, given: Any,
     dims = [int(d) for d in given.dims]
     if any(d < 0 for d in dims):
         raise WarmupFailed(f"input '{name}' has a variable dim in {dims}: warmup dims must be fixed")
+    config_dims = spec.input(name).dims  # type: ignore[union-attr]  # checked above
+    if len(dims) != len(config_dims) or any(c not in (-1, d) for c, d in zip(config_dims, dims, strict=True)):
+        raise WarmupFailed(f"input '{name}': warmup dims {dims} do not fit the config's dims {list(config_dims)}")
     count = math.prod(dims)
     how = given.WhichOneof("input_data_type")
     if how == "input_data_file":

@@ -37,6 +37,7 @@ _CONTENT_TYPE = hc.literal(b"content-type", b"application/grpc")
 _ACCEPT = hc.literal(b"grpc-accept-encoding", b",".join(ACCEPTED_ENCODINGS))
 RESPONSE_HEADERS = _STATUS_200 + _CONTENT_TYPE + _ACCEPT
 OK_TRAILERS = hc.literal(b"grpc-status", b"0")
+MAX_STATUS_MESSAGE = 2048  # characters of grpc-message (gRPC C-core's default metadata limit is 8 KiB)
 
 
 def _status(code: grpc.StatusCode) -> bytes:
@@ -76,6 +77,8 @@ def decompress(data: bytes, encoding: bytes, limit: int) -> bytes:
         out = d.decompress(data, limit + 1)
     except zlib.error as exc:
         raise RpcError(grpc.StatusCode.INTERNAL, f"Failed to decompress the message: {exc}") from None
+    if len(out) <= limit and not d.eof:
+        raise RpcError(grpc.StatusCode.INTERNAL, "Failed to decompress the message: it is truncated")
     if len(out) > limit:
         raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"Received message larger than max (more than {limit} bytes once decompressed)")
@@ -136,6 +139,7 @@ class Call:
         if self._method is not None and self._method.streaming is not None:
             self._queue = asyncio.Queue()
             self._task = asyncio.ensure_future(self._run_streaming())
+            self._task.add_done_callback(self._task_done)
 
     def on_data(self, data: bytes) -> None:
         if self._ended:
@@ -161,6 +165,9 @@ class Call:
                     return
             if self._queue is not None:
                 self._queue.put_nowait(message)
+            elif self._messages:  # a unary call takes one message: no need to hold more to say so
+                self.fail(grpc.StatusCode.UNIMPLEMENTED, "a unary call with more than one request message")
+                return
             else:
                 self._messages.append(message)
 
@@ -182,6 +189,12 @@ class Call:
                       f"a unary call with {what}")
             return
         self._task = asyncio.ensure_future(self._run_unary(self._messages.pop()))
+        self._task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never runs its own handler: answer for it here.
+        if task.cancelled():
+            self._cancelled()
 
     def on_reset(self) -> None:
         """The client reset the stream (cancelled, or its deadline passed on its side): nothing is sent."""
@@ -306,6 +319,8 @@ class Call:
         self._end(OK_TRAILERS)
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
+        if len(message) > MAX_STATUS_MESSAGE:  # trailers must stay within clients' metadata limits
+            message = message[:MAX_STATUS_MESSAGE] + "... (truncated)"
         self._end(hc.literal(b"grpc-status", _status(code)) + hc.literal(b"grpc-message", percent_encode(message)))
 
     def _end(self, trailers: bytes) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from gateway.grpc.h2_frames import (
     CANCEL,
+    CONTINUATION,
     DATA,
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
@@ -41,6 +42,8 @@ class H2Sender:
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_max_frame = DEFAULT_MAX_FRAME
         self.goaway_sent = False
+        self._goaway_codes: set[int] = set()
+        self._goaway_last: int | None = None
         self.pings = PingPolicy(settings, now)
 
     def take_output(self) -> bytes:
@@ -65,10 +68,21 @@ class H2Sender:
         if end_stream and stream.pending:
             stream.pending_trailers = block
             return
-        self._out.append(frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream_id, block))
+        self._out.append(self._header_frames(stream_id, block, END_STREAM if end_stream else 0))
         self._sent_data()
         if end_stream:
             self._close_send(stream)
+
+    def _header_frames(self, stream_id: int, block: bytes, flags: int) -> bytes:
+        """A header block as HEADERS, then CONTINUATION frames when it exceeds the peer's frame size."""
+        limit = self._peer_max_frame
+        if len(block) <= limit:
+            return frame(HEADERS, END_HEADERS | flags, stream_id, block)
+        parts = [block[i:i + limit] for i in range(0, len(block), limit)]
+        frames = [frame(HEADERS, flags, stream_id, parts[0])]
+        frames += [frame(CONTINUATION, 0, stream_id, p) for p in parts[1:-1]]
+        frames.append(frame(CONTINUATION, END_HEADERS, stream_id, parts[-1]))
+        return b"".join(frames)
 
     def send_data(self, stream_id: int, data: bytes) -> None:
         stream = self.streams.get(stream_id)
@@ -88,7 +102,9 @@ class H2Sender:
         if stream is None:
             return
         n = len(data)
-        if stream.pending or n > stream.send_window or n > self._send_window or n > self._peer_max_frame:
+        limit = self._peer_max_frame
+        if stream.pending or n > stream.send_window or n > self._send_window or n > limit or \
+                len(headers) > limit or len(trailers) > limit:
             self.send_headers(stream_id, headers)
             self.send_data(stream_id, data)
             self.send_trailers(stream_id, trailers)
@@ -131,7 +147,7 @@ class H2Sender:
                 del stream.pending[:sent]
             if not stream.pending and stream.pending_trailers is not None:
                 block, stream.pending_trailers = stream.pending_trailers, None
-                self._out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block))
+                self._out.append(self._header_frames(stream.id, block, END_STREAM))
                 self._close_send(stream)
 
     def reset(self, stream_id: int, code: int = CANCEL) -> None:
@@ -149,10 +165,15 @@ class H2Sender:
             self._out.append(frame(RST_STREAM, 0, stream.id, U32.pack(NO_ERROR)))
 
     def goaway(self, code: int = NO_ERROR, message: str = "") -> None:
-        if self.goaway_sent and code == NO_ERROR:
+        """GOAWAY: once per code (the peer backs off once per frame), with the last stream id of the
+        first one (RFC 9113 6.8: it never goes up)."""
+        if code in self._goaway_codes:
             return
+        if self._goaway_last is None:
+            self._goaway_last = self.last_stream_id
+        self._goaway_codes.add(code)
         self.goaway_sent = True
-        self._out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream_id, code) + message.encode()))
+        self._out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self._goaway_last, code) + message.encode()))
 
     def ping(self) -> None:
         """A keepalive PING (gateway/grpc/h2_pings.py says when)."""

@@ -3,6 +3,7 @@ and H2Connection fed frames (any chunking) with an injected clock."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import dataclass, field
 
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 
 from gateway.grpc import h2
 from gateway.grpc import h2_frames as wire
-from gateway.grpc.calls import decompress, parse_timeout, percent_encode
-from gateway.grpc.handlers import RpcError
+from gateway.grpc.calls import Call, decompress, parse_timeout, percent_encode
+from gateway.grpc.handlers import Method, RpcError
 from gateway.grpc.header_codec import HeaderDecoder, HeaderError, indexed, literal
 
 # ---------------------------------------------------------------- HPACK
@@ -402,3 +403,83 @@ def test_decompression_is_bounded_and_unknown_encodings_are_unimplemented() -> N
         decompress(bomb, b"snappy", 1000)
     with pytest.raises(RpcError, match="Failed to decompress"):
         decompress(b"not gzip", b"gzip", 1000)
+
+
+def test_a_header_block_over_the_peer_s_frame_size_continues_in_continuation_frames() -> None:
+    peer = Peer()
+    peer.handshake()
+    peer.conn.receive(peer.headers(1, end_stream=True))
+    peer.out()
+    block = literal(b"grpc-status", b"13") + literal(b"grpc-message", b"m" * 40_000)
+    peer.conn.send_headers(1, block, end_stream=True)
+    sent = [f for f in peer.out() if f[0] in (wire.HEADERS, wire.CONTINUATION)]
+    assert [k for k, *_ in sent] == [wire.HEADERS, wire.CONTINUATION, wire.CONTINUATION]
+    assert all(len(p) <= wire.DEFAULT_MAX_FRAME for *_, p in sent)
+    assert sent[0][1] == wire.END_STREAM and sent[-1][1] == wire.END_HEADERS  # END_HEADERS on the last only
+    assert hpack.Decoder().decode(b"".join(p for *_, p in sent), raw=True)[1] == (b"grpc-message", b"m" * 40_000)
+
+
+def test_goaway_is_sent_once_per_code_and_never_names_a_later_stream() -> None:
+    peer = Peer()
+    peer.handshake()
+    peer.conn.receive(peer.headers(1))
+    peer.out()
+    peer.conn.goaway()
+    peer.conn.receive(peer.headers(3))  # refused, but it raises the last stream seen
+    peer.conn.goaway()
+    peer.conn.goaway(wire.PROTOCOL_ERROR, "bad")
+    peer.conn.goaway(wire.PROTOCOL_ERROR, "bad")
+    goaways = [struct.unpack(">II", p[:8]) for k, _, _, p in peer.out() if k == wire.GOAWAY]
+    assert goaways == [(1, wire.NO_ERROR), (1, wire.PROTOCOL_ERROR)]
+
+
+def test_a_truncated_compressed_message_is_refused() -> None:
+    import gzip as gz
+    whole = gz.compress(b"a message of some length" * 10)
+    with pytest.raises(RpcError, match="truncated"):
+        decompress(whole[:len(whole) // 2], b"gzip", 10_000)
+
+
+class _Recorder:
+    """What a Call writes, in place of an H2Connection."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send_headers(self, stream_id: int, block: bytes, end_stream: bool = False) -> None:
+        self.sent.append(("headers", block))
+
+    def send_trailers(self, stream_id: int, block: bytes) -> None:
+        self.sent.append(("trailers", block))
+
+
+class _Connection:
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.max_message_bytes = 1 << 20
+        self.h2 = _Recorder()
+        self.ended: list[int] = []
+
+    def wrote(self) -> None:
+        pass
+
+    def call_ended(self, stream_id: int) -> None:
+        self.ended.append(stream_id)
+
+
+def test_a_call_cancelled_before_its_task_runs_is_still_answered() -> None:
+    async def never(raw: bytes, context: object) -> bytes:
+        raise AssertionError("the handler never starts")
+
+    async def main() -> None:
+        conn = _Connection()
+        call = Call(conn, 1, Method("M", unary=never), [], None, b"identity", None)  # type: ignore[arg-type]
+        call.on_data(b"\x00\x00\x00\x00\x02hi")
+        call.on_end()  # the task is created...
+        call.cancel()  # ...and cancelled in the same loop turn, before its first step
+        await asyncio.sleep(0.01)
+        assert call.done and conn.ended == [1]
+        ((kind, block),) = conn.h2.sent
+        assert (b"grpc-status", b"14") in hpack.Decoder().decode(block, raw=True)
+
+    asyncio.run(main())
