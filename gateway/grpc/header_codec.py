@@ -101,6 +101,16 @@ class HeaderDecoder:
             name, value = self._dynamic.pop()
             self._size -= len(name) + len(value) + _ENTRY_OVERHEAD
 
+    def _literal(self, block: bytes, pos: int, prefix_bits: int) -> tuple[tuple[bytes, bytes], int]:
+        """A literal field: its name by table index (or as a string), then its value."""
+        index, pos = _integer(block, pos, prefix_bits)
+        if index:
+            name = self._entry(index)[0]
+        else:
+            name, pos = _string(block, pos)
+        value, pos = _string(block, pos)
+        return (name, value), pos
+
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         """The (name, value) fields of one complete header block, in order."""
         cached = self._cache.get(block)
@@ -119,14 +129,8 @@ class HeaderDecoder:
                 field = self._entry(index)
             elif byte & 0x40:  # literal with incremental indexing
                 only_indexed = False
-                index, pos = _integer(block, pos, 6)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = _string(block, pos)
-                value, pos = _string(block, pos)
-                field = (name, value)
-                self._add(name, value)
+                field, pos = self._literal(block, pos, 6)
+                self._add(*field)
             elif byte & 0x20:  # dynamic table size update
                 only_indexed = False
                 if fields:
@@ -140,13 +144,7 @@ class HeaderDecoder:
                 continue
             else:  # literal without indexing (0000) or never indexed (0001)
                 only_indexed = False
-                index, pos = _integer(block, pos, 4)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = _string(block, pos)
-                value, pos = _string(block, pos)
-                field = (name, value)
+                field, pos = self._literal(block, pos, 4)
             listed += len(field[0]) + len(field[1]) + _ENTRY_OVERHEAD
             if listed > self._max_list_size:
                 raise HeaderError(f"the header list exceeds {self._max_list_size} bytes")
