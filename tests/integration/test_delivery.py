@@ -85,6 +85,20 @@ async def read_by_a_worker(s: InProcessSystem, model: str, count: int) -> None:
     await until(read, 5, f"{count} requests of {model} to be read")
 
 
+async def group_created(s: InProcessSystem, model: str) -> None:
+    """Until a worker has created the model's consumer group (it may report ready a moment before)."""
+    queue = s.state.keys.queue(model)
+
+    async def exists() -> bool:
+        try:
+            groups = await s.state.client.xinfo_groups(queue)
+        except ResponseError:  # no stream yet
+            return False
+        return any(g["name"] in (GROUP, GROUP.encode()) for g in groups)
+
+    await until(exists, 10, f"the consumer group of {model} to exist")
+
+
 async def stats(s: InProcessSystem, model: str) -> dict[str, Any]:
     doc = (await s.client.get(f"/v2/models/{model}/stats")).json()
     return doc["model_stats"][0]  # type: ignore[no-any-return]
@@ -300,6 +314,7 @@ def test_consumers_of_dead_workers_are_removed_once_they_hold_nothing(redis_serv
                                      claim_interval_s=0.1) as s:
             r = s.state.client
             queue = s.state.keys.queue("prune")
+            await group_created(s, "prune")
             await r.xreadgroup(GROUP, "ghost-holding-nothing", {queue: ">"}, count=1, block=10)
             await r.xadd(queue, {b"x": b"1"})
             await r.xreadgroup(GROUP, "ghost-holding-one", {queue: ">"}, count=1)  # holds an unreadable one
