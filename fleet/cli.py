@@ -29,6 +29,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=int, default=None, help="verbose logging level (0 = off)")
     p.add_argument("--key-prefix", help="prefix of every Redis key (default fleet)")
     p.add_argument("--jobs-dir", type=Path, help="bulk job uploads and outputs (default .fleet/jobs)")
+    control = p.add_argument_group("model control (tritonserver's flags)")
+    control.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default=None,
+                         help="none (default): serve the repository as found; poll: follow its changes; "
+                              "explicit: load and unload through the repository API")
+    control.add_argument("--load-model", action="append", default=None, metavar="NAME",
+                         help="explicit mode: load this model at start (repeatable; * = all)")
+    control.add_argument("--repository-poll-secs", type=float, default=None, help="poll mode: rescan period (15)")
+    control.add_argument("--disable-auto-complete-config", "--strict-model-config", dest="strict_model_config",
+                         action="store_true", default=None,
+                         help="never complete a config from the model file: config.pbtxt must be complete")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +92,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         overrides["key_prefix"] = args.key_prefix
     if args.jobs_dir:
         overrides["jobs_dir"] = args.jobs_dir
+    if getattr(args, "model_control_mode", None):
+        overrides["model_control_mode"] = args.model_control_mode
+    if getattr(args, "load_model", None):
+        overrides["load_models"] = tuple(args.load_model)
+    if getattr(args, "repository_poll_secs", None) is not None:
+        overrides["repository_poll_secs"] = args.repository_poll_secs
+    if getattr(args, "strict_model_config", None):
+        overrides["auto_complete_config"] = False
     if getattr(args, "job_workers", None) is not None:
         overrides["job_workers"] = args.job_workers
     for flag, field in (("http_port", "http_port"), ("metrics_port", "metrics_port"),

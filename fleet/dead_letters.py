@@ -2,7 +2,7 @@
 
 A worker parks a message there when it cannot be answered: its envelope is unreadable, or it was
 delivered `max_deliveries` times without completing (it kept killing workers). Each entry has the
-original stream entry id, its lane, the reason and (since the payload is kept) the request itself, so
+original stream entry id, its version and lane, the reason and (since the payload is kept) the request itself, so
 an operator can replay it once the cause is fixed; its caller was already told it failed.
 """
 
@@ -23,6 +23,7 @@ class DeadLetter:
     entry: str  # id in the dead-letter stream
     original: str  # id it had on its lane
     lane: int
+    version: int  # the model version whose stream it came from
     reason: str
     request_id: str  # the envelope's id ("" when the payload is missing or unreadable)
     payload: bytes | None
@@ -38,6 +39,7 @@ def list_dead(client: redis.Redis, keys: Keys, model: str, count: int = 1000) ->
         except InvalidInput:
             request_id = ""
         out.append(DeadLetter(entry_id.decode(), fields.get(b"id", b"").decode(), int(fields.get(b"lane", 0)),
+                              int(fields.get(b"version", 1)),
                               fields.get(b"reason", b"").decode(errors="replace"), request_id, payload))
     return out
 
@@ -50,7 +52,7 @@ def replay(client: redis.Redis, keys: Keys, model: str, letters: list[DeadLetter
         if not letter.request_id or letter.payload is None:
             continue
         pipe = client.pipeline(transaction=True)
-        pipe.xadd(keys.queue(model, letter.lane), {b"d": letter.payload})
+        pipe.xadd(keys.queue(model, letter.lane, version=letter.version), {b"d": letter.payload})
         pipe.xdel(keys.dead(model), letter.entry)
         pipe.execute()
         done += 1

@@ -126,6 +126,12 @@ class BrokerUnavailable(ServingError):
     code = ErrorCode.UNAVAILABLE
 
 
+class ControlNotAllowed(ServingError):
+    """Model load/unload outside explicit model control (Triton answers UNAVAILABLE)."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 class Unsupported(ServingError):
     code = ErrorCode.UNSUPPORTED
 

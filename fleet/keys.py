@@ -14,8 +14,11 @@ GROUP = "workers"  # the consumer group every worker joins on every model stream
 class Keys:
     prefix: str = "fleet"
 
-    def queue(self, model: str, lane: int = 0) -> str:
-        return f"{self.prefix}:{{{model}}}:q:{lane}"
+    def queue(self, model: str, lane: int = 0, *, version: int) -> str:
+        """Stream: one priority lane of one model version. Each version has its own streams, so a
+        request naming a version only ever reaches workers that serve it, and a version drains on
+        its own when it is unloaded (a worker never has to answer NOT_FOUND for another's version)."""
+        return f"{self.prefix}:{{{model}}}:v{version}:q:{lane}"
 
     def dead(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dead"
@@ -61,7 +64,22 @@ class Keys:
         return f"{self.prefix}-jobs"
 
     def models(self) -> str:
+        """Hash: model control's desired state, model name -> control record JSON (fleet/model_control.py),
+        written by the repository API in explicit mode; every worker reconciles to it."""
         return f"{self.prefix}:models"
+
+    def models_gen(self) -> str:
+        """Counter: the generation each load or unload call takes (so every worker tells calls apart)."""
+        return f"{self.prefix}:models:gen"
+
+    def model_configs(self, model: str) -> str:
+        """Hash: generation -> the complete config (pbtxt) a worker loaded that generation with (after an
+        override and auto-complete): what gateways render and validate against."""
+        return f"{self.prefix}:{{{model}}}:configs"
+
+    def model_files(self, model: str, gen: str) -> str:
+        """Hash: relative path -> contents of the `file:` overrides of one load call."""
+        return f"{self.prefix}:{{{model}}}:files:{gen}"
 
     def worker(self, worker_id: str) -> str:
         """Hash + TTL: one worker's heartbeat (what it serves, what it has queued)."""
@@ -78,6 +96,8 @@ class Keys:
         return f"{self.prefix}:cancel"
 
     def control(self) -> str:
+        """Pub/sub channel: a model name whose desired state changed; workers reconcile at once (they
+        also re-read the desired state every few seconds, so a missed message only delays)."""
         return f"{self.prefix}:control"
 
     def log_settings(self) -> str:

@@ -86,6 +86,12 @@ def _common_args(settings: Settings) -> list[str]:
             "--log-verbose", str(settings.log_verbose), "--jobs-dir", str(settings.jobs_dir)]
     for repo in settings.model_repositories:
         args += ["--model-repository", str(repo)]
+    args += ["--model-control-mode", settings.model_control_mode,
+             "--repository-poll-secs", str(settings.repository_poll_secs)]
+    for name in settings.load_models:
+        args += ["--load-model", name]
+    if not settings.auto_complete_config:
+        args.append("--disable-auto-complete-config")
     return args
 
 

@@ -4,6 +4,9 @@ Contract:
 * `parse_config(text, source=, model_name=)` returns a `ModelSpec` or raises `ConfigError`.
   Syntax errors (protobuf's text parser) read "<source>:<line>:<col>: <why>", semantic errors
   "<source>: <why>". `load_config(model_dir)` does the same for `model_dir/config.pbtxt`.
+* `parse_config` is two steps, also usable apart so that a worker can auto-complete the raw config in
+  between (workers/auto_complete.py): `parse_config_proto` (config.pbtxt text, a JSON override, or
+  nothing) and `spec_from_proto` (complete the backend fields, validate, normalise).
 * The checks protobuf does not do follow Triton core (`ValidateModelConfig`, `ValidateIOShape`),
   restricted to what fleet serves: backends python/pytorch/onnxruntime/tensorrt, platforms
   pytorch_libtorch/onnxruntime_onnx/tensorrt_plan/ensemble. One deliberate difference: dynamic
@@ -22,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +34,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.config_checks import (  # noqa: F401  (BACKENDS, PLATFORMS re-exported)
@@ -242,13 +246,51 @@ def load_config(model_dir: Path) -> ModelSpec:
 
 def parse_config(text: str, *, source: str, model_name: str) -> ModelSpec:
     """Parse, validate and normalise one config.pbtxt text (see the module contract)."""
+    return spec_from_proto(parse_config_proto(text, source=source, model_name=model_name),
+                           source=source, model_name=model_name)
+
+
+def parse_config_proto(
+    text: str | None, *, source: str, model_name: str, override_json: str | None = None
+) -> Any:
+    """The raw (not validated) `ModelConfig`: from `override_json` if given (Triton's load-time config
+    override, a JSON ModelConfig that replaces config.pbtxt entirely), else from the config.pbtxt
+    `text`, else (None: no config.pbtxt) an empty one for auto-completion to fill."""
     cfg = pb.ModelConfig()
+    if override_json is not None:
+        _parse_override(override_json, cfg, model_name)
+        return cfg
+    if text is None:
+        return cfg
     try:
         text_format.Parse(text, cfg)
     except text_format.ParseError as exc:
         line, col = exc.GetLine(), exc.GetColumn()
         where = f"{source}:{line}:{col}" if line is not None else source
         raise ConfigError(f"{where}: {_POSITION.sub('', str(exc))}") from None
+    return cfg
+
+
+def _parse_override(override_json: str, cfg: Any, model_name: str) -> None:
+    def invalid(why: str) -> NoReturn:
+        raise ConfigError(f"failed to load '{model_name}': invalid config override: {why}")
+
+    try:
+        doc = json.loads(override_json)
+    except ValueError as exc:
+        invalid(str(exc))
+    # json_format.Parse takes `[]` for an empty config; an override that is not an object is a mistake.
+    if not isinstance(doc, dict):
+        invalid(f"expected a JSON object, got {type(doc).__name__}")
+    try:
+        json_format.ParseDict(doc, cfg)  # unknown fields are errors, as in Triton
+    except json_format.ParseError as exc:
+        invalid(str(exc))
+
+
+def spec_from_proto(cfg: Any, *, source: str, model_name: str) -> ModelSpec:
+    """Validate and normalise a raw `ModelConfig` (parsed, and possibly auto-completed) into a
+    `ModelSpec`; semantic errors read "<source>: <why>". `cfg` is completed in place."""
 
     def fail(message: str) -> NoReturn:
         raise ConfigError(f"{source}: {message}")

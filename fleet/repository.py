@@ -2,10 +2,12 @@
 
 Contract:
 * `scan(repositories)` looks at every non-hidden directory directly under each repository that
-  holds a `config.pbtxt` (others are skipped: fleet does not auto-complete configs). Each becomes a
-  `ModelEntry` in `Repository.models`, or, when it cannot be served, a message in
-  `Repository.errors` under its name: bad config, no version directory the version policy selects,
-  or the same model name in more than one repository (then neither copy is served).
+  holds a `config.pbtxt`, or (`auto_complete=True`) any non-hidden directory: a worker completes a
+  missing config from the model file (workers/auto_complete.py). Each becomes a `ModelEntry` in
+  `Repository.models`, or, when it cannot be served as it is, a message in `Repository.errors` under
+  its name: bad or incomplete config, no version directory the version policy selects, or the same
+  model name in more than one repository (then neither copy is served). `Repository.dirs` has every
+  model directory by name, except names found twice (model control loads from there).
 * A repository path that is not a directory raises `ConfigError` (Triton refuses to start).
 * Version directories are positive integers without leading zeros; other names are ignored.
 * Nothing is imported or executed here; model files are not checked for existence.
@@ -14,13 +16,14 @@ Contract:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from fleet.errors import ConfigError
-from fleet.model_config import CONFIG_FILENAME, ModelSpec, load_config
+from fleet.model_config import CONFIG_FILENAME, ModelSpec, load_config, parse_config_proto, spec_from_proto
 
 _VERSION_DIR = re.compile(r"[1-9][0-9]{0,18}")
 _MAX_VERSION = 2**63 - 1
@@ -47,6 +50,11 @@ class Repository:
 
     models: Mapping[str, ModelEntry]
     errors: Mapping[str, str]
+    dirs: Mapping[str, Path] = field(default_factory=dict)
+
+
+# Completes a raw config from the model's files (workers/auto_complete.py): (config, model dir, versions).
+Completer = Callable[[Any, Path, tuple[int, ...]], None]
 
 
 def version_dirs(model_dir: Path) -> tuple[int, ...]:
@@ -60,14 +68,29 @@ def version_dirs(model_dir: Path) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
-def load_model(model_dir: Path) -> ModelEntry:
+def load_model(model_dir: Path, *, name: str | None = None, override_json: str | None = None,
+               complete: Completer | None = None) -> ModelEntry:
     """Parse one model directory into a `ModelEntry`; raises `ConfigError` when it cannot be
-    served (bad config, or no version directory that the version policy selects)."""
-    spec = load_config(model_dir)
-    try:
-        available = version_dirs(model_dir)
-    except OSError as exc:
-        raise ConfigError(f"{model_dir}: cannot list version directories: {exc}") from None
+    served (bad config, or no version directory that the version policy selects). `override_json`
+    replaces config.pbtxt (a load call's `config`); `complete` fills in what the model file says."""
+    name = name or model_dir.name
+    path = model_dir / CONFIG_FILENAME
+    if override_json is None and complete is None:
+        spec = load_config(model_dir)
+    else:
+        text: str | None = None
+        if override_json is None:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                text = None  # completed from the model file
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}: cannot read model configuration: {exc}") from None
+        cfg = parse_config_proto(text, source=str(path), model_name=name, override_json=override_json)
+        if complete is not None:
+            complete(cfg, model_dir, _versions_present(model_dir))
+        spec = spec_from_proto(cfg, source=str(path), model_name=name)
+    available = _versions_present(model_dir)
     versions = spec.version_policy.select(available)
     if not versions:
         raise ConfigError(
@@ -77,7 +100,14 @@ def load_model(model_dir: Path) -> ModelEntry:
     return ModelEntry(name=spec.name, path=model_dir, spec=spec, versions=versions)
 
 
-def scan(repositories: Sequence[Path]) -> Repository:
+def _versions_present(model_dir: Path) -> tuple[int, ...]:
+    try:
+        return version_dirs(model_dir)
+    except OSError as exc:
+        raise ConfigError(f"{model_dir}: cannot list version directories: {exc}") from None
+
+
+def scan(repositories: Sequence[Path], *, auto_complete: bool = False) -> Repository:
     """Scan the repositories (see the module contract); models and errors are sorted by name."""
     candidates: dict[str, list[Path]] = {}
     for repo in repositories:
@@ -86,18 +116,24 @@ def scan(repositories: Sequence[Path]) -> Repository:
         for child in sorted(repo.iterdir()):
             if child.name.startswith(".") or not child.is_dir():
                 continue
-            if (child / CONFIG_FILENAME).is_file():
+            if auto_complete or (child / CONFIG_FILENAME).is_file():
                 candidates.setdefault(child.name, []).append(child)
     models: dict[str, ModelEntry] = {}
     errors: dict[str, str] = {}
+    dirs: dict[str, Path] = {}
     for name in sorted(candidates):
         paths = candidates[name]
         if len(paths) > 1:
             where = ", ".join(str(p) for p in paths)
             errors[name] = f"model '{name}' appears in multiple repositories: {where}"
             continue
+        dirs[name] = paths[0]
+        if not (paths[0] / CONFIG_FILENAME).is_file():
+            errors[name] = f"{paths[0]}: no {CONFIG_FILENAME}; a worker completes it from the model file"
+            continue
         try:
             models[name] = load_model(paths[0])
         except ConfigError as exc:
             errors[name] = exc.message
-    return Repository(models=MappingProxyType(models), errors=MappingProxyType(errors))
+    return Repository(models=MappingProxyType(models), errors=MappingProxyType(errors),
+                      dirs=MappingProxyType(dirs))

@@ -101,6 +101,20 @@ class Settings(BaseSettings):
     bulk_share_cpu: float = Field(default=0.35, gt=0, le=1)
     worker_id: str = ""
     gateway_id: str = ""
+    # Model control (fleet/model_control.py), Triton's flags: --model-control-mode, --load-model (repeatable;
+    # `*` = all; explicit mode), --repository-poll-secs (poll mode), --disable-auto-complete-config /
+    # --strict-model-config (auto_complete_config off: a model needs a complete config.pbtxt).
+    model_control_mode: Literal["none", "poll", "explicit"] = "none"
+    load_models: tuple[str, ...] = ()
+    repository_poll_secs: float = Field(default=15.0, gt=0)
+    auto_complete_config: bool = True
+    # A load call answers once a worker serves the model or every live worker failed to, within this.
+    model_load_timeout_s: float = Field(default=120.0, gt=0)
+    # A version being unloaded keeps reading this long after it stops being advertised (gateways follow
+    # heartbeats within ~1.5 s), then until its streams are empty, so nothing routed to it is stranded.
+    unload_grace_s: float = Field(default=2.0, ge=0)
+    # Where a worker writes the `file:` overrides of a load call, one directory per load.
+    model_load_dir: Path = Path(".fleet/loads")
     # Auth (gateway/auth.py): bearer keys, comma-separated and/or one per line in a file; the scopes
     # that need one when keys exist; model control without keys only if enabled.
     api_keys: str = ""

@@ -1,14 +1,31 @@
-"""What the gateway knows about models: the repository it serves (parsed once at start) and which
-(model, version) pairs some live worker reports ready, refreshed from the workers' heartbeats."""
+"""What the gateway knows about models: which ones it serves (model control's targets: the repository in
+none and poll mode, the control records in explicit mode), each with the config it validates against,
+and which versions some live worker reports ready, refreshed from the workers' heartbeats.
+
+A model's config is the one a worker published when it loaded the current generation (after a load
+call's override and auto-complete, workers/control.py); until then, the repository's own
+config.pbtxt when the target has no override; until then the model is known but not servable (its
+infer requests get 503, its metadata 400 as an unknown model). While a new generation loads, the
+config of the one still serving stays.
+
+Requests go to the versions workers report ready, whatever their generation: during a roll the old
+version serves until the new one is ready (unversioned requests then switch to the highest ready
+version), and a version being unloaded is no longer reported, so nothing new is routed to it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from fleet.errors import ModelNotFound, ModelNotReady, VersionNotFound
-from fleet.repository import ModelEntry, Repository
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, VersionNotFound
+from fleet.model_config import spec_from_proto
+from fleet.model_control import Target
+from fleet.repository import ModelEntry, Repository, version_dirs
 
 
 @dataclass(slots=True)
@@ -19,9 +36,10 @@ class ModelView:
     config_json: dict[str, Any]
     metadata_inputs: list[dict[str, Any]]
     metadata_outputs: list[dict[str, Any]]
+    gen: str = ""  # the generation whose config this is ("" = the repository's own)
 
     @classmethod
-    def build(cls, entry: ModelEntry) -> ModelView:
+    def build(cls, entry: ModelEntry, gen: str = "") -> ModelView:
         spec = entry.spec
         return cls(
             entry=entry,
@@ -32,25 +50,50 @@ class ModelView:
             metadata_outputs=[
                 {"name": t.name, "datatype": t.datatype.name, "shape": spec.metadata_shape(t)} for t in spec.outputs
             ],
+            gen=gen,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class UnitReport:
+    """One model version at one generation on one worker, as its heartbeat says."""
+
+    worker: int  # index of its heartbeat in the last read
+    model: str
+    version: int
+    gen: str
+    state: str  # LOADING, READY (and healthy), UNLOADING
 
 
 @dataclass(slots=True)
 class Catalog:
     repository: Repository
+    targets: dict[str, Target] = field(default_factory=dict)
     views: dict[str, ModelView] = field(default_factory=dict)
-    # (model, version) pairs that at least one live worker has loaded.
+    # (model, version) pairs that at least one live worker serves.
     ready: set[tuple[str, int]] = field(default_factory=set)
-    # model -> reason reported by a worker that failed to load it.
+    # model -> reason reported by a worker that does not serve it (failed load, device, ...).
     failures: dict[str, str] = field(default_factory=dict)
+    failure_gens: dict[str, str] = field(default_factory=dict)
     # (model, version) -> requests the workers hold queued, not yet executing (summed over workers).
     queued: dict[tuple[str, int], int] = field(default_factory=dict)
     workers: int = 0
+    unloaded: frozenset[str] = frozenset()  # explicit mode: models whose record says unloaded
+    units: list[UnitReport] = field(default_factory=list)
+    # per live worker: model -> the generation it last reconciled
+    seen: list[dict[str, str]] = field(default_factory=list)
+    # (model, generation) -> the config a worker published for it (pbtxt text)
+    configs: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (model, generation, source) -> the view built from it, so a refresh rebuilds nothing unchanged
+    _built: dict[tuple[str, str, str], ModelView] = field(default_factory=dict)
 
     @classmethod
-    def from_repository(cls, repository: Repository) -> Catalog:
-        views = {name: ModelView.build(entry) for name, entry in repository.models.items()}
-        return cls(repository=repository, views=views)
+    def from_repository(cls, repository: Repository, targets: dict[str, Target] | None = None) -> Catalog:
+        catalog = cls(repository=repository)
+        catalog.set_targets(repository, targets if targets is not None else {})
+        return catalog
+
+    # ------------------------------------------------------------------ lookups
 
     def view(self, name: str) -> ModelView:
         view = self.views.get(name)
@@ -59,40 +102,145 @@ class Catalog:
         return view
 
     def ready_versions(self, name: str) -> list[int]:
-        return [v for v in self.view(name).entry.versions if (name, v) in self.ready]
+        if name not in self.views:
+            return []
+        return sorted(v for m, v in self.ready if m == name)
 
     def resolve(self, name: str, version: str | None) -> tuple[ModelView, int]:
         """The model and the version a request goes to; raises the Triton-shaped lookup errors."""
-        view = self.view(name)
+        view = self.views.get(name)
+        if view is None:
+            if name in self.targets or name in self.repository.dirs:
+                raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions"
+                                    f"{self._why_not(name)}")
+            raise ModelNotFound(name)
         if version:
             v = int(version)
+            if (name, v) in self.ready:
+                return view, v
             if v not in view.entry.versions:
                 raise VersionNotFound(name, version)
-            if (name, v) not in self.ready:
-                raise ModelNotReady(f"Request for unknown model: '{name}' version {v} is not at ready state")
-            return view, v
+            raise ModelNotReady(f"Request for unknown model: '{name}' version {v} is not at ready state")
         ready = self.ready_versions(name)
         if not ready:
-            reason = self.failures.get(name)
-            detail = f": {reason}" if reason else " (no ready worker serves it)"
-            raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions{detail}")
+            raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions{self._why_not(name)}")
         return view, ready[-1]
 
+    def _why_not(self, name: str) -> str:
+        if name not in self.targets:
+            return " (unloaded)"
+        reason = self.failures.get(name)
+        return f": {reason}" if reason else " (no ready worker serves it)"
+
     def all_ready(self) -> bool:
-        return all(self.ready_versions(name) for name in self.views)
+        return all(self.ready_versions(name) for name in self.targets)
+
+    def wanted_gens(self) -> list[tuple[str, str]]:
+        """(model, generation) pairs whose published config this catalog would use and lacks."""
+        pairs = {(t.name, t.gen) for t in self.targets.values()}
+        pairs |= {(u.model, u.gen) for u in self.units if u.model in self.targets and u.state == "READY"}
+        return sorted(p for p in pairs if p not in self.configs)
+
+    # ------------------------------------------------------------------ updates
+
+    def set_targets(self, repository: Repository, targets: dict[str, Target]) -> None:
+        self.repository = repository
+        self.targets = targets
+        self._rebuild()
+
+    def add_configs(self, configs: dict[tuple[str, str], str]) -> None:
+        if configs:
+            self.configs.update(configs)
+            self._rebuild()
 
     def update_from_heartbeats(self, beats: list[dict[bytes, bytes]]) -> None:
         ready: set[tuple[str, int]] = set()
         failures: dict[str, str] = {}
+        failure_gens: dict[str, str] = {}
         queued: dict[tuple[str, int], int] = {}
-        for beat in beats:
+        units: list[UnitReport] = []
+        seen: list[dict[str, str]] = []
+        for i, beat in enumerate(beats):
+            advertised = set()
             for item in json.loads(beat.get(b"models", b"[]")):
                 ready.add((item[0], int(item[1])))
+                advertised.add((item[0], int(item[1]), item[2] if len(item) > 2 else ""))
+            for model, version, gen, state in json.loads(beat.get(b"units", b"[]")):
+                if state == "READY" and (model, int(version), gen) not in advertised:
+                    state = "UNAVAILABLE"  # loaded, but its loop is not healthy (hung, cannot read)
+                units.append(UnitReport(i, model, int(version), gen, state))
             failures.update(json.loads(beat.get(b"failed", b"{}")))
+            failure_gens.update(json.loads(beat.get(b"failed_gens", b"{}")))
+            seen.append(json.loads(beat.get(b"seen", b"{}")))
             for model, per in json.loads(beat.get(b"queued", b"{}")).items():
                 for version, n in per.items():
                     queued[(model, int(version))] = queued.get((model, int(version)), 0) + int(n)
         self.ready = ready
         self.failures = failures
+        self.failure_gens = failure_gens
         self.queued = queued
+        self.units = units
+        self.seen = seen
         self.workers = len(beats)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        views: dict[str, ModelView] = {}
+        for name, target in self.targets.items():
+            view = self._view_of(target)
+            if view is not None:
+                views[name] = view
+        self.views = views
+        live = {(n, v.gen, "c" if v.gen else "r") for n, v in views.items()}
+        self._built = {k: v for k, v in self._built.items() if k in live}
+        keep = {(t.name, t.gen) for t in self.targets.values()} | {(u.model, u.gen) for u in self.units}
+        self.configs = {k: v for k, v in self.configs.items() if k in keep}
+
+    def _view_of(self, target: Target) -> ModelView | None:
+        """The config of the target's generation, else of a generation still serving, else (no
+        override) the repository's own."""
+        gens = [target.gen] + sorted({u.gen for u in self.units if u.model == target.name and u.state == "READY"}
+                                     - {target.gen})
+        for gen in gens:
+            text = self.configs.get((target.name, gen))
+            if text is not None:
+                view = self._from_config(target, gen, text)
+                if view is not None:
+                    return view
+        local = self.repository.models.get(target.name)
+        if local is not None and target.config_override is None and not target.files:
+            key = (target.name, "", "r")
+            if key not in self._built:
+                self._built[key] = ModelView.build(local)
+            return self._built[key]
+        return None
+
+    def _from_config(self, target: Target, gen: str, text: str) -> ModelView | None:
+        key = (target.name, gen, "c")
+        if key in self._built:
+            return self._built[key]
+        try:
+            cfg = pb.ModelConfig()
+            text_format.Parse(text, cfg)
+            spec = spec_from_proto(cfg, source=f"config of '{target.name}' generation {gen}", model_name=target.name)
+        except (ConfigError, text_format.ParseError):
+            return None  # a worker of another fleet version: fall back as if not published
+        versions = self._versions(target, spec)
+        path = target.model_dir if target.model_dir is not None else self.repository.dirs.get(target.name)
+        # A model loaded only from `file:` overrides has no directory here; gateways never read model files.
+        entry = ModelEntry(name=target.name, path=path or Path(), spec=spec, versions=versions)
+        self._built[key] = ModelView.build(entry, gen)
+        return self._built[key]
+
+    def _versions(self, target: Target, spec: Any) -> tuple[int, ...]:
+        if target.files:
+            present = sorted({int(f.split("/", 1)[0]) for f in target.files if f.split("/", 1)[0].isdigit()})
+        elif target.model_dir is not None:
+            try:
+                present = list(version_dirs(target.model_dir))
+            except OSError:
+                present = []
+        else:
+            present = []
+        return tuple(spec.version_policy.select(present)) if present else ()
+

@@ -108,9 +108,9 @@ class DataPlane:
             trace.stamp(QUEUE_START)
         try:
             reject_at = None if admission.delay_on_timeout else admission.deadline_us
-            reply = await self.broker.submit(rid, self.broker.keys.queue(model, admission.lane), encode_request(env),
-                                             admission.max_queue_size, model, version=v, enqueued_us=now_us,
-                                             reject_at_us=reject_at)
+            stream = self.broker.keys.queue(model, admission.lane, version=v)
+            reply = await self.broker.submit(rid, stream, encode_request(env), admission.max_queue_size, model,
+                                             version=v, enqueued_us=now_us, reject_at_us=reject_at)
         except asyncio.CancelledError:
             # The caller went away: nobody will read a reply, so none should be computed.
             self.broker.cancel(rid)

@@ -77,9 +77,8 @@ def _undelivered(length: object, pending: object) -> int:
 
 async def metrics(request: Request) -> Response:
     """`nv_inference_pending_request_count` is Triton's: accepted, not yet executing, once per model
-    version (the autoscaling signal). Requests the workers hold are counted by version from their
-    heartbeats; those no worker has read yet are in Redis, where their version is not visible without
-    reading them: they count under the version that serves requests naming none (the latest ready)."""
+    version (the autoscaling signal): requests the workers hold, from their heartbeats, plus those no
+    worker has read yet from the version's own streams."""
     st = request.app.state.fleet
     catalog = st.catalog
     names = sorted(catalog.views)
@@ -87,21 +86,18 @@ async def metrics(request: Request) -> Response:
     lanes = {n: lane_count(catalog.view(n).entry.spec) for n in names}
     for n in names:
         pipe.hgetall(st.keys.stats(n))
-        for lane in range(lanes[n]):
-            pipe.xlen(st.keys.queue(n, lane))
-            pipe.xpending(st.keys.queue(n, lane), GROUP)
+        for v in catalog.view(n).entry.versions:
+            for lane in range(lanes[n]):
+                pipe.xlen(st.keys.queue(n, lane, version=v))
+                pipe.xpending(st.keys.queue(n, lane, version=v), GROUP)
     results = iter(await pipe.execute(raise_on_error=False))
     rows = []
     for n in names:
         stats = next(results)
         raw = {k.decode(): int(v) for k, v in stats.items()} if isinstance(stats, dict) else {}
-        waiting = sum(_undelivered(next(results), next(results)) for _ in range(lanes[n]))
-        versions = catalog.view(n).entry.versions
-        ready = catalog.ready_versions(n)
-        default = ready[-1] if ready else max(versions)
-        for v in versions:
-            pending = catalog.queued.get((n, v), 0) + (waiting if v == default else 0)
-            rows.append((n, v, raw, pending))
+        for v in catalog.view(n).entry.versions:
+            waiting = sum(_undelivered(next(results), next(results)) for _ in range(lanes[n]))
+            rows.append((n, v, raw, catalog.queued.get((n, v), 0) + waiting))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)

@@ -10,9 +10,6 @@ from fleet.errors import VersionNotFound
 from gateway.broker import Broker
 from gateway.catalog import Catalog, ModelView
 
-# What RepositoryModelLoad/Unload answer (HTTP 501, gRPC UNIMPLEMENTED) until model control lands.
-MODEL_CONTROL_OFF = "explicit model control (load/unload) is not enabled on this server yet"
-
 
 async def not_ready_reason(catalog: Catalog, broker: Broker) -> str | None:
     """Why the server is not ready (Redis unreachable, a model without a ready worker), or None."""
@@ -53,20 +50,43 @@ def model_metadata(catalog: Catalog, name: str, version: str | None) -> dict[str
 
 
 def repository_index(catalog: Catalog, only_ready: bool) -> list[dict[str, Any]]:
-    """Triton's repository index: each version of each model with its state (and why it is not ready,
-    when a worker said), then the models that could not be read at all."""
+    """Triton's repository index: every model in the repositories (and any loaded from overrides), one
+    entry per version with its state (READY, LOADING, UNLOADING, UNAVAILABLE with the reason); a model
+    never loaded is its name alone, as in Triton."""
     items: list[dict[str, Any]] = []
-    for name in sorted(catalog.views):
-        for v in catalog.view(name).entry.versions:
-            is_ready = (name, v) in catalog.ready
-            if only_ready and not is_ready:
-                continue
-            item: dict[str, Any] = {"name": name, "version": str(v), "state": "READY" if is_ready else "UNAVAILABLE"}
-            reason = catalog.failures.get(name)
-            if not is_ready and reason:
-                item["reason"] = reason
+    names = set(catalog.repository.dirs) | set(catalog.targets) | set(catalog.repository.errors)
+    for name in sorted(names):
+        units = [u for u in catalog.units if u.model == name]
+        target = catalog.targets.get(name)
+        view = catalog.views.get(name)
+        versions = set(view.entry.versions if view else ()) | {u.version for u in units}
+        versions |= {v for m, v in catalog.ready if m == name}
+        reason = catalog.failures.get(name) or catalog.repository.errors.get(name)
+        if target is None:
+            if name not in catalog.repository.dirs:  # in two repositories: never served
+                items.append({"name": name, "state": "UNAVAILABLE", "reason": reason or "not servable"})
+            elif units:
+                items.extend({"name": name, "version": str(v), "state": "UNLOADING"} for v in sorted(versions))
+            elif name in catalog.unloaded:
+                items.append({"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
+            else:
+                items.append({"name": name})
+            continue
+        if not versions:
+            loading = any(u.gen == target.gen for u in units)
+            items.append({"name": name, "state": "LOADING" if loading else "UNAVAILABLE",
+                          **({} if loading else {"reason": reason or "no ready worker serves it"})})
+            continue
+        for v in sorted(versions):
+            states = {u.state for u in units if u.version == v}
+            if (name, v) in catalog.ready:
+                item: dict[str, Any] = {"name": name, "version": str(v), "state": "READY"}
+            elif "LOADING" in states or "UNLOADING" in states:
+                item = {"name": name, "version": str(v), "state": "LOADING" if "LOADING" in states else "UNLOADING"}
+            else:
+                item = {"name": name, "version": str(v), "state": "UNAVAILABLE",
+                        "reason": reason or "no ready worker serves it"}
             items.append(item)
-    if not only_ready:
-        items.extend({"name": n, "state": "UNAVAILABLE", "reason": why}
-                     for n, why in sorted(catalog.repository.errors.items()))
+    if only_ready:
+        items = [i for i in items if i.get("state") == "READY"]
     return items

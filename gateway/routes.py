@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.errors import InvalidInput, ModelNotReady, NotFound, Unsupported, VersionNotFound
+from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
 from gateway import model_info
 from gateway.state import GatewayState
 
@@ -117,7 +117,26 @@ async def repository_index(request: Request) -> Response:
 
 
 async def repository_control(request: Request) -> Response:
-    raise Unsupported(model_info.MODEL_CONTROL_OFF)
+    """Triton's load and unload: `{"parameters": {...}}` (config and `file:` overrides, or
+    unload_dependents); gateway/model_control.py does the rest."""
+    st = state_of(request)
+    body = await request.body()
+    parameters: dict[str, Any] = {}
+    if body.strip():
+        try:
+            doc = json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise InvalidInput("failed to parse the request JSON buffer: it is not UTF-8 JSON") from None
+        raw = doc.get("parameters", {}) if isinstance(doc, dict) else None
+        if not isinstance(raw, dict):
+            raise InvalidInput("the request must be a JSON object whose 'parameters' is an object")
+        parameters = raw
+    name = request.path_params["name"]
+    if request.url.path.endswith("/load"):
+        await st.control.load(name, parameters)
+    else:
+        await st.control.unload(name, parameters)
+    return Response(status_code=200)
 
 
 async def empty_version(request: Request) -> Response:

@@ -20,12 +20,13 @@ from redis.exceptions import RedisError
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.keys import Keys
 from fleet.redis_clients import async_client
-from fleet.repository import scan
+from fleet.repository import Repository
 from fleet.settings import Settings
 from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
 from gateway.jobs.service import jobs_context
+from gateway.model_control import ModelControl
 from gateway.runtime_settings import RuntimeSettings
 from gateway.shared_memory import SharedMemoryRegistry
 from gateway.tracer import Tracer
@@ -47,12 +48,15 @@ class GatewayState:
                  on_give_up: Callable[[str, BaseException], None] = exit_for_supervisor) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        repository = scan(list(settings.model_repositories))
-        for name, why in repository.errors.items():
-            log.error("model '%s' cannot be served: %s", name, why)
-        self.catalog = Catalog.from_repository(repository)
         url = settings.redis_url_or_default
         self.client = async_client(url)
+        self.catalog = Catalog.from_repository(Repository(models={}, errors={}))
+        self.control = ModelControl(settings, self.client, self.keys, self.catalog, self.read_heartbeats)
+        repository = self.control.scan()
+        for name, why in repository.errors.items():
+            if name not in repository.dirs:
+                log.error("model '%s' cannot be served: %s", name, why)
+        self.catalog.set_targets(repository, self.control.targets(repository))
         gateway_id = settings.gateway_id or f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.broker = Broker(self.client, async_client(url), self.keys, gateway_id,
                              block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s,
@@ -76,6 +80,7 @@ class GatewayState:
         await self.broker.start()
         self.runtime.start(self.broker.supervisor)
         try:
+            await self.control.seed()
             await self.refresh_readiness()
         except (RedisError, OSError) as exc:
             log.warning("cannot read worker heartbeats yet: %s", exc)
@@ -95,6 +100,11 @@ class GatewayState:
         return await model_statistics(self.catalog, self.client, self.keys.stats, name, version)
 
     async def refresh_readiness(self) -> None:
+        """Follow model control's desired state and the workers' heartbeats (gateway/model_control.py)."""
+        await self.read_heartbeats()
+        await self.control.refresh()
+
+    async def read_heartbeats(self) -> None:
         """Read every registered worker's heartbeat; an expired key means that worker is gone (and its
         registry entry is dropped once well past its expiry)."""
         registry = self.keys.workers()

@@ -103,13 +103,14 @@ class Written:
 
 
 class StreamConsumer:
-    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str, lanes: int = 1,
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, version: int, consumer: str, lanes: int = 1,
                  redis_clock: RedisClock | None = None) -> None:
         self._client = client
         self._redis_clock = redis_clock or RedisClock()  # stamps traced replies (REPLY_WRITE)
         self._keys = keys
         self.model = model
-        self.streams = [keys.queue(model, lane) for lane in range(lanes)]
+        self.version = version
+        self.streams = [keys.queue(model, lane, version=version) for lane in range(lanes)]
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
         self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)
@@ -258,18 +259,35 @@ class StreamConsumer:
                 continue  # no group yet
             for c in consumers:
                 name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
-                if name == self.consumer or name in live or int(c["pending"]) or int(c["idle"]) < min_idle_ms:
+                worker = name.split("~", 1)[0]  # a unit loaded beside an older one has a suffix (workers/control.py)
+                if name == self.consumer or worker in live or int(c["pending"]) or int(c["idle"]) < min_idle_ms:
                     continue
                 await self._client.xgroup_delconsumer(stream, GROUP, name)
                 removed.append(name)
         return removed
+
+    async def undelivered(self) -> int:
+        """Entries of this version's lanes that no consumer of the group has read yet."""
+        pipe = self._client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+        results = await pipe.execute(raise_on_error=False)
+        total = 0
+        for length, pending in zip(results[::2], results[1::2], strict=True):
+            n = int(length) if isinstance(length, int) else 0
+            if isinstance(pending, dict):
+                n -= int(pending.get("pending", 0))
+            total += max(0, n)
+        return total
 
     async def dead_letter(self, message: MessageId, reason: str, payload: bytes | None) -> None:
         """Park a message nobody could answer with the reason (and its payload, so `fleet dead-letters
         --replay` can queue it again), then ack and delete it."""
         lane, entry_id = message
         stream = self.streams[lane]
-        fields: dict[bytes, bytes | int] = {b"id": entry_id, b"lane": lane, b"reason": reason.encode()}
+        fields: dict[bytes, bytes | int] = {b"id": entry_id, b"lane": lane, b"version": self.version,
+                                            b"reason": reason.encode()}
         if payload is not None:
             fields[b"d"] = payload
         await self._client.xadd(self._keys.dead(self.model), fields, maxlen=10_000, approximate=True)  # type: ignore[arg-type]

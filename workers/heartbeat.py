@@ -1,7 +1,9 @@
-"""The worker's heartbeat: `fleet:worker:<id>` (hash + TTL) says which (model, version) pairs it serves
-and how many requests it has queued per version; `fleet:workers` (sorted set, scored by expiry) lists
-the workers, so gateways read the heartbeats without scanning the keyspace. A worker that dies stops
-refreshing and its key expires; the gateways' reads drop it from the registry.
+"""The worker's heartbeat: `fleet:worker:<id>` (hash + TTL) says which model versions it serves, loads
+and unloads (each with its generation), which failed to load here and why, and how many requests it
+has queued per version (the fields come from workers/control.py's `report`); `fleet:workers` (sorted
+set, scored by expiry) lists the workers, so gateways read the heartbeats without scanning the
+keyspace. A worker that dies stops refreshing and its key expires; the gateways' reads drop it from the
+registry.
 
 Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's deadlines are read in.
 """
@@ -9,7 +11,6 @@ Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's d
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -37,24 +38,17 @@ class Heartbeat:
         self._ttl_ms = int(ttl_s * 1000)
         self.redis_clock = redis_clock or RedisClock()
         self._calibrated = False  # the first sample_clock takes a burst
-        self.ready: list[tuple[str, int]] = []
-        self.failed: dict[str, str] = {}
-        # A loaded model is advertised only while this says so (its tasks run, it can read its streams,
-        # its instances are not hung).
-        self.healthy: Callable[[str], bool] = lambda name: True
-        # model -> version -> requests queued here (not yet executing): the pending count gateways report.
-        self.queued: Callable[[], dict[str, dict[int, int]]] = dict
+        # The model fields of the hash (`models`, `units`, `failed`, `queued`, ...), as JSON strings.
+        self.report: Callable[[], dict[str, str]] = Heartbeat.report_nothing
+
+    @staticmethod
+    def report_nothing() -> dict[str, str]:
+        return {"models": "[]", "units": "[]", "failed": "{}", "queued": "{}"}
 
     async def beat(self) -> None:
-        queued = {m: {str(v): n for v, n in per.items() if n} for m, per in self.queued().items()}
         pipe = self._client.pipeline(transaction=False)
-        pipe.hset(self.key, mapping={
-            "models": json.dumps([m for m in self.ready if self.healthy(m[0])]),
-            "failed": json.dumps(self.failed),
-            "queued": json.dumps({m: per for m, per in queued.items() if per}),
-            "device": self._device,
-            "pid": str(os.getpid()),
-        })
+        fields = {**self.report(), "device": self._device, "pid": str(os.getpid())}
+        pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(self.key, self._ttl_ms)
         pipe.zadd(self._keys.workers(), {self.worker_id: int(time.time() * 1000) + self._ttl_ms})
         await pipe.execute()

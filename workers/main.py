@@ -1,4 +1,4 @@
-"""`fleet worker`: load the repository's models, serve their streams, heartbeat, drain on SIGTERM."""
+"""`fleet worker`: serve the models model control says (workers/control.py), heartbeat, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,67 +9,30 @@ import os
 import signal
 import socket
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import RedisError
 
-from fleet.admission import lane_count
 from fleet.cancellation import cancel_and_wait
-from fleet.clock import SystemClock
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.logs import configure_logging
-from fleet.placement import instance_device, placement_problem
 from fleet.redis_clients import async_client, wait_for_redis
 from fleet.redis_time import RedisClock
-from fleet.repository import ModelEntry, scan
 from fleet.settings import Settings
 from fleet.settings_watch import follow_log_settings
 from fleet.subscription import follow_channel
-from workers.backends import load_backend
-from workers.backends.base import LoadContext
-from workers.consumer import StreamConsumer
+from workers.auto_complete import complete_config
+from workers.control import HostContext, ModelHost
 from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
-from workers.loop import LoopConfig, ModelLoop
-from workers.warmup import warm_up
+from workers.loop import LoopConfig
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
 EXIT_HUNG = 70
 
 log = logging.getLogger("workers")
-
-
-def load_instances(entry: ModelEntry, device: str, max_deliveries: int = 3) -> dict[int, list[Instance]]:
-    """Every selected version's instances; raises if any fails (the model is then not served here)."""
-    out: dict[int, list[Instance]] = {}
-    count = max(1, entry.spec.instance_count)
-    try:
-        for version in entry.versions:
-            insts = []
-            for i in range(count):
-                name = f"{entry.name}_{i}"
-                ctx = LoadContext(spec=entry.spec, model_dir=entry.path, version=version, instance_name=name,
-                                  device=device, max_deliveries=max_deliveries)
-                insts.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name)))
-                out.setdefault(version, []).append(insts[-1])
-                # model_warmup: before the model is advertised; a failing sample fails the load.
-                warm_up(entry.spec, entry.path, version, insts[-1].backend)
-    except Exception:
-        close_instances(out)
-        raise
-    return out
-
-
-def close_instances(instances: dict[int, list[Instance]]) -> None:
-    for insts in instances.values():
-        for inst in insts:
-            try:
-                inst.backend.close()
-            finally:
-                inst.executor.shutdown(wait=False)
 
 
 async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> int:
@@ -84,8 +47,6 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     redis_clock = RedisClock()
     heartbeat = Heartbeat(control, keys, worker_id, device, settings.heartbeat_interval_s, settings.heartbeat_ttl_s,
                           redis_clock)
-    repository = scan(list(settings.model_repositories))
-    heartbeat.failed.update(repository.errors)
     try:
         await wait_for_redis(control, f"worker {worker_id}")
     except RedisError as exc:
@@ -93,15 +54,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
         await control.aclose()
         return 1
     await heartbeat.sample_clock()
-    beat_task = asyncio.create_task(heartbeat.run())
     # The logging extension's settings, as a gateway changes them (read now: they may have changed before).
     settings_task = asyncio.create_task(follow_log_settings(url, keys, settings))
-
-    loops: list[ModelLoop] = []
-    tasks: list[asyncio.Task[None]] = []
-    by_name: dict[str, ModelLoop] = {}
-    heartbeat.healthy = lambda name: name not in by_name or by_name[name].healthy
-    heartbeat.queued = lambda: {name: loop.queued() for name, loop in by_name.items()}
     custody = CustodyConfig(claim_idle_ms=settings.claim_idle_ms, claim_min_ms=settings.claim_min_ms,
                             keepalive_s=settings.claim_keepalive_s, claim_interval_s=settings.claim_interval_s,
                             max_deliveries=settings.max_deliveries, dead_consumer_idle_s=settings.dead_consumer_idle_s)
@@ -131,56 +85,38 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
         logging.shutdown()
         os._exit(EXIT_HUNG)
 
-    for name, entry in sorted(repository.models.items()):
-        if stop.is_set():
-            break
-        problem = placement_problem(entry.spec, device)
-        if problem is not None:  # another worker's device fits it (fleet/placement.py)
-            log.info("model '%s' is not served by this %s worker: %s", name, device, problem)
-            heartbeat.failed[name] = f"not served by a {device} worker: {problem}"
-            continue
-        try:
-            instances = await asyncio.to_thread(load_instances, entry, instance_device(entry.spec, device),
-                                                settings.max_deliveries)
-        except Exception as exc:
-            log.error("model '%s' failed to load: %s", name, exc)
-            heartbeat.failed[name] = str(exc)
-            continue
-        # Each model reads on its own connections (a pool): its readers block in XREADGROUP.
-        client = async_client(url)
-        consumer = StreamConsumer(client, keys, name, worker_id, lanes=lane_count(entry.spec), redis_clock=redis_clock)
-        loop = ModelLoop(entry.spec, instances, consumer, SystemClock(), redis_clock, config,
-                         on_hung=exit_hung, on_health=beat_now, on_give_up=fail,
-                         live_workers=heartbeat.live_workers)
-        loops.append(loop)
-        by_name[name] = loop
-        tasks.append(asyncio.create_task(loop.run(), name=f"model '{name}'"))
-        tasks[-1].add_done_callback(on_loop_done)
-        heartbeat.ready.extend((name, v) for v in instances)
-        await heartbeat.beat_quietly()
-        log.info("model '%s' ready: versions %s, %d instance(s) each", name, list(instances),
-                 len(next(iter(instances.values()))))
-    log.info("worker %s on %s serving %d models", worker_id, device, len(loops))
-    cancel_task = asyncio.create_task(listen_for_cancellations(url, keys, by_name))
+    completer = complete_config if settings.auto_complete_config else None
+    host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
+                                           on_loop_done, beat_now, heartbeat.live_workers), completer)
+    heartbeat.report = host.report
+    beat_task = asyncio.create_task(heartbeat.run())
+    await host.seed()
+    # The first reconcile loads what the worker serves from the start; later ones follow model control.
+    await host.reconcile_once()
+    host_task = asyncio.create_task(host.run(), name="model control")
+    host_task.add_done_callback(on_loop_done)
+    cancel_task = asyncio.create_task(listen_for_cancellations(url, keys, host))
+    control_task = asyncio.create_task(follow_channel(url, keys.control(), "model control listener",
+                                                      lambda _: _nudge(host)))
+    log.info("worker %s on %s started (model control: %s)", worker_id, device, settings.model_control_mode)
     freeze_after_startup()
 
     await stop.wait()
     log.info("worker %s stopping: draining", worker_id)
-    heartbeat.ready.clear()
+    heartbeat.report = Heartbeat.report_nothing
     await heartbeat.clear()
-    await cancel_and_wait([beat_task, cancel_task, settings_task], f"worker {worker_id}")
-    for loop in loops:
-        loop.stop()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for loop in loops:
-        close_instances(loop.instances)
-        await loop.consumer.close()
+    await cancel_and_wait([host_task, beat_task, cancel_task, control_task, settings_task], f"worker {worker_id}")
+    await host.stop()
     await control.aclose()
     log.info("worker %s stopped", worker_id)
     return 1 if failures else 0
 
 
-async def listen_for_cancellations(url: str, keys: Keys, loops: dict[str, ModelLoop]) -> None:
+async def _nudge(host: ModelHost) -> None:
+    host.nudge()
+
+
+async def listen_for_cancellations(url: str, keys: Keys, host: ModelHost) -> None:
     """Drop queued requests whose callers went away (gateway/broker.py publishes them): never computed.
     Best effort: a cancellation missed while reconnecting only costs a reply nobody reads."""
 
@@ -189,9 +125,9 @@ async def listen_for_cancellations(url: str, keys: Keys, loops: dict[str, ModelL
             model, request_id = json.loads(data)  # type: ignore[arg-type]
         except (ValueError, TypeError):
             return
-        loop = loops.get(model) if isinstance(model, str) else None
-        if loop is not None:
-            loop.cancel({request_id})
+        if isinstance(model, str):
+            for loop in host.loops_of(model):
+                loop.cancel({request_id})
 
     await follow_channel(url, keys.cancel(), "cancellation listener", cancel)
 

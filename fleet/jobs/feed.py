@@ -98,7 +98,8 @@ class Feed:
         self.model = record["model"]
         self.version = int(record["version"])
         priority = int(record.get("priority") or 0)
-        self.stream = runner.keys.queue(self.model, bulk_lane(spec) if priority == 0 else level_lane(spec, priority))
+        self.stream = runner.keys.queue(self.model, bulk_lane(spec) if priority == 0 else level_lane(spec, priority),
+                                         version=self.version)
         self.priority = priority
         self.max_failures = record.get("max_failures")
         self.done = int(record.get("done") or 0)

@@ -96,10 +96,16 @@ class InferenceService:
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**item) for item in items])
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        raise Unsupported(model_info.MODEL_CONTROL_OFF)
+        if request.repository_name:
+            raise Unsupported("naming a model repository is not supported: fleet serves its repositories as one")
+        await self.state.control.load(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        raise Unsupported(model_info.MODEL_CONTROL_OFF)
+        if request.repository_name:
+            raise Unsupported("naming a model repository is not supported: fleet serves its repositories as one")
+        await self.state.control.unload(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         dataplane = self.state.dataplane
@@ -178,3 +184,12 @@ class InferenceService:
         if trace is not None:
             trace.stamp(REQUEST_END)
         return response
+
+
+def _repository_parameters(parameters: Any) -> dict[str, Any]:
+    """ModelRepositoryParameter values as the HTTP body's JSON values (a `file:` override as bytes)."""
+    out: dict[str, Any] = {}
+    for key, param in parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, which) if which else None
+    return out

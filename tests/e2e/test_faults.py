@@ -253,7 +253,7 @@ def _held_by(r: redis.Redis, model: str, worker: subprocess.Popen[bytes]) -> int
     held = 0
     for lane in range(2):
         try:
-            consumers: Any = r.xinfo_consumers(KEYS.queue(model, lane), GROUP)
+            consumers: Any = r.xinfo_consumers(KEYS.queue(model, lane, version=1), GROUP)
         except redis.ResponseError:
             continue  # no group yet
         held += sum(int(x["pending"]) for x in consumers if f"-{worker.pid}-" in x["name"])
@@ -261,8 +261,8 @@ def _held_by(r: redis.Redis, model: str, worker: subprocess.Popen[bytes]) -> int
 
 
 def _pending(r: redis.Redis, model: str) -> int:
-    return sum(int(r.xpending(KEYS.queue(model, lane), GROUP)["pending"]) for lane in range(2)
-               if r.exists(KEYS.queue(model, lane)))
+    return sum(int(r.xpending(KEYS.queue(model, lane, version=1), GROUP)["pending"]) for lane in range(2)
+               if r.exists(KEYS.queue(model, lane, version=1)))
 
 
 def _log_marks(c: Cluster) -> dict[int, int]:
@@ -291,12 +291,13 @@ async def _queue_while_frozen(c: Cluster, n: int) -> list[asyncio.Task[tuple[int
     def queued() -> bool:
         early = [t.result() for t in tasks if t.done()]
         assert not early, f"answered before any worker could run them: {early[:3]}"
-        return bool(r.xlen(KEYS.queue(MODEL)) == n)
+        return bool(r.xlen(KEYS.queue(MODEL, version=1)) == n)
 
     try:
         await _until(queued, 60, f"{n} requests queued")
     except AssertionError:
-        raise AssertionError(f"{r.xlen(KEYS.queue(MODEL))} of {n} requests queued after 60 s:\n{c.logs()}") from None
+        queued_now = r.xlen(KEYS.queue(MODEL, version=1))
+        raise AssertionError(f"{queued_now} of {n} requests queued after 60 s:\n{c.logs()}") from None
     finally:
         r.close()
     return tasks
@@ -307,7 +308,7 @@ def _assert_drained(r: redis.Redis, model: str = MODEL) -> None:
     once its reply is written, a round trip after its caller may have it: allowed a moment."""
     deadline = time.monotonic() + 5
     for lane in range(2):
-        stream = KEYS.queue(model, lane)
+        stream = KEYS.queue(model, lane, version=1)
         while r.xlen(stream) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert r.xlen(stream) == 0, f"{stream} still holds {r.xlen(stream)} entries"
@@ -338,7 +339,7 @@ def test_sigkill_a_worker_with_1000_requests_in_flight(cluster: Cluster) -> None
     async def main() -> dict[str, float]:
         tasks = await _queue_while_frozen(cluster, 1000)
         _freeze(cluster, False)
-        stream = KEYS.queue(MODEL)
+        stream = KEYS.queue(MODEL, version=1)
 
         def victim_holds() -> int:
             return sum(int(x["pending"]) for x in r.xinfo_consumers(stream, GROUP)
@@ -468,7 +469,7 @@ def test_a_long_redis_outage_fails_waiting_requests_fast(cluster: Cluster) -> No
     cluster.wait_ready()
     assert asyncio.run(_infer(cluster, 5.0))[:2] == (200, 5.0)
     r = _redis(cluster)
-    asyncio.run(_until(lambda: r.xlen(KEYS.queue(MODEL)) == 0, 10, "the queued ones to be computed anyway"))
+    asyncio.run(_until(lambda: r.xlen(KEYS.queue(MODEL, version=1)) == 0, 10, "the queued ones to be computed anyway"))
 
 
 def test_redis_restart_under_live_load_never_hangs(cluster: Cluster) -> None:
@@ -564,7 +565,8 @@ def test_replies_refused_for_memory_stay_pending_until_written(cluster: Cluster)
                 r.xadd(f"{KEYS.prefix}:probe", {"x": "1"})
             await asyncio.sleep(2.0)  # the batch ended 1 s ago: its replies have been refused since
             assert not [t.result() for t in tasks if t.done()]
-            assert _pending(r, WRITES) == 8 and r.xlen(KEYS.queue(WRITES)) == 8  # not acknowledged, not deleted
+            # not acknowledged, not deleted
+            assert _pending(r, WRITES) == 8 and r.xlen(KEYS.queue(WRITES, version=1)) == 8
         finally:
             r.config_set("maxmemory", "0")
             r.config_set("maxmemory-policy", policy)
@@ -594,7 +596,7 @@ def test_client_disconnect_cancels_the_request(cluster: Cluster) -> None:
         await _until(lambda: all(_held_by(r, SLOW, w) >= 1 for w in cluster.workers), 5, "each worker to take one")
         gone = await asyncio.gather(*(_infer(cluster, 2.0, SLOW, timeout_s=0.5) for _ in range(4)))
         assert all(s == 0 for s, _, _ in gone)  # the client gave up
-        await _until(lambda: r.xlen(KEYS.queue(SLOW)) <= 4, 5, "the abandoned requests to be dropped")
+        await _until(lambda: r.xlen(KEYS.queue(SLOW, version=1)) <= 4, 5, "the abandoned requests to be dropped")
         assert [x[:2] for x in await asyncio.gather(*first)] == [(200, 1.0)] * 4
         await asyncio.sleep(1.5)  # an abandoned request queued behind them would have run by now
 
@@ -772,8 +774,8 @@ def test_a_gateway_restarted_with_its_id_never_takes_an_old_reply(cluster: Clust
 
     async def send(n: int, first: float) -> list[asyncio.Task[tuple[int, object, float]]]:
         tasks = [asyncio.create_task(_infer(cluster, first + i, port=port)) for i in range(n)]
-        queued = r.xlen(KEYS.queue(MODEL)) + n
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == queued, 30, f"{n} requests queued")
+        queued = r.xlen(KEYS.queue(MODEL, version=1)) + n
+        await _until(lambda: r.xlen(KEYS.queue(MODEL, version=1)) == queued, 30, f"{n} requests queued")
         return tasks
 
     old_gateway = cluster.start_gateway(env, http_port=port)
@@ -791,7 +793,7 @@ def test_a_gateway_restarted_with_its_id_never_takes_an_old_reply(cluster: Clust
         _freeze(cluster, False)
         try:
             results = list(await asyncio.gather(*new))
-            await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 0, 10, "the old requests to be computed")
+            await _until(lambda: r.xlen(KEYS.queue(MODEL, version=1)) == 0, 10, "the old requests to be computed")
             await _until(lambda: _unclaimed_replies(cluster, url) >= 50, 5, "the old replies to arrive")
             return results, _unclaimed_replies(cluster, url)
         finally:
@@ -913,7 +915,7 @@ def test_a_killed_gateway_loses_nothing_workers_hold(cluster: Cluster) -> None:
         results = await asyncio.gather(*tasks)
         assert all(status == 0 for status, _, _ in results)  # connections closed, no answer invented
         _freeze(cluster, False)
-        await _until(lambda: r.xlen(KEYS.queue(MODEL)) == 0, 30, "the queued requests to be computed")
+        await _until(lambda: r.xlen(KEYS.queue(MODEL, version=1)) == 0, 30, "the queued requests to be computed")
 
     asyncio.run(main())
     gateway.wait(10)

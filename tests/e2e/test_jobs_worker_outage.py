@@ -143,7 +143,7 @@ def test_the_jobs_worker_outlives_redis_outages_and_runs_jobs_after_them(
     alive(jobs_worker, cluster)
     cluster.start_redis()  # same port and data dir: the AOF brings everything back
     spec = scan([cluster.repository]).models["doubler"].spec
-    stream = Keys(PREFIX).queue("doubler", bulk_lane(spec))
+    stream = Keys(PREFIX).queue("doubler", bulk_lane(spec), version=1)
     lane = LaneWorker(redis.Redis.from_url(cluster.redis_url, protocol=2), stream)
     x = np.random.default_rng(0).standard_normal((50, 3)).astype(np.float32)
     small = submit(cluster, x)

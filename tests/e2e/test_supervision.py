@@ -212,7 +212,7 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
     fleet = start_fleet(repo, FLEET_REDIS_OUTAGE_S="30", FLEET_REQUEST_TIMEOUT_S="90")
     server = fleet.child(b"valkey-server")
     others = {role: fleet.child(role) for role in (b"fleet gateway", b"fleet worker", b"fleet jobs-worker")}
-    queue = Keys("fleet").queue(MODEL)
+    queue = Keys("fleet").queue(MODEL, version=1)
 
     client = fleet.redis()
     with ThreadPoolExecutor(3) as pool:

@@ -72,7 +72,7 @@ async def free_memory(r: aioredis.Redis) -> None:
 
 async def read_by_a_worker(s: InProcessSystem, model: str, count: int) -> None:
     """Until `count` requests of `model` have been read by a worker (started, with an instance free)."""
-    queue = s.state.keys.queue(model)
+    queue = s.state.keys.queue(model, version=1)
 
     async def read() -> bool:
         try:
@@ -87,7 +87,7 @@ async def read_by_a_worker(s: InProcessSystem, model: str, count: int) -> None:
 
 async def group_created(s: InProcessSystem, model: str) -> None:
     """Until a worker has created the model's consumer group (it may report ready a moment before)."""
-    queue = s.state.keys.queue(model)
+    queue = s.state.keys.queue(model, version=1)
 
     async def exists() -> bool:
         try:
@@ -113,7 +113,7 @@ def test_a_reply_redis_refuses_keeps_its_message_until_it_is_written(tmp_path: P
     async def main() -> None:
         async with own_server(tmp_path) as (server, r), \
                 in_process_system(server.url, key_prefix, [repo], request_timeout_s=30) as s:
-            queue = s.state.keys.queue("oom")
+            queue = s.state.keys.queue("oom", version=1)
             tasks = [asyncio.create_task(post(s.client, "oom", request(float(i)))) for i in range(8)]
 
             async def held() -> bool:
@@ -148,7 +148,7 @@ def test_a_refused_timeout_reply_does_not_stop_the_model(tmp_path: Path, key_pre
     async def main() -> None:
         async with own_server(tmp_path) as (server, r), \
                 in_process_system(server.url, key_prefix, [repo], request_timeout_s=30) as s:
-            queue = s.state.keys.queue("rejecting")
+            queue = s.state.keys.queue("rejecting", version=1)
             busy = asyncio.create_task(post(s.client, "rejecting", request(1.0)))
             await asyncio.sleep(0.1)
             late = asyncio.create_task(post(s.client, "rejecting", request(2.0)))
@@ -192,7 +192,8 @@ def test_one_refused_enqueue_fails_only_its_own_request(redis_server: LocalServe
                                                       enqueued_at_us=broker.redis_clock.to_redis(
                                                           broker.redis_clock.now_us())))
 
-            good = [broker.submit(f"good{i}", s.state.keys.queue("fine"), payload(f"good{i}", i), model="fine")
+            fine = s.state.keys.queue("fine", version=1)
+            good = [broker.submit(f"good{i}", fine, payload(f"good{i}", i), model="fine")
                     for i in range(3)]
             bad = broker.submit("bad", broken, payload("bad", 9.0), model="fine")
             results = await asyncio.gather(*good, bad, return_exceptions=True)
@@ -313,7 +314,7 @@ def test_consumers_of_dead_workers_are_removed_once_they_hold_nothing(redis_serv
         async with in_process_system(redis_server.url, key_prefix, [repo], dead_consumer_idle_s=0.5,
                                      claim_interval_s=0.1) as s:
             r = s.state.client
-            queue = s.state.keys.queue("prune")
+            queue = s.state.keys.queue("prune", version=1)
             await group_created(s, "prune")
             await r.xreadgroup(GROUP, "ghost-holding-nothing", {queue: ">"}, count=1, block=10)
             await r.xadd(queue, {b"x": b"1"})

@@ -96,7 +96,7 @@ class LiveSystem:
     def queued(self) -> int:
         """Requests ever added to any model stream of this system (entries-added survives trimming)."""
         total = 0
-        lanes_of_every_model = self.keys.queue("*", 0).removesuffix("0") + "*"
+        lanes_of_every_model = self.keys.queue("*", 0, version=1).removesuffix("0") + "*"
         for key in self.redis.scan_iter(match=lanes_of_every_model):
             total += int(self.redis.xinfo_stream(key)["entries-added"])
         return total
@@ -105,7 +105,7 @@ class LiveSystem:
         """Every model stream of this system still holding entries, or entries read but not acknowledged:
         {stream: (length, pending)}."""
         left = {}
-        lanes_of_every_model = self.keys.queue("*", 0).removesuffix("0") + "*"
+        lanes_of_every_model = self.keys.queue("*", 0, version=1).removesuffix("0") + "*"
         for key in self.redis.scan_iter(match=lanes_of_every_model):
             length = int(self.redis.xlen(key))
             pending = sum(int(g["pending"]) for g in self.redis.xinfo_groups(key))

@@ -74,7 +74,7 @@ class Job:
         self.runner = JobRunner(redis.Redis.from_url(url, protocol=2), self.id, options)
         self.outcome: list[str] = []
         self.thread = threading.Thread(target=lambda: self.outcome.append(self.runner.run()), daemon=True)
-        self.lane = self.keys.queue(MODEL, bulk_lane(scan([repo]).models[MODEL].spec))
+        self.lane = self.keys.queue(MODEL, bulk_lane(scan([repo]).models[MODEL].spec), version=1)
 
     def state(self) -> str:
         return str(self.record()["state"])

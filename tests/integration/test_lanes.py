@@ -50,7 +50,7 @@ def test_online_request_overtakes_a_bulk_backlog(redis_server: LocalServer, key_
     keys = Keys(key_prefix)
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     for i in range(20):  # a bulk job's backlog, queued before any worker runs
-        client.xadd(keys.queue("slow", bulk_lane(spec)), {b"d": envelope(f"bulk{i}", keys, i)})
+        client.xadd(keys.queue("slow", bulk_lane(spec), version=1), {b"d": envelope(f"bulk{i}", keys, i)})
     settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,), block_ms=100)
 
     async def main() -> None:
@@ -58,7 +58,7 @@ def test_online_request_overtakes_a_bulk_backlog(redis_server: LocalServer, key_
         task = asyncio.create_task(run_worker(settings, "cpu", stop))
         try:
             await wait_for_replies(client, keys, 2)  # bulk is flowing
-            client.xadd(keys.queue("slow", 0), {b"d": envelope("online", keys, -1)})
+            client.xadd(keys.queue("slow", 0, version=1), {b"d": envelope("online", keys, -1)})
             done = await wait_for_replies(client, keys, 21)
             # It waited for at most the batch running when it arrived and the one already dispatched.
             assert done.index("online") <= done.index("bulk0") + 4, done
@@ -84,15 +84,15 @@ def test_aging_moves_the_bulk_lane_under_saturating_online_load(redis_server: Lo
         task = asyncio.create_task(run_worker(settings, "cpu", stop))
         try:
             for i in range(10):  # keep more online work queued than the instance can serve
-                client.xadd(keys.queue("slow", 0), {b"d": envelope(f"on{i}", keys, i)})
+                client.xadd(keys.queue("slow", 0, version=1), {b"d": envelope(f"on{i}", keys, i)})
             await wait_for_replies(client, keys, 1)
-            client.xadd(keys.queue("slow", bulk_lane(spec)), {b"d": envelope("bulk", keys, 0)})
+            client.xadd(keys.queue("slow", bulk_lane(spec), version=1), {b"d": envelope("bulk", keys, 0)})
             started, sent = time.monotonic(), 10
             while "bulk" not in replies_in_order(client, keys):
                 assert time.monotonic() - started < 5, "the bulk lane starved"
-                queued = client.xlen(keys.queue("slow", 0))
+                queued = client.xlen(keys.queue("slow", 0, version=1))
                 for _ in range(max(0, 10 - queued)):  # saturation: the online lane never runs dry
-                    client.xadd(keys.queue("slow", 0), {b"d": envelope(f"on{sent}", keys, sent)})
+                    client.xadd(keys.queue("slow", 0, version=1), {b"d": envelope(f"on{sent}", keys, sent)})
                     sent += 1
                 await asyncio.sleep(0.01)
             # Served after about one aging interval (0.3 s), not after the online flood stopped.

@@ -38,7 +38,7 @@ def enqueue_directly(client: redis.Redis, keys: Keys, request_id: str, values: l
     env = RequestEnvelope(id=request_id, model="doubler", version=1,
                           inputs=[WireTensor("IN", "FP32", (1, len(values)), struct.pack(f"<{len(values)}f", *values))],
                           reply_to=keys.reply("test"), enqueued_at_us=0)
-    client.xadd(keys.queue("doubler"), {b"d": encode_request(env)})
+    client.xadd(keys.queue("doubler", version=1), {b"d": encode_request(env)})
 
 
 async def first_reply(client: redis.Redis, keys: Keys, timeout_s: float = 15.0) -> ReplyEnvelope:
@@ -144,7 +144,7 @@ def test_bad_request_never_reaches_a_worker(redis_server: LocalServer, key_prefi
         assert r.status_code == 400 and "batch-size must be <= 8" in r.json()["error"]
         r = await s.client.post("/v2/models/doubler/infer", content=b"{not json")
         assert r.status_code == 400
-        assert client.xinfo_stream(keys.queue("doubler"))["entries-added"] == 0
+        assert client.xinfo_stream(keys.queue("doubler", version=1))["entries-added"] == 0
         assert client.hgetall(keys.stats("doubler")) == {}
 
     run(redis_server, key_prefix, body)
@@ -172,10 +172,10 @@ def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: Local
         assert reply.id == "early-1" and reply.ok
         assert struct.unpack("<2f", reply.outputs[0].data) == (3.0, 5.0)
         for _ in range(100):  # acknowledged and deleted a moment after its reply is written
-            if client.xlen(keys.queue("doubler")) == 0:
+            if client.xlen(keys.queue("doubler", version=1)) == 0:
                 break
             await asyncio.sleep(0.02)
-        assert client.xlen(keys.queue("doubler")) == 0
+        assert client.xlen(keys.queue("doubler", version=1)) == 0
 
     run(redis_server, key_prefix, body)
 
@@ -236,7 +236,7 @@ def test_messages_of_a_dead_worker_are_claimed_and_answered(redis_server: LocalS
 
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     keys = Keys(key_prefix)
-    queue = keys.queue("doubler")
+    queue = keys.queue("doubler", version=1)
     client.xgroup_create(queue, GROUP, id="0", mkstream=True)
     enqueue_directly(client, keys, "orphan-1", [4.0])
     assert client.xreadgroup(GROUP, "dead-worker", {queue: ">"}, count=1)  # read, then "crash"
@@ -278,7 +278,7 @@ def test_dead_letters_are_listed_and_replayed(redis_server: LocalServer, key_pre
 
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     keys = Keys(key_prefix)
-    queue = keys.queue("doubler")
+    queue = keys.queue("doubler", version=1)
     client.xgroup_create(queue, GROUP, id="0", mkstream=True)
     enqueue_directly(client, keys, "poison-1", [5.0])
     assert client.xreadgroup(GROUP, "dead-worker", {queue: ">"}, count=1)

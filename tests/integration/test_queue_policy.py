@@ -216,7 +216,7 @@ def test_a_request_the_gateway_gave_up_on_is_never_computed(redis_server: LocalS
         # the envelope's expiry (counted as failed) if that came first.
         assert st["execution_count"] == 1 and st["inference_stats"]["success"]["count"] == 1
         assert st["inference_stats"]["fail"]["count"] <= 2
-        queue = s.state.keys.queue("abandoned")
+        queue = s.state.keys.queue("abandoned", version=1)
         assert await s.state.client.xlen(queue) == 0
 
     run(redis_server, key_prefix, repo, body, request_timeout_s=0.35)

@@ -85,7 +85,7 @@ def test_a_killed_worker_leaves_no_stub(redis_server: LocalServer, key_prefix: s
                                   enqueued_at_us=0, inputs=[WireTensor("IN", "FP32", (1, 1), b"\0\0\0\0")])
         client = redis.Redis.from_url(redis_server.url)
         try:
-            client.xadd(Keys(key_prefix).queue("busy"), {b"d": encode_request(request)})
+            client.xadd(Keys(key_prefix).queue("busy", version=1), {b"d": encode_request(request)})
         finally:
             client.close()
         wait_for("the stub never ran execute()", (model_dir / "executing").exists, 30)

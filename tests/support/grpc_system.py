@@ -67,7 +67,7 @@ class GrpcSystem:
     def queued(self) -> int:
         """Requests ever added to any model stream of this system (entries-added survives trimming)."""
         total = 0
-        for key in self.redis.scan_iter(match=self.keys.queue("*", 0).removesuffix("0") + "*"):
+        for key in self.redis.scan_iter(match=self.keys.queue("*", 0, version=1).removesuffix("0") + "*"):
             total += int(self.redis.xinfo_stream(key)["entries-added"])
         return total
 

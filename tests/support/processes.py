@@ -118,7 +118,7 @@ class Cluster:
             for key in client.scan_iter(f"{prefix}:worker:*"):
                 beat = client.hgetall(key)
                 if beat.get("pid"):
-                    served[int(beat["pid"])] = {m for m, _ in json.loads(beat.get("models", "[]"))}
+                    served[int(beat["pid"])] = {item[0] for item in json.loads(beat.get("models", "[]"))}
         except redis.RedisError:
             return False
         finally:

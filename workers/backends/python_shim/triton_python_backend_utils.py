@@ -402,7 +402,8 @@ def _incoming_request(
 
 # Logger, ModelConfig (auto_complete_config) and metrics live next door; models see them as
 # pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
-from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily, ModelConfig  # noqa: E402
+from _pb_utils_config import ModelConfig  # noqa: E402
+from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily  # noqa: E402
 from _pb_utils_helpers import (  # noqa: E402
     get_input_config_by_name,
     get_input_tensor_by_name,

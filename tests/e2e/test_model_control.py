@@ -1,0 +1,238 @@
+"""Model control end to end (gateway/model_control.py, workers/control.py): real gateway and worker
+processes in explicit mode, driven with tritonclient over HTTP and gRPC as Triton's
+simple_http_model_control.py / simple_grpc_model_control.py do, plus failing loads, `file:`
+overrides, an auto-completed config, and unload draining what is queued."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from tests.support.model_repo import TRITON_EXAMPLES
+from tests.support.processes import Cluster, http_status
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "ctl"
+
+BROKEN_INIT = '''
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("weights file is missing")
+
+    def execute(self, requests):
+        return []
+'''
+
+SLOW = '''
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.2)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                                 .as_numpy().astype(np.float32))])
+                for r in requests]
+'''
+
+IO = ('input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+      'output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
+
+
+def python_model(repo: Path, name: str, source: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(source)
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+def build_repository(root: Path) -> Path:
+    repo = root / "models"
+    repo.mkdir()
+    shutil.copytree(TRITON_EXAMPLES / "simple", repo / "simple")
+    shutil.copytree(ROOT / "tests" / "models" / "doubler", repo / "doubler")
+    python_model(repo, "broken_init", BROKEN_INIT, 'backend: "python"\nmax_batch_size: 0\n' + IO)
+    python_model(repo, "slow", SLOW, 'backend: "python"\nmax_batch_size: 0\n' + IO)
+    (repo / "bad_file" / "1").mkdir(parents=True)
+    (repo / "bad_file" / "1" / "model.onnx").write_bytes(b"this is not an onnx model")
+    (repo / "bad_file" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 0\n' + IO)
+    # No config.pbtxt at all: a worker completes it from the ONNX graph (workers/auto_complete.py).
+    (repo / "completed" / "1").mkdir(parents=True)
+    shutil.copy(TRITON_EXAMPLES / "simple" / "1" / "model.onnx", repo / "completed" / "1" / "model.onnx")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("control")
+    env = {"FLEET_KEY_PREFIX": PREFIX, "FLEET_BLOCK_MS": "200", "FLEET_CONTROL_API": "true",
+           "FLEET_MODEL_CONTROL_MODE": "explicit", "FLEET_LOAD_MODELS": '["doubler"]',
+           "FLEET_HEARTBEAT_INTERVAL_S": "0.3", "FLEET_MODEL_LOAD_TIMEOUT_S": "60", "FLEET_UNLOAD_GRACE_S": "1",
+           "FLEET_MODEL_LOAD_DIR": str(tmp / "loads")}
+    c = Cluster(tmp, build_repository(tmp), env)
+    c.start_redis()
+    c.start_gateway()
+    c.start_worker()
+    try:
+        deadline = time.monotonic() + 60
+        while http_status(f"{c.base_url}/v2/models/doubler/ready") != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"doubler not ready:\n{c.logs()}")
+            time.sleep(0.1)
+        yield c
+    finally:
+        c.stop()
+
+
+def http(c: Cluster) -> th.InferenceServerClient:
+    return th.InferenceServerClient(f"127.0.0.1:{c.http_port}", network_timeout=120.0)
+
+
+def add(client: th.InferenceServerClient | tg.InferenceServerClient, model: str, module: object) -> np.ndarray:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]  # type: ignore[attr-defined]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(np.ones_like(a))
+    return client.infer(model, inputs).as_numpy("OUTPUT0")  # type: ignore[no-any-return]
+
+
+def index_of(client: th.InferenceServerClient) -> dict[str, list[dict[str, str]]]:
+    out: dict[str, list[dict[str, str]]] = {}
+    for item in client.get_model_repository_index():
+        out.setdefault(item["name"], []).append(item)
+    return out
+
+
+def test_only_the_startup_models_load_and_the_index_lists_every_model(cluster: Cluster) -> None:
+    client = http(cluster)
+    index = index_of(client)
+    assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "simple", "slow"]
+    assert index["doubler"] == [{"name": "doubler", "version": "1", "state": "READY"}]
+    assert index["simple"] == [{"name": "simple"}]  # never loaded: its name alone, as Triton
+    assert not client.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="has no available versions"):
+        add(client, "simple", th)
+
+
+def test_triton_http_model_control_flow(cluster: Cluster) -> None:
+    """simple_http_model_control.py's steps and checks."""
+    client = http(cluster)
+    client.load_model("simple")
+    assert client.is_model_ready("simple")
+    assert (add(client, "simple", th) == np.arange(1, 17)).all()
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    # The override replaces config.pbtxt; the rest is completed from the ONNX graph, as in Triton.
+    client.load_model("simple", config='{"max_batch_size":"16"}')
+    config = client.get_model_config("simple")
+    assert config["max_batch_size"] == 16
+    assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"]
+    assert (add(client, "simple", th) == np.arange(1, 17)).all()
+    client.unload_model("simple")
+    assert not client.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        client.load_model("wrong_model_name")
+
+
+def test_triton_grpc_model_control_flow(cluster: Cluster) -> None:
+    """simple_grpc_model_control.py's steps and checks, over gRPC."""
+    client = tg.InferenceServerClient(f"127.0.0.1:{cluster.grpc_port}")
+    client.load_model("simple")
+    assert client.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    client.load_model("simple", config='{"max_batch_size":"16"}')
+    assert client.get_model_config("simple").config.max_batch_size == 16
+    assert (add(client, "simple", tg) == np.arange(1, 17)).all()
+    names = {m.name for m in client.get_model_repository_index().models}
+    assert {"simple", "doubler", "completed"} <= names
+    client.unload_model("simple")
+    assert not client.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        client.load_model("wrong_model_name")
+
+
+def test_a_failing_load_reports_the_workers_reason(cluster: Cluster) -> None:
+    client = http(cluster)
+    with pytest.raises(InferenceServerException, match="weights file is missing"):
+        client.load_model("broken_init")
+    with pytest.raises(InferenceServerException, match="failed to load") as bad:
+        client.load_model("bad_file")
+    assert "bad_file" in str(bad.value)
+    index = index_of(client)
+    assert index["broken_init"][0]["state"] == "UNAVAILABLE"
+    assert "weights file is missing" in index["broken_init"][0]["reason"]
+    assert client.is_model_ready("doubler")  # nothing else disturbed
+
+
+def test_a_model_without_config_is_completed_by_the_worker(cluster: Cluster) -> None:
+    client = http(cluster)
+    client.load_model("completed")
+    config = client.get_model_config("completed")
+    assert config["max_batch_size"] == 4 and config["backend"] == "onnxruntime"
+    assert [o["name"] for o in config["output"]] == ["OUTPUT0", "OUTPUT1"]
+    assert (add(client, "completed", th) == np.arange(1, 17)).all()
+    client.unload_model("completed")
+
+
+def test_file_overrides_load_a_model_from_the_request(cluster: Cluster) -> None:
+    client = http(cluster)
+    onnx = (TRITON_EXAMPLES / "simple" / "1" / "model.onnx").read_bytes()
+    config = (TRITON_EXAMPLES / "simple" / "config.pbtxt").read_text()
+    as_json = '{"backend":"onnxruntime","max_batch_size":8,' \
+              '"input":[{"name":"INPUT0","data_type":"TYPE_INT32","dims":[16]},' \
+              '{"name":"INPUT1","data_type":"TYPE_INT32","dims":[16]}],' \
+              '"output":[{"name":"OUTPUT0","data_type":"TYPE_INT32","dims":[16]},' \
+              '{"name":"OUTPUT1","data_type":"TYPE_INT32","dims":[16]}]}'
+    assert "INPUT0" in config
+    client.load_model("uploaded", config=as_json, files={"file:1/model.onnx": onnx})
+    assert (add(client, "uploaded", th) == np.arange(1, 17)).all()
+    with pytest.raises(InferenceServerException, match="must be relative"):
+        client.load_model("uploaded", config=as_json, files={"file:../../escape.onnx": onnx})
+    raw = base64.b64encode(b"x").decode()
+    assert raw  # the HTTP client sends file contents base64, as Triton's protocol says
+    client.unload_model("uploaded")
+
+
+def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster) -> None:
+    client = http(cluster)
+    client.load_model("slow")
+    results: list[object] = []
+
+    def one(i: int) -> None:
+        x = th.InferInput("IN", [1], "FP32")
+        x.set_data_from_numpy(np.array([float(i)], np.float32))
+        try:
+            results.append(float(http(cluster).infer("slow", [x]).as_numpy("OUT")[0]))
+        except InferenceServerException as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]  # ~1.6 s of work, one instance
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    client.unload_model("slow")
+    assert not client.is_model_ready("slow")
+    with pytest.raises(InferenceServerException, match="has no available versions"):
+        x = th.InferInput("IN", [1], "FP32")
+        x.set_data_from_numpy(np.array([1.0], np.float32))
+        client.infer("slow", [x])
+    for t in threads:
+        t.join(30)
+    assert sorted(r for r in results if isinstance(r, float)) == [float(i) for i in range(8)], results
+    deadline = time.monotonic() + 20
+    while index_of(client)["slow"] != [{"name": "slow", "state": "UNAVAILABLE", "reason": "unloaded"}]:
+        assert time.monotonic() < deadline, index_of(client)["slow"]
+        time.sleep(0.2)

@@ -1,0 +1,364 @@
+"""What one worker serves, kept in line with model control's desired state (fleet/model_control.py).
+
+`ModelHost.run` reconciles after every nudge (a load or unload call publishes on `fleet:control`), after
+each of its own loads and unloads, and every few seconds anyway (every `repository_poll_secs` in poll
+mode): it works out the targets, builds each target's entry once per generation (parsing, overrides,
+auto-complete), and applies what workers/reconcile.py says.
+
+* A unit (model version at a generation) loads in a thread, one at a time; its config (as completed)
+  is published to `Keys.model_configs` before the unit is advertised, so a gateway that sees it ready
+  can render and validate against it. A failed load is reported with its reason and not retried
+  until the model's generation changes.
+* An unload first stops advertising the unit (state UNLOADING in the heartbeat), keeps serving for
+  `unload_grace_s` while gateways follow, then until its streams hold nothing undelivered (at most
+  `request_timeout_s`), then stops reading, answers what it holds, and closes its instances.
+* Each unit reads its version's streams under its own consumer name: the worker id, or while an older
+  unit of the same version still drains here, the id with `~<generation>` (custody's keepalive and
+  claims are per consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from google.protobuf import text_format
+from redis.exceptions import RedisError
+
+from fleet.admission import lane_count
+from fleet.cancellation import cancel_and_wait, raise_if_cancelled
+from fleet.clock import SystemClock
+from fleet.errors import ConfigError, InvalidInput
+from fleet.keys import Keys
+from fleet.model_control import (
+    BOOT_GEN,
+    ControlMode,
+    ControlRecord,
+    Target,
+    decode_records,
+    desired_targets,
+    fingerprint,
+    startup_names,
+)
+from fleet.paths import contained
+from fleet.placement import instance_device, placement_problem
+from fleet.redis_clients import async_client
+from fleet.redis_time import RedisClock
+from fleet.repository import Completer, ModelEntry, Repository, load_model, scan
+from fleet.settings import Settings
+from workers.consumer import StreamConsumer
+from workers.custody import LiveWorkers
+from workers.instance import Instance
+from workers.loading import close_instances, load_version
+from workers.loop import LoopConfig, ModelLoop
+from workers.reconcile import Load, Unit, UnitState, reconcile
+from workers.watchdog import HungHandler
+
+log = logging.getLogger("workers")
+
+# Without a nudge, the desired state is read again this often (a missed pub/sub message only delays).
+RECONCILE_EVERY_S = 5.0
+# A stopping worker waits this long for loads in flight, so it can close what they load.
+LOAD_AT_STOP_S = 60.0
+
+
+@dataclass(slots=True)
+class Served:
+    unit: Unit
+    state: UnitState
+    entry: ModelEntry
+    loop: ModelLoop | None = None
+    task: asyncio.Task[None] | None = None
+    instances: list[Instance] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class HostContext:
+    """What a host needs from its worker besides settings."""
+
+    keys: Keys
+    worker_id: str
+    device: str
+    client: aioredis.Redis  # the worker's control connection
+    redis_clock: RedisClock
+    loop_config: LoopConfig
+    on_hung: HungHandler
+    on_give_up: Callable[[str, BaseException], None]
+    on_loop_done: Callable[[asyncio.Task[None]], None]
+    beat_now: Callable[[], None]
+    live_workers: LiveWorkers
+
+
+class ModelHost:
+    def __init__(self, settings: Settings, ctx: HostContext, completer: Completer | None = None) -> None:
+        self.settings = settings
+        self.ctx = ctx
+        self.mode = ControlMode(settings.model_control_mode)
+        self.completer = completer
+        self.units: dict[Unit, Served] = {}
+        self.failed: dict[Unit, str] = {}
+        # model -> (generation, why this worker does not serve it): a config that cannot be built, a
+        # device that does not fit, a name found in two repositories.
+        self.problems: dict[str, tuple[str, str]] = {}
+        self.seen: dict[str, str] = {}  # model -> the generation this worker last reconciled
+        self._entries: dict[tuple[str, str], ModelEntry | str] = {}  # (model, gen) -> entry or why not
+        self._boot: Repository | None = None
+        self._wake = asyncio.Event()
+        self._jobs: set[asyncio.Task[None]] = set()  # unloads (cancelled at stop)
+        self._loads: set[asyncio.Task[None]] = set()  # loads (finished at stop: a thread cannot be cancelled)
+        self._load_lock = asyncio.Lock()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ what the worker asks
+
+    def nudge(self) -> None:
+        self._wake.set()
+
+    def loops_of(self, model: str) -> list[ModelLoop]:
+        return [s.loop for s in self.units.values() if s.unit.model == model and s.loop is not None]
+
+    def loops(self) -> list[ModelLoop]:
+        return [s.loop for s in self.units.values() if s.loop is not None]
+
+    def report(self) -> dict[str, str]:
+        """The heartbeat's model fields (gateway/catalog.py reads them)."""
+        ready: list[list[object]] = []
+        units: list[list[object]] = []
+        queued: dict[str, dict[str, int]] = {}
+        for unit, served in sorted(self.units.items()):
+            units.append([unit.model, unit.version, unit.gen, served.state.value])
+            loop = served.loop
+            if served.state is UnitState.READY and loop is not None and loop.healthy:
+                ready.append([unit.model, unit.version, unit.gen])
+            if loop is not None:
+                n = loop.queued().get(unit.version, 0)
+                if n:
+                    per = queued.setdefault(unit.model, {})
+                    per[str(unit.version)] = per.get(str(unit.version), 0) + n
+        failed = {m: why for m, (_, why) in self.problems.items()}
+        failed_gens = {m: gen for m, (gen, _) in self.problems.items()}
+        for unit, why in sorted(self.failed.items()):
+            failed.setdefault(unit.model, f"version {unit.version}: {why}")
+            failed_gens.setdefault(unit.model, unit.gen)
+        return {"models": json.dumps(ready), "units": json.dumps(units), "failed": json.dumps(failed),
+                "failed_gens": json.dumps(failed_gens), "seen": json.dumps(self.seen), "queued": json.dumps(queued)}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def seed(self) -> None:
+        """Explicit mode: `--load-model` names become control records unless one exists already (an
+        operator's later unload is not undone by a worker restarting)."""
+        if self.mode is not ControlMode.EXPLICIT or not self.settings.load_models:
+            return
+        repo = await asyncio.to_thread(self._scan)
+        for name in startup_names(self.settings.load_models, repo.dirs):
+            await self.ctx.client.hsetnx(self.ctx.keys.models(), name, ControlRecord(BOOT_GEN, True).encode())
+
+    async def run(self) -> None:
+        period = self.settings.repository_poll_secs if self.mode is ControlMode.POLL else RECONCILE_EVERY_S
+        while True:
+            self._wake.clear()
+            try:
+                await self.reconcile_once()
+            except (RedisError, OSError) as exc:
+                raise_if_cancelled()
+                log.warning("cannot read the desired model state: %s", exc)
+            try:
+                async with asyncio.timeout(period):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        """Stop reconciling, then stop every unit: each answers what it holds."""
+        self._stopping = True
+        await cancel_and_wait(list(self._jobs), "model unloads")
+        if self._loads:  # each closes what it loaded once it sees the host stopping
+            await asyncio.wait(list(self._loads), timeout=LOAD_AT_STOP_S)
+        for served in self.units.values():
+            if served.loop is not None:
+                served.loop.stop()
+        await asyncio.gather(*(s.task for s in self.units.values() if s.task is not None), return_exceptions=True)
+        for served in self.units.values():
+            close_instances({served.unit.version: served.instances})
+            if served.loop is not None:
+                await served.loop.consumer.close()
+        self.units.clear()
+
+    # ------------------------------------------------------------------ reconciling
+
+    async def reconcile_once(self) -> None:
+        targets, duplicates = await self._targets()
+        self.problems = {name: (BOOT_GEN, why) for name, why in duplicates.items()}
+        desired: dict[tuple[str, int], str] = {}
+        entries: dict[str, ModelEntry] = {}
+        for name, target in sorted(targets.items()):
+            built = await self._entry(target)
+            self.seen[name] = target.gen
+            if isinstance(built, str):
+                self.problems[name] = (target.gen, built)
+                continue
+            problem = placement_problem(built.spec, self.ctx.device)
+            if problem is not None:  # another worker's device fits it (fleet/placement.py)
+                self.problems[name] = (target.gen, f"not served by a {self.ctx.device} worker: {problem}")
+                continue
+            entries[name] = built
+            desired.update({(name, v): target.gen for v in built.versions})
+        for name in list(self.seen):
+            if name not in targets:
+                del self.seen[name]
+        self.failed = {u: why for u, why in self.failed.items() if desired.get((u.model, u.version)) == u.gen}
+        self._entries = {k: v for k, v in self._entries.items() if k[0] in targets and targets[k[0]].gen == k[1]}
+        actions = reconcile(desired, {u: s.state for u, s in self.units.items()}, set(self.failed))
+        for action in actions:
+            if self._stopping:
+                return
+            if isinstance(action, Load):
+                self.units[action.unit] = Served(action.unit, UnitState.LOADING, entries[action.unit.model])
+                self._spawn(self._load(action.unit), self._loads)
+            else:
+                self.units[action.unit].state = UnitState.UNLOADING
+                self._spawn(self._unload(action.unit), self._jobs)
+        if actions:
+            self.ctx.beat_now()
+
+    def _scan(self) -> Repository:
+        return scan(list(self.settings.model_repositories), auto_complete=self.settings.auto_complete_config)
+
+    async def _targets(self) -> tuple[dict[str, Target], dict[str, str]]:
+        """The targets, and the names this worker cannot serve because two repositories hold them."""
+        if self.mode is ControlMode.NONE:
+            if self._boot is None:
+                self._boot = await asyncio.to_thread(self._scan)
+            repo = self._boot
+            targets = desired_targets(self.mode, repo.dirs, {})
+        elif self.mode is ControlMode.POLL:
+            repo = await asyncio.to_thread(self._scan)
+            gens = await asyncio.to_thread(lambda: {n: fingerprint(p) for n, p in repo.dirs.items()})
+            targets = desired_targets(self.mode, repo.dirs, {}, gens)
+        else:
+            repo = await asyncio.to_thread(self._scan)
+            raw = await self.ctx.client.hgetall(self.ctx.keys.models())
+            targets = desired_targets(self.mode, repo.dirs, decode_records(raw))
+        duplicates = {n: why for n, why in repo.errors.items() if n not in repo.dirs}
+        return targets, duplicates
+
+    async def _entry(self, target: Target) -> ModelEntry | str:
+        """The target's entry, built once per generation; a string says why it cannot be built."""
+        key = (target.name, target.gen)
+        if key not in self._entries:
+            try:
+                model_dir = await self._write_files(target) if target.files else target.model_dir
+                assert model_dir is not None
+                self._entries[key] = await asyncio.to_thread(
+                    load_model, model_dir, name=target.name, override_json=target.config_override,
+                    complete=self.completer)
+            except (ConfigError, InvalidInput) as exc:
+                log.error("model '%s' cannot be loaded: %s", target.name, exc.message)
+                self._entries[key] = f"failed to load '{target.name}': {exc.message}"
+            except Exception as exc:  # a completer running user code can raise anything
+                log.exception("model '%s' cannot be loaded", target.name)
+                self._entries[key] = f"failed to load '{target.name}': {exc}"
+        return self._entries[key]
+
+    async def _write_files(self, target: Target) -> Path:
+        """A load call's `file:` overrides, written to a directory of this load's own (paths confined)."""
+        base = (self.settings.model_load_dir / self.ctx.worker_id / target.name / target.gen).resolve()
+        raw: dict[bytes, bytes] = await self.ctx.client.hgetall(  # type: ignore[assignment]
+            self.ctx.keys.model_files(target.name, target.gen))
+
+        def write() -> None:
+            base.mkdir(parents=True, exist_ok=True)
+            for rel, content in raw.items():
+                path = contained(base, rel.decode())
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(content)
+
+        if len(raw) != len(target.files):
+            raise InvalidInput(f"the files of load generation {target.gen} are gone ({len(raw)} of "
+                               f"{len(target.files)} found)")
+        await asyncio.to_thread(write)
+        return base
+
+    @staticmethod
+    def _spawn(job: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+        task = asyncio.ensure_future(job)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _load(self, unit: Unit) -> None:
+        served = self.units[unit]
+        entry = served.entry
+        try:
+            async with self._load_lock:
+                if self._stopping:
+                    del self.units[unit]
+                    return
+                device = instance_device(entry.spec, self.ctx.device)
+                served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
+                                                           self.settings.max_deliveries)
+            if self._stopping:
+                del self.units[unit]
+                await asyncio.to_thread(close_instances, {unit.version: served.instances})
+                return
+        except Exception as exc:
+            log.error("model '%s' version %d failed to load: %s", unit.model, unit.version, exc)
+            del self.units[unit]
+            self.failed[unit] = str(exc)
+            self.ctx.beat_now()
+            self.nudge()
+            return
+        try:
+            await self.ctx.client.hset(self.ctx.keys.model_configs(unit.model), unit.gen,
+                                       text_format.MessageToString(entry.spec.proto))
+        except (RedisError, OSError) as exc:
+            raise_if_cancelled()
+            log.warning("cannot publish the config of model '%s': %s", unit.model, exc)
+        sibling = any(u.model == unit.model and u.version == unit.version and u != unit for u in self.units)
+        name = f"{self.ctx.worker_id}~{unit.gen}" if sibling else self.ctx.worker_id
+        client = async_client(self.settings.redis_url_or_default)  # its readers block in XREADGROUP
+        consumer = StreamConsumer(client, self.ctx.keys, unit.model, unit.version, name,
+                                  lanes=lane_count(entry.spec), redis_clock=self.ctx.redis_clock)
+        loop = ModelLoop(entry.spec, {unit.version: served.instances}, consumer, SystemClock(), self.ctx.redis_clock,
+                         self.ctx.loop_config, on_hung=self.ctx.on_hung, on_health=self.ctx.beat_now,
+                         on_give_up=self.ctx.on_give_up, live_workers=self.ctx.live_workers)
+        served.loop = loop
+        served.task = asyncio.create_task(loop.run(), name=f"model '{unit.model}' version {unit.version}")
+        served.task.add_done_callback(self.ctx.on_loop_done)
+        served.state = UnitState.READY
+        log.info("model '%s' version %d ready (generation %s, %d instance(s))", unit.model, unit.version, unit.gen,
+                 len(served.instances))
+        self.ctx.beat_now()
+        self.nudge()  # an older unit it replaces can go now
+
+    async def _unload(self, unit: Unit) -> None:
+        served = self.units[unit]
+        loop = served.loop
+        assert loop is not None
+        log.info("model '%s' version %d (generation %s) unloading: draining", unit.model, unit.version, unit.gen)
+        await asyncio.sleep(self.settings.unload_grace_s)
+        clock = asyncio.get_running_loop()
+        give_up = clock.time() + self.settings.request_timeout_s
+        while clock.time() < give_up:
+            try:
+                if await loop.consumer.undelivered() == 0:
+                    break
+            except (RedisError, OSError) as exc:
+                raise_if_cancelled()
+                log.debug("cannot read the backlog of model '%s': %s", unit.model, exc)
+            await asyncio.sleep(0.2)
+        loop.stop()
+        if served.task is not None:
+            await asyncio.gather(served.task, return_exceptions=True)
+        await asyncio.to_thread(close_instances, {unit.version: served.instances})
+        await loop.consumer.close()
+        del self.units[unit]
+        log.info("model '%s' version %d (generation %s) unloaded", unit.model, unit.version, unit.gen)
+        self.ctx.beat_now()
+        self.nudge()

@@ -1,0 +1,37 @@
+"""Loading and closing one model version's instances (backends, warmup), off the event loop."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from fleet.repository import ModelEntry
+from workers.backends import load_backend
+from workers.backends.base import LoadContext
+from workers.instance import Instance
+from workers.warmup import warm_up
+
+
+def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: int = 3) -> list[Instance]:
+    """The version's instances, each warmed up (model_warmup: before the version is advertised; a
+    failing sample fails the load); raises if any fails, after closing those already made."""
+    out: list[Instance] = []
+    try:
+        for i in range(max(1, entry.spec.instance_count)):
+            name = f"{entry.name}_{i}"
+            ctx = LoadContext(spec=entry.spec, model_dir=entry.path, version=version, instance_name=name,
+                              device=device, max_deliveries=max_deliveries)
+            out.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name)))
+            warm_up(entry.spec, entry.path, version, out[-1].backend)
+    except Exception:
+        close_instances({version: out})
+        raise
+    return out
+
+
+def close_instances(instances: dict[int, list[Instance]]) -> None:
+    for insts in instances.values():
+        for inst in insts:
+            try:
+                inst.backend.close()
+            finally:
+                inst.executor.shutdown(wait=False)
