@@ -29,6 +29,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-verbose", type=int, default=None, help="verbose logging level (0 = off)")
     p.add_argument("--key-prefix", help="prefix of every Redis key (default fleet)")
     p.add_argument("--jobs-dir", type=Path, help="bulk job uploads and outputs (default .fleet/jobs)")
+    p.add_argument("--cache-config", default=None, metavar="local,size=BYTES",
+                   help="response cache budget (kept in Redis, shared by the fleet); models opt in with "
+                        "response_cache { enable: true }")
+    p.add_argument("--rate-limit", choices=["off", "execution_count"], default=None,
+                   help="off (default): instances execute at will; execution_count: under their rate_limiter")
+    p.add_argument("--rate-limit-resource", action="append", default=None, metavar="NAME:COUNT[:DEVICE]",
+                   help="how many of a rate-limiter resource there are (repeatable)")
     control = p.add_argument_group("model control (tritonserver's flags)")
     control.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default=None,
                          help="none (default): serve the repository as found; poll: follow its changes; "
@@ -92,6 +99,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         overrides["key_prefix"] = args.key_prefix
     if args.jobs_dir:
         overrides["jobs_dir"] = args.jobs_dir
+    if getattr(args, "rate_limit", None):
+        overrides["rate_limit"] = args.rate_limit
+    if getattr(args, "rate_limit_resource", None):
+        overrides["rate_limit_resources"] = tuple(args.rate_limit_resource)
+    if getattr(args, "cache_config", None):
+        overrides["cache_config"] = args.cache_config
     if getattr(args, "model_control_mode", None):
         overrides["model_control_mode"] = args.model_control_mode
     if getattr(args, "load_model", None):

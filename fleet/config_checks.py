@@ -89,6 +89,14 @@ def validate(cfg: Any, fail: _Fail) -> None:
     for group in cfg.instance_group:
         if group.kind in (_KIND.KIND_CPU, _KIND.KIND_MODEL) and group.gpus:
             fail(f"instance group has kind {_KIND.Name(group.kind)} but specifies one or more GPUs")
+        names: set[str] = set()
+        for resource in group.rate_limiter.resources:
+            if not resource.name:
+                fail("rate limiter resource name cannot be empty")
+            if resource.name in names:
+                fail(f"resource '{resource.name}' is specified more than once in instance group "
+                     f"'{group.name or cfg.name}'")
+            names.add(resource.name)
 
 
 def _validate_ios(kind: str, ios: Sequence[Any], mbs: int, platform: str, fail: _Fail) -> None:

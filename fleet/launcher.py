@@ -92,6 +92,11 @@ def _common_args(settings: Settings) -> list[str]:
         args += ["--load-model", name]
     if not settings.auto_complete_config:
         args.append("--disable-auto-complete-config")
+    args += ["--rate-limit", settings.rate_limit]
+    for resource in settings.rate_limit_resources:
+        args += ["--rate-limit-resource", resource]
+    if settings.cache_config:
+        args += ["--cache-config", settings.cache_config]
     return args
 
 

@@ -164,6 +164,24 @@ class VersionPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ResourceNeed:
+    """One resource an instance holds while it executes (instance_group rate_limiter)."""
+
+    name: str
+    count: int
+    is_global: bool  # fleet-wide (a Redis semaphore) rather than per worker device
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLimit:
+    """An instance's rate_limiter: the resources it needs to execute, and its priority (a lower value
+    goes first among instances waiting for the same resources)."""
+
+    resources: tuple[ResourceNeed, ...]
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A validated, normalised model config. `proto` is the normalised `ModelConfig`; read only."""
 
@@ -188,6 +206,9 @@ class ModelSpec:
     # Inputs whose shapes must agree for requests to share a batch (§3.6): shape tensors, and inputs
     # with a variable dim that are not allow_ragged_batch.
     equal_shape_inputs: frozenset[str] = frozenset()
+    response_cache: bool = False  # `response_cache { enable: true }` (gateway/response_cache.py)
+    # Per instance (groups expanded in order): its rate_limiter (workers/rate_limiter.py).
+    instance_limits: tuple[InstanceLimit, ...] = ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -391,6 +412,11 @@ def _to_spec(cfg: Any) -> ModelSpec:
                            from_config(pb.DataType.Name(bi.data_type)), bi.source_input[0])
             for bi in cfg.batch_input),
         batch_outputs=tuple(BatchOutputSpec(tuple(bo.target_name), bo.source_input[0]) for bo in cfg.batch_output),
+        response_cache=cfg.response_cache.enable,
+        instance_limits=tuple(
+            InstanceLimit(tuple(ResourceNeed(r.name, r.count, getattr(r, "global")) for r in g.rate_limiter.resources),
+                          g.rate_limiter.priority)
+            for g in groups for _ in range(g.count)),
         equal_shape_inputs=frozenset(
             io.name for io in cfg.input
             if io.is_shape_tensor or (WILDCARD_DIM in io.dims and not io.allow_ragged_batch)),

@@ -113,6 +113,13 @@ class Settings(BaseSettings):
     # A version being unloaded keeps reading this long after it stops being advertised (gateways follow
     # heartbeats within ~1.5 s), then until its streams are empty, so nothing routed to it is stranded.
     unload_grace_s: float = Field(default=2.0, ge=0)
+    # Triton's rate limiter (workers/rate_limiter.py): --rate-limit off|execution_count and
+    # --rate-limit-resource NAME:COUNT[:DEVICE] (repeatable; from the env as a JSON list).
+    rate_limit: Literal["off", "execution_count"] = "off"
+    rate_limit_resources: tuple[str, ...] = ()
+    # Triton's --cache-config (`local,size=BYTES`): the response cache's budget, kept in Redis and shared by
+    # the fleet (gateway/response_cache.py); empty: no cache, whatever models enable.
+    cache_config: str = ""
     # Where a worker writes the `file:` overrides of a load call, one directory per load.
     model_load_dir: Path = Path(".fleet/loads")
     # Auth (gateway/auth.py): bearer keys, comma-separated and/or one per line in a file; the scopes

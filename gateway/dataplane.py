@@ -9,6 +9,7 @@ as they are.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.broker import Broker
 from gateway.catalog import Catalog
+from gateway.response_cache import ResponseCache, cache_key
 from gateway.tracer import Trace
 
 
@@ -36,8 +38,10 @@ class InferResult:
 
 class DataPlane:
     def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None,
-                 regions: Regions | None = None, max_in_flight: int = 4096) -> None:
+                 regions: Regions | None = None, max_in_flight: int = 4096, cache: ResponseCache | None = None
+                 ) -> None:
         self.catalog = catalog
+        self.cache = cache if cache is not None and cache.enabled else None  # gateway/response_cache.py
         self.broker = broker
         self.clock = clock or SystemClock()
         self.regions = regions  # shared-memory regions tensors may name (gateway/shared_memory.py)
@@ -74,12 +78,31 @@ class DataPlane:
 
     async def run(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None = None,
                   caller_timeout_s: float | None = None) -> ReplyEnvelope:
-        """A decoded request of version `v` of `model`, for every protocol: lane, deadline and queue bound
-        from the model's queue policy, the envelope, the broker. Returns the (successful) reply; raises
-        the reply's error, QueueFull, RequestTimeout, BrokerUnavailable or DeadlineExceeded. Cancelled
-        (the caller went away), the request is deleted from its stream or dropped by its worker.
-        `caller_timeout_s`: the caller stops waiting after this long (a gRPC deadline), so a worker drops
-        the request if it is still queued then instead of computing it for nobody."""
+        """A decoded request of version `v` of `model`, for every protocol: answered from the response
+        cache when the model enables it and the fleet has one, else queued (`queued`)."""
+        if self.cache is None or not spec.response_cache:
+            return await self.queued(model, v, spec, req, trace, caller_timeout_s)
+        started = time.perf_counter_ns()
+        key = cache_key(model, v, req)
+        hit = await self.cache.lookup(key)
+        lookup_ns = time.perf_counter_ns() - started
+        stats_key = self.broker.keys.stats(model)
+        if hit is not None:
+            rows = req.inputs[0].shape[0] if spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape else 1
+            self.cache.count_later(stats_key, v, rows, time.perf_counter_ns() - started, 0, lookup_ns)
+            return hit
+        reply = await self.queued(model, v, spec, req, trace, caller_timeout_s)
+        self.cache.insert_later(key, reply, stats_key, v, lookup_ns)
+        return reply
+
+    async def queued(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None = None,
+                     caller_timeout_s: float | None = None) -> ReplyEnvelope:
+        """Lane, deadline and queue bound from the model's queue policy, the envelope, the broker.
+        Returns the (successful) reply; raises the reply's error, QueueFull, RequestTimeout,
+        BrokerUnavailable or DeadlineExceeded. Cancelled (the caller went away), the request is deleted
+        from its stream or dropped by its worker. `caller_timeout_s`: the caller stops waiting after this
+        long (a gRPC deadline), so a worker drops the request if it is still queued then instead of
+        computing it for nobody."""
         rid = self.broker.next_id()
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).

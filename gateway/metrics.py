@@ -31,6 +31,12 @@ _COUNTERS = [
      "compute_infer:ns"),
     ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
      "compute_output:ns"),
+    # The response cache (gateway/response_cache.py), per model as Triton's.
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit:count"),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss:count"),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds", "cache_hit:ns"),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (lookup and insert) duration per model, in microseconds",
+     "cache_miss:ns"),
 ]
 
 

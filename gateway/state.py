@@ -27,6 +27,7 @@ from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
 from gateway.jobs.service import jobs_context
 from gateway.model_control import ModelControl
+from gateway.response_cache import ResponseCache, parse_cache_config
 from gateway.runtime_settings import RuntimeSettings
 from gateway.shared_memory import SharedMemoryRegistry
 from gateway.tracer import Tracer
@@ -63,8 +64,9 @@ class GatewayState:
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
         # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
         self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
+        self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config))
         self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
-                                   max_in_flight=settings.max_in_flight)
+                                   max_in_flight=settings.max_in_flight, cache=self.cache)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
         # The logging and trace extensions: settings followed from Redis, traces written by this process.
@@ -93,6 +95,7 @@ class GatewayState:
         if self._refresher:
             await cancel_and_wait([self._refresher], "readiness refresher")
         await self.runtime.stop()
+        await self.cache.drain()
         await self.broker.stop()
         self.jobs.client.close()
 

@@ -57,6 +57,7 @@ from workers.custody import LiveWorkers
 from workers.instance import Instance
 from workers.loading import close_instances, load_version
 from workers.loop import LoopConfig, ModelLoop
+from workers.rate_limiter import RateLimiter
 from workers.reconcile import Load, Unit, UnitState, reconcile
 from workers.watchdog import HungHandler
 
@@ -93,6 +94,7 @@ class HostContext:
     on_loop_done: Callable[[asyncio.Task[None]], None]
     beat_now: Callable[[], None]
     live_workers: LiveWorkers
+    limiter: RateLimiter | None = None  # --rate-limit execution_count (workers/rate_limiter.py)
 
 
 class ModelHost:
@@ -302,7 +304,7 @@ class ModelHost:
                     return
                 device = instance_device(entry.spec, self.ctx.device)
                 served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
-                                                           self.settings.max_deliveries)
+                                                           self.settings.max_deliveries, self.ctx.limiter)
             if self._stopping:
                 del self.units[unit]
                 await asyncio.to_thread(close_instances, {unit.version: served.instances})

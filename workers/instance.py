@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batching.scheduler import Batch
+from fleet.model_config import InstanceLimit
 from workers.backends.base import Backend
 from workers.execute import BatchOutcome
+from workers.rate_limiter import RateLimiter
 
 
 @dataclass(slots=True)
@@ -53,6 +55,9 @@ class Instance:
     name: str
     backend: Backend
     executor: ThreadPoolExecutor
+    # Its rate_limiter and the worker's limiter (workers/rate_limiter.py); None: it executes at will.
+    limit: InstanceLimit | None = None
+    limiter: RateLimiter | None = None
     busy: bool = False  # a chain of batches is running on the thread (changed under _lock)
     running_since: float | None = None  # time.monotonic() the current batch started (the watchdog reads it)
     _staged: Job | None = None
@@ -86,15 +91,23 @@ class Instance:
     def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
         current: Job | None = job
         while current is not None:
+            held = None
             started_us = time.time_ns() // 1000
-            self.running_since = time.monotonic()
             result: BatchOutcome | BaseException
             try:
+                if self.limiter is not None and self.limit is not None:
+                    # Waiting for rate-limiter resources comes first: not running yet (for the watchdog).
+                    held = self.limiter.acquire(self.limit)
+                    started_us = time.time_ns() // 1000
+                self.running_since = time.monotonic()
                 result = current.run()
             except Exception as exc:  # reported to the loop; the thread keeps serving
                 result = exc
             finally:
                 self.running_since = None
+                if held is not None:
+                    assert self.limiter is not None
+                    self.limiter.release(held)
             loop.call_soon_threadsafe(callbacks.done, current, result, started_us)
             with self._lock:
                 current, self._staged = self._staged, None

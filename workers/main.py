@@ -10,6 +10,7 @@ import signal
 import socket
 import uuid
 
+import redis
 from redis.exceptions import RedisError
 
 from fleet.cancellation import cancel_and_wait
@@ -27,6 +28,7 @@ from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop import LoopConfig
+from workers.rate_limiter import RateLimiter, parse_resource_flags
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
@@ -86,8 +88,12 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
         os._exit(EXIT_HUNG)
 
     completer = complete_config if settings.auto_complete_config else None
+    limiter = None
+    if settings.rate_limit == "execution_count":
+        limiter = RateLimiter(parse_resource_flags(settings.rate_limit_resources, device),
+                              redis.Redis.from_url(url, protocol=2), settings.key_prefix, worker_id)
     host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
-                                           on_loop_done, beat_now, heartbeat.live_workers), completer)
+                                           on_loop_done, beat_now, heartbeat.live_workers, limiter), completer)
     heartbeat.report = host.report
     beat_task = asyncio.create_task(heartbeat.run())
     await host.seed()
@@ -107,6 +113,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     await heartbeat.clear()
     await cancel_and_wait([host_task, beat_task, cancel_task, control_task, settings_task], f"worker {worker_id}")
     await host.stop()
+    if limiter is not None:
+        limiter.close()
     await control.aclose()
     log.info("worker %s stopped", worker_id)
     return 1 if failures else 0

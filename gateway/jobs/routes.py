@@ -81,10 +81,11 @@ async def create(request: Request) -> Response:
         if not digits or int(raw_version) not in versions:
             raise VersionNotFound(doc["model"], raw_version[:40])
         version = int(raw_version)
-    else:
-        if not versions:
+    else:  # the version unversioned inference goes to now (the highest ready), else the latest there is
+        ready = st.catalog.ready_versions(doc["model"])
+        if not ready and not versions:
             raise VersionNotFound(doc["model"], "(latest)")
-        version = max(versions)
+        version = ready[-1] if ready else max(versions)
     record, created = await asyncio.to_thread(service.create_job, st.jobs, doc, view.entry.spec, version)
     return json_response(record, 201 if created else 200)
 

@@ -278,7 +278,7 @@ def queued_envelope(system: System, model: str, request_id: str) -> dict[str, An
         pending = system.client.async_infer(model, [x], request_id=request_id)
 
         def find() -> dict[str, Any] | None:
-            for key in r.scan_iter(f"{PREFIX}:{{{model}}}:q:*"):
+            for key in r.scan_iter(f"{PREFIX}:{{{model}}}:v*:q:*"):
                 for _, fields in r.xrange(key):
                     envelope: dict[str, Any] = msgpack.unpackb(fields[b"d"])
                     if envelope["c"] == request_id:

@@ -57,8 +57,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         (repo / name).mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(CONFIG)
         add_version(repo / name, 1)
-    env = {"FLEET_KEY_PREFIX": "roll", "FLEET_BLOCK_MS": "200", "FLEET_MODEL_CONTROL_MODE": "poll", "FLEET_CONTROL_API": "1",
-           "FLEET_REPOSITORY_POLL_SECS": "0.5", "FLEET_HEARTBEAT_INTERVAL_S": "0.3", "FLEET_UNLOAD_GRACE_S": "1.5"}
+    env = {"FLEET_KEY_PREFIX": "roll", "FLEET_BLOCK_MS": "200", "FLEET_MODEL_CONTROL_MODE": "poll",
+           "FLEET_CONTROL_API": "1", "FLEET_REPOSITORY_POLL_SECS": "0.5", "FLEET_HEARTBEAT_INTERVAL_S": "0.3",
+           "FLEET_UNLOAD_GRACE_S": "1.5"}
     c = Cluster(tmp_path, repo, env)
     c.start_redis()
     c.start_gateway()

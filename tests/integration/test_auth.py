@@ -64,6 +64,8 @@ def test_scopes_can_be_enforced_separately(redis_server: LocalServer, key_prefix
         r = await s.client.post("/v2/models/doubler/infer", json=fp32_request([[3.0]]))
         assert r.status_code == 200  # inference left open
         assert (await s.client.post("/v2/repository/index")).status_code == 401
+        override = {"parameters": {"config": "{\"max_batch_size\": 1}"}}
+        assert (await s.client.post("/v2/repository/models/doubler/load", json=override)).status_code == 401
         assert (await s.client.get("/v2/jobs")).status_code == 200
 
     run(redis_server, key_prefix, body, api_keys="k", auth_scopes="control")

@@ -1,0 +1,173 @@
+"""Triton's response cache (`response_cache { enable: true }` in a model's config, `--cache-config
+local,size=BYTES` on the server), kept in Redis: one cache for the whole fleet, so a response one
+gateway computed answers the same request at every other gateway (Triton's is per server).
+
+* The key is a hash of the canonical request: model, version, every input (name, datatype, shape,
+  bytes) in name order, the requested outputs and the request's parameters (a Python model may read
+  them). Priority, timeout and the id do not change the answer, so they are not in it.
+* Entries are the reply envelopes (fleet/envelope.py) in one hash; a sorted set orders them by last
+  use; a counter holds their total size. Inserting past the budget evicts the least recently used,
+  in the same Lua script, so the bound holds with any number of gateways. Errors are never cached.
+  All keys share the hash tag `{cache}` (one Redis Cluster slot).
+* Statistics as Triton's: a hit counts as a success (and its queue time, from arrival to the
+  lookup) plus `cache_hit` (the lookup); a miss adds `cache_miss` (lookup and insert) to the
+  statistics the worker records for computing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fleet.envelope import ReplyEnvelope, decode_reply, encode_reply
+from fleet.errors import ConfigError, InvalidInput
+from fleet.kserve import ParsedInfer
+from fleet.stats import field
+
+log = logging.getLogger(__name__)
+
+_LOOKUP = """
+local value = redis.call('HGET', KEYS[1], ARGV[1])
+if value then redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1]) end
+return value
+"""
+
+_INSERT = """
+local id, value, budget = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local size = string.len(value)
+if size > budget then return 0 end
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+total = total - redis.call('HSTRLEN', KEYS[1], id) + size
+redis.call('HSET', KEYS[1], id, value)
+redis.call('ZADD', KEYS[2], ARGV[3], id)
+local evicted = 0
+while total > budget do
+  local victim = redis.call('ZPOPMIN', KEYS[2])
+  if #victim == 0 then break end
+  total = total - redis.call('HSTRLEN', KEYS[1], victim[1])
+  redis.call('HDEL', KEYS[1], victim[1])
+  evicted = evicted + 1
+end
+redis.call('SET', KEYS[3], total)
+return evicted + 1
+"""
+
+
+def parse_cache_config(text: str) -> int:
+    """`--cache-config`'s value, Triton's `local,size=BYTES` (fleet's cache lives in Redis whatever the
+    name; `redis,size=BYTES` is accepted too): the byte budget; "" = no cache."""
+    if not text:
+        return 0
+    name, _, rest = text.partition(",")
+    if name not in ("local", "redis"):
+        raise ConfigError(f"--cache-config: unknown cache '{name}' (fleet keeps 'local' in Redis)")
+    options = dict(item.partition("=")[::2] for item in rest.split(",") if item)
+    try:
+        size = int(options.get("size", ""))
+    except ValueError:
+        raise ConfigError(f"--cache-config {text}: 'size' must be a number of bytes") from None
+    if size <= 0:
+        raise ConfigError(f"--cache-config {text}: 'size' must be positive")
+    return size
+
+
+def cache_key(model: str, version: int, req: ParsedInfer) -> str:
+    """The hash of the canonical request (see the module doc)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{model}\0{version}\0".encode())
+    for t in sorted(req.inputs, key=lambda t: t.name):
+        h.update(f"{t.name}\0{t.datatype}\0{list(t.shape)}\0{len(t.data)}\0".encode())
+        h.update(t.data)
+    outputs = sorted(req.outputs) if req.outputs is not None else None
+    try:
+        params = json.dumps(req.parameters, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        raise InvalidInput("request parameters cannot be hashed for the response cache") from None
+    h.update(f"\0{outputs}\0{params}".encode())
+    return h.hexdigest()
+
+
+class ResponseCache:
+    def __init__(self, client: aioredis.Redis, prefix: str, budget_bytes: int) -> None:
+        self.client = client
+        self.budget_bytes = budget_bytes
+        self.keys = [f"{prefix}:{{cache}}:entries", f"{prefix}:{{cache}}:lru", f"{prefix}:{{cache}}:bytes"]
+        self._stats_key = prefix
+        self._lookup = client.register_script(_LOOKUP)
+        self._insert = client.register_script(_INSERT)
+        self._pending: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    async def lookup(self, key: str) -> ReplyEnvelope | None:
+        """The cached reply, or None (also when Redis fails: a cache never fails a request)."""
+        try:
+            raw = await self._lookup(keys=self.keys[:2], args=[key, time.time()])
+        except RedisError as exc:
+            log.warning("response cache lookup failed: %s", exc)
+            return None
+        return decode_reply(raw) if raw is not None else None
+
+    def insert_later(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int, lookup_ns: int) -> None:
+        """Store a successful reply off the request path, then count the miss (lookup + insert)."""
+        if not reply.ok:
+            return
+        task = asyncio.ensure_future(self._insert_and_count(key, reply, stats_key, version, lookup_ns))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _insert_and_count(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int,
+                                lookup_ns: int) -> None:
+        started = time.perf_counter_ns()
+        stored = ReplyEnvelope(id="", model_version=reply.model_version, outputs=reply.outputs,
+                               parameters=reply.parameters)
+        try:
+            await self._insert(keys=self.keys, args=[key, encode_reply(stored), time.time(), self.budget_bytes])
+            took = lookup_ns + time.perf_counter_ns() - started
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hincrby(stats_key, field(version, "cache_miss:count"), 1)
+            pipe.hincrby(stats_key, field(version, "cache_miss:ns"), took)
+            await pipe.execute()
+        except RedisError as exc:
+            log.warning("response cache insert failed: %s", exc)
+
+    def count_later(self, stats_key: str, version: int, rows: int, request_ns: int, queue_ns: int,
+                    lookup_ns: int) -> None:
+        """Count a hit off the request path."""
+        task = asyncio.ensure_future(self._count_hit(stats_key, version, rows, request_ns, queue_ns, lookup_ns))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _count_hit(self, stats_key: str, version: int, rows: int, request_ns: int, queue_ns: int,
+                         lookup_ns: int) -> None:
+        """A hit's statistics, as Triton counts them (a success that never executed)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in (("success:count", 1), ("success:ns", request_ns), ("queue:count", 1),
+                            ("queue:ns", queue_ns), ("cache_hit:count", 1), ("cache_hit:ns", lookup_ns),
+                            ("inference_count", rows)):
+            pipe.hincrby(stats_key, field(version, name), value)
+        pipe.hset(stats_key, field(version, "last_inference"), int(time.time() * 1000))
+        try:
+            await pipe.execute()
+        except RedisError as exc:
+            log.warning("cannot count a response cache hit: %s", exc)
+
+    async def drain(self) -> None:
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=5)
+
+    async def usage(self) -> tuple[int, int]:
+        """(entries, bytes) now in the cache."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hlen(self.keys[0])
+        pipe.get(self.keys[2])
+        entries, total = await pipe.execute()
+        return int(entries), int(total or 0)
