@@ -183,6 +183,10 @@ class Catalog:
         self.seen = seen
         self.workers = len(beats)
         self._rebuild()
+        # Configs of generations nobody wants or serves any more are dropped (they are fetched again if
+        # a generation comes back).
+        keep = {(t.name, t.gen) for t in self.targets.values()} | {(u.model, u.gen) for u in self.units}
+        self.configs = {k: v for k, v in self.configs.items() if k in keep}
 
     def _rebuild(self) -> None:
         views: dict[str, ModelView] = {}
@@ -193,8 +197,6 @@ class Catalog:
         self.views = views
         live = {(n, v.gen, "c" if v.gen else "r") for n, v in views.items()}
         self._built = {k: v for k, v in self._built.items() if k in live}
-        keep = {(t.name, t.gen) for t in self.targets.values()} | {(u.model, u.gen) for u in self.units}
-        self.configs = {k: v for k, v in self.configs.items() if k in keep}
 
     def _view_of(self, target: Target) -> ModelView | None:
         """The config of the target's generation, else of a generation still serving, else (no

@@ -91,6 +91,13 @@ class ModelControl:
                 self.catalog.set_targets(repository, targets)
         await self.fetch_configs()
 
+    async def rescan_for_index(self) -> None:
+        """Explicit mode: the index lists what the repositories hold now, as Triton's does (poll mode
+        rescans on its own period; none mode serves what it found at start)."""
+        if self.mode is ControlMode.EXPLICIT:
+            repository = await asyncio.to_thread(self.scan)
+            self.catalog.set_targets(repository, self.targets(repository))
+
     async def fetch_configs(self) -> None:
         wanted = self.catalog.wanted_gens()
         if not wanted:

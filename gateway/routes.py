@@ -113,6 +113,7 @@ async def repository_index(request: Request) -> Response:
         only_ready = doc.get("ready", False)
         if not isinstance(only_ready, bool):
             raise InvalidInput("'ready' must be a boolean")
+    await st.control.rescan_for_index()
     return json_response(model_info.repository_index(st.catalog, only_ready))
 
 

@@ -196,8 +196,10 @@ class ModelHost:
     # ------------------------------------------------------------------ reconciling
 
     async def reconcile_once(self) -> None:
-        targets, duplicates = await self._targets()
-        self.problems = {name: (BOOT_GEN, why) for name, why in duplicates.items()}
+        targets, problems = await self._targets()
+        self.problems = dict(problems)
+        for name, (gen, _) in problems.items():
+            self.seen[name] = gen
         desired: dict[tuple[str, int], str] = {}
         entries: dict[str, ModelEntry] = {}
         for name, target in sorted(targets.items()):
@@ -213,7 +215,7 @@ class ModelHost:
             entries[name] = built
             desired.update({(name, v): target.gen for v in built.versions})
         for name in list(self.seen):
-            if name not in targets:
+            if name not in targets and name not in problems:
                 del self.seen[name]
         self.failed = {u: why for u, why in self.failed.items() if desired.get((u.model, u.version)) == u.gen}
         self._entries = {k: v for k, v in self._entries.items() if k[0] in targets and targets[k[0]].gen == k[1]}
@@ -233,8 +235,10 @@ class ModelHost:
     def _scan(self) -> Repository:
         return scan(list(self.settings.model_repositories), auto_complete=self.settings.auto_complete_config)
 
-    async def _targets(self) -> tuple[dict[str, Target], dict[str, str]]:
-        """The targets, and the names this worker cannot serve because two repositories hold them."""
+    async def _targets(self) -> tuple[dict[str, Target], dict[str, tuple[str, str]]]:
+        """The targets, and (generation, why) for the models this worker cannot serve whatever it does:
+        a name two repositories hold, a control record naming a model its repositories lack."""
+        missing: dict[str, tuple[str, str]] = {}
         if self.mode is ControlMode.NONE:
             if self._boot is None:
                 self._boot = await asyncio.to_thread(self._scan)
@@ -246,10 +250,13 @@ class ModelHost:
             targets = desired_targets(self.mode, repo.dirs, {}, gens)
         else:
             repo = await asyncio.to_thread(self._scan)
-            raw = await self.ctx.client.hgetall(self.ctx.keys.models())
-            targets = desired_targets(self.mode, repo.dirs, decode_records(raw))
-        duplicates = {n: why for n, why in repo.errors.items() if n not in repo.dirs}
-        return targets, duplicates
+            records = decode_records(await self.ctx.client.hgetall(self.ctx.keys.models()))
+            targets = desired_targets(self.mode, repo.dirs, records)
+            missing = {n: (r.gen, f"failed to load '{n}': not found in the model repositories of worker "
+                                  f"{self.ctx.worker_id}")
+                       for n, r in records.items() if r.load and n not in targets}
+        problems = {n: (BOOT_GEN, why) for n, why in repo.errors.items() if n not in repo.dirs}
+        return targets, problems | missing
 
     async def _entry(self, target: Target) -> ModelEntry | str:
         """The target's entry, built once per generation; a string says why it cannot be built."""

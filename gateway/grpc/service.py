@@ -92,6 +92,7 @@ class InferenceService:
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         if request.repository_name:
             raise Unsupported("naming a model repository is not supported: fleet serves its repositories as one")
+        await self.state.control.rescan_for_index()
         items = model_info.repository_index(self.state.catalog, request.ready)
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**item) for item in items])
 

@@ -96,8 +96,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.stop()
 
 
-def http(c: Cluster) -> th.InferenceServerClient:
-    return th.InferenceServerClient(f"127.0.0.1:{c.http_port}", network_timeout=120.0)
+@pytest.fixture
+def client(cluster: Cluster) -> Iterator[th.InferenceServerClient]:
+    c = th.InferenceServerClient(f"127.0.0.1:{cluster.http_port}", network_timeout=120.0)
+    yield c
+    c.close()
 
 
 def add(client: th.InferenceServerClient | tg.InferenceServerClient, model: str, module: object) -> np.ndarray:
@@ -115,8 +118,7 @@ def index_of(client: th.InferenceServerClient) -> dict[str, list[dict[str, str]]
     return out
 
 
-def test_only_the_startup_models_load_and_the_index_lists_every_model(cluster: Cluster) -> None:
-    client = http(cluster)
+def test_only_the_startup_models_load_and_the_index_lists_every_model(client: th.InferenceServerClient) -> None:
     index = index_of(client)
     assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "simple", "slow"]
     assert index["doubler"] == [{"name": "doubler", "version": "1", "state": "READY"}]
@@ -126,9 +128,8 @@ def test_only_the_startup_models_load_and_the_index_lists_every_model(cluster: C
         add(client, "simple", th)
 
 
-def test_triton_http_model_control_flow(cluster: Cluster) -> None:
+def test_triton_http_model_control_flow(client: th.InferenceServerClient) -> None:
     """simple_http_model_control.py's steps and checks."""
-    client = http(cluster)
     client.load_model("simple")
     assert client.is_model_ready("simple")
     assert (add(client, "simple", th) == np.arange(1, 17)).all()
@@ -149,6 +150,13 @@ def test_triton_http_model_control_flow(cluster: Cluster) -> None:
 def test_triton_grpc_model_control_flow(cluster: Cluster) -> None:
     """simple_grpc_model_control.py's steps and checks, over gRPC."""
     client = tg.InferenceServerClient(f"127.0.0.1:{cluster.grpc_port}")
+    try:
+        grpc_flow(client)
+    finally:
+        client.close()
+
+
+def grpc_flow(client: tg.InferenceServerClient) -> None:
     client.load_model("simple")
     assert client.is_model_ready("simple")
     with pytest.raises(InferenceServerException, match="failed to load"):
@@ -164,8 +172,7 @@ def test_triton_grpc_model_control_flow(cluster: Cluster) -> None:
         client.load_model("wrong_model_name")
 
 
-def test_a_failing_load_reports_the_workers_reason(cluster: Cluster) -> None:
-    client = http(cluster)
+def test_a_failing_load_reports_the_workers_reason(client: th.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="weights file is missing"):
         client.load_model("broken_init")
     with pytest.raises(InferenceServerException, match="failed to load") as bad:
@@ -177,8 +184,7 @@ def test_a_failing_load_reports_the_workers_reason(cluster: Cluster) -> None:
     assert client.is_model_ready("doubler")  # nothing else disturbed
 
 
-def test_a_model_without_config_is_completed_by_the_worker(cluster: Cluster) -> None:
-    client = http(cluster)
+def test_a_model_without_config_is_completed_by_the_worker(client: th.InferenceServerClient) -> None:
     client.load_model("completed")
     config = client.get_model_config("completed")
     assert config["max_batch_size"] == 4 and config["backend"] == "onnxruntime"
@@ -187,8 +193,7 @@ def test_a_model_without_config_is_completed_by_the_worker(cluster: Cluster) -> 
     client.unload_model("completed")
 
 
-def test_file_overrides_load_a_model_from_the_request(cluster: Cluster) -> None:
-    client = http(cluster)
+def test_file_overrides_load_a_model_from_the_request(client: th.InferenceServerClient) -> None:
     onnx = (TRITON_EXAMPLES / "simple" / "1" / "model.onnx").read_bytes()
     config = (TRITON_EXAMPLES / "simple" / "config.pbtxt").read_text()
     as_json = '{"backend":"onnxruntime","max_batch_size":8,' \
@@ -206,18 +211,21 @@ def test_file_overrides_load_a_model_from_the_request(cluster: Cluster) -> None:
     client.unload_model("uploaded")
 
 
-def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster) -> None:
-    client = http(cluster)
+def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster,
+                                                                 client: th.InferenceServerClient) -> None:
     client.load_model("slow")
     results: list[object] = []
 
     def one(i: int) -> None:
         x = th.InferInput("IN", [1], "FP32")
         x.set_data_from_numpy(np.array([float(i)], np.float32))
+        own = th.InferenceServerClient(f"127.0.0.1:{cluster.http_port}", network_timeout=120.0)
         try:
-            results.append(float(http(cluster).infer("slow", [x]).as_numpy("OUT")[0]))
+            results.append(float(own.infer("slow", [x]).as_numpy("OUT")[0]))
         except InferenceServerException as exc:
             results.append(exc)
+        finally:
+            own.close()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]  # ~1.6 s of work, one instance
     for t in threads:

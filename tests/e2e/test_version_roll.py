@@ -73,7 +73,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def index(c: Cluster) -> list[dict[str, str]]:
-    return th.InferenceServerClient(f"127.0.0.1:{c.http_port}").get_model_repository_index()  # type: ignore[no-any-return]
+    client = th.InferenceServerClient(f"127.0.0.1:{c.http_port}")
+    try:
+        return client.get_model_repository_index()  # type: ignore[no-any-return]
+    finally:
+        client.close()
 
 
 def test_a_new_version_rolls_in_under_load_without_a_failed_request(cluster: Cluster) -> None:
@@ -91,6 +95,7 @@ def test_a_new_version_rolls_in_under_load_without_a_failed_request(cluster: Clu
                 factors.append(float(client.infer("versioned", [x]).as_numpy("OUT")[0, 0]))
             except InferenceServerException as exc:
                 failures.append(str(exc))
+        client.close()
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
