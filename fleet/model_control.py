@@ -99,10 +99,10 @@ def startup_names(load_models: Iterable[str], dirs: Mapping[str, Path]) -> list[
 def desired_targets(mode: ControlMode, dirs: Mapping[str, Path], records: Mapping[str, ControlRecord],
                     poll_gens: Mapping[str, str] | None = None) -> dict[str, Target]:
     """What should be served. `dirs`: the repository's model directories by name; `records`: the
-    control records (explicit mode); `poll_gens`: each directory's fingerprint (poll mode)."""
-    if mode is ControlMode.NONE:
-        return {name: Target(name, BOOT_GEN, path) for name, path in dirs.items()}
-    if mode is ControlMode.POLL:
+    control records (explicit mode); `poll_gens`: each directory's fingerprint (poll mode, and none
+    mode's at start, so a model changed between two deployments is a new generation: no process
+    takes the previous deployment's published config or cached responses for it)."""
+    if mode in (ControlMode.NONE, ControlMode.POLL):
         gens = poll_gens or {}
         return {name: Target(name, gens.get(name, BOOT_GEN), path) for name, path in dirs.items()}
     out: dict[str, Target] = {}

@@ -86,6 +86,8 @@ class Catalog:
     configs: dict[tuple[str, str], str] = field(default_factory=dict)
     # (model, generation, source) -> the view built from it, so a refresh rebuilds nothing unchanged
     _built: dict[tuple[str, str, str], ModelView] = field(default_factory=dict)
+    _ready_gens: set[tuple[str, str]] = field(default_factory=set)
+    _stale: set[tuple[str, str]] = field(default_factory=set)  # configs to read again
 
     @classmethod
     def from_repository(cls, repository: Repository, targets: dict[str, Target] | None = None) -> Catalog:
@@ -139,7 +141,7 @@ class Catalog:
         """(model, generation) pairs whose published config this catalog would use and lacks."""
         pairs = {(t.name, t.gen) for t in self.targets.values()}
         pairs |= {(u.model, u.gen) for u in self.units if u.model in self.targets and u.state == "READY"}
-        return sorted(p for p in pairs if p not in self.configs)
+        return sorted(p for p in pairs if p not in self.configs or p in self._stale)
 
     # ------------------------------------------------------------------ updates
 
@@ -149,8 +151,12 @@ class Catalog:
         self._rebuild()
 
     def add_configs(self, configs: dict[tuple[str, str], str]) -> None:
+        for pair, text in configs.items():
+            self._stale.discard(pair)
+            if self.configs.get(pair) != text:
+                self._built.pop((pair[0], pair[1], "c"), None)
+            self.configs[pair] = text
         if configs:
-            self.configs.update(configs)
             self._rebuild()
 
     def update_from_heartbeats(self, beats: list[dict[bytes, bytes]]) -> None:
@@ -182,11 +188,18 @@ class Catalog:
         self.units = units
         self.seen = seen
         self.workers = len(beats)
+        # A generation that has just become ready was just published (again, perhaps: a worker restarted
+        # with a changed config under the same generation): read its config anew.
+        # Until it arrives, the config read before keeps serving.
+        ready_gens = {(u.model, u.gen) for u in units if u.state == "READY"}
+        self._stale |= (ready_gens - self._ready_gens) & set(self.configs)
+        self._ready_gens = ready_gens
         self._rebuild()
         # Configs of generations nobody wants or serves any more are dropped (they are fetched again if
         # a generation comes back).
         keep = {(t.name, t.gen) for t in self.targets.values()} | {(u.model, u.gen) for u in self.units}
         self.configs = {k: v for k, v in self.configs.items() if k in keep}
+        self._stale &= set(self.configs)
 
     def _rebuild(self) -> None:
         views: dict[str, ModelView] = {}
@@ -199,10 +212,13 @@ class Catalog:
         self._built = {k: v for k, v in self._built.items() if k in live}
 
     def _view_of(self, target: Target) -> ModelView | None:
-        """The config of the target's generation, else of a generation still serving, else (no
-        override) the repository's own."""
-        gens = [target.gen] + sorted({u.gen for u in self.units if u.model == target.name and u.state == "READY"}
-                                     - {target.gen})
+        """The config of the target's generation once it serves, else of a generation that serves (the
+        one requests still reach while the new one loads), else of the target's, else (no override) the
+        repository's own."""
+        ready = sorted({u.gen for u in self.units if u.model == target.name and u.state == "READY"})
+        gens = ([target.gen] if target.gen in ready else []) + [g for g in ready if g != target.gen]
+        if target.gen not in ready:
+            gens.append(target.gen)
         for gen in gens:
             text = self.configs.get((target.name, gen))
             if text is not None:

@@ -70,20 +70,21 @@ class DataPlane:
         view, v = self.catalog.resolve(model, version)
         spec = view.entry.spec
         req = parse_infer(body, header_length, spec, self.regions)
-        reply = await self.run(model, v, spec, req, trace)
+        reply = await self.run(model, v, spec, req, trace, gen=view.gen)
         body_out, hlen = render_infer(model, v, req, reply.outputs or [], reply.parameters)
         if trace is not None:
             trace.stamp(REQUEST_END)
         return InferResult(body_out, hlen)
 
     async def run(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None = None,
-                  caller_timeout_s: float | None = None) -> ReplyEnvelope:
+                  caller_timeout_s: float | None = None, gen: str = "") -> ReplyEnvelope:
         """A decoded request of version `v` of `model`, for every protocol: answered from the response
-        cache when the model enables it and the fleet has one, else queued (`queued`)."""
+        cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
+        generation of the config it was validated with (a reload must not answer from the old one)."""
         if self.cache is None or not spec.response_cache:
             return await self.queued(model, v, spec, req, trace, caller_timeout_s)
         started = time.perf_counter_ns()
-        key = cache_key(model, v, req)
+        key = cache_key(model, v, req, gen)
         hit = await self.cache.lookup(key)
         lookup_ns = time.perf_counter_ns() - started
         stats_key = self.broker.keys.stats(model)

@@ -45,6 +45,7 @@ from gateway.catalog import Catalog
 log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.1
+RESCAN_UNKNOWN_S = 5.0
 FILES_TTL_S = 7 * 24 * 3600  # a worker that starts later still finds the files of the records it follows
 
 
@@ -66,7 +67,7 @@ class ModelControl:
 
     def targets(self, repository: Repository) -> dict[str, Target]:
         self.catalog.unloaded = frozenset(n for n, r in self._records.items() if not r.load)
-        if self.mode is ControlMode.POLL:
+        if self.mode in (ControlMode.NONE, ControlMode.POLL):
             gens = {name: fingerprint(path) for name, path in repository.dirs.items()}
             return desired_targets(self.mode, repository.dirs, {}, gens)
         return desired_targets(self.mode, repository.dirs, self._records)
@@ -81,7 +82,14 @@ class ModelControl:
         """Follow the desired state and fetch the configs the catalog lacks (see the module doc)."""
         if self.mode is ControlMode.EXPLICIT:
             self._records = decode_records(await self.client.hgetall(self.keys.models()))
-            self.catalog.set_targets(self.catalog.repository, self.targets(self.catalog.repository))
+            repository = self.catalog.repository
+            unknown = [n for n, r in self._records.items() if r.load and not r.files and n not in repository.dirs]
+            now = asyncio.get_running_loop().time()
+            if unknown and now - self._polled_at >= RESCAN_UNKNOWN_S:
+                # Another gateway loaded a model whose directory appeared after this one scanned.
+                self._polled_at = now
+                repository = await asyncio.to_thread(self.scan)
+            self.catalog.set_targets(repository, self.targets(repository))
         elif self.mode is ControlMode.POLL:
             now = asyncio.get_running_loop().time()
             if now - self._polled_at >= self.settings.repository_poll_secs:
@@ -117,6 +125,7 @@ class ModelControl:
 
     async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
         self._require_explicit()
+        _check_name(name)
         config, files = _overrides(name, parameters)
         async with self._lock:
             repository = await asyncio.to_thread(self.scan)
@@ -140,6 +149,7 @@ class ModelControl:
 
     async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         self._require_explicit()
+        _check_name(name)
         dependents = parameters.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise InvalidInput("'unload_dependents' must be a boolean")
@@ -158,6 +168,12 @@ class ModelControl:
         give_up = loop.time() + self.settings.model_load_timeout_s
         while True:
             await self._read_heartbeats()
+            current = ControlRecord.decode(await self.client.hget(self.keys.models(), name) or b"null")
+            if current is not None and current.gen != gen:
+                # Another load or unload of this model came after this one (another gateway's).
+                if not current.load:
+                    raise ModelNotReady(f"failed to load '{name}': it was unloaded while loading")
+                gen = current.gen
             catalog = self.catalog
             serving = [u for u in catalog.units if u.model == name and u.gen == gen]
             if any(u.state == "READY" for u in serving):
@@ -172,6 +188,12 @@ class ModelControl:
                 raise ModelNotReady(f"failed to load '{name}': no worker served it within "
                                     f"{self.settings.model_load_timeout_s:g} s ({catalog.workers} live workers)")
             await asyncio.sleep(LOAD_POLL_S)
+
+
+def _check_name(name: str) -> None:
+    """A model name is a directory name in a repository (and in a worker's load directory)."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 255:
+        raise InvalidInput(f"failed to load '{name[:64]}': not a valid model name")
 
 
 def _overrides(name: str, parameters: Mapping[str, Any]) -> tuple[str | None, dict[str, bytes]]:

@@ -32,20 +32,30 @@ from fleet.stats import field
 
 log = logging.getLogger(__name__)
 
-_LOOKUP = """
+# Last use is scored on Redis's clock (TIME), so gateways' clocks never reorder the LRU.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+_LOOKUP = _NOW + """
 local value = redis.call('HGET', KEYS[1], ARGV[1])
-if value then redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1]) end
+if value then redis.call('ZADD', KEYS[2], now, ARGV[1]) end
 return value
 """
 
-_INSERT = """
-local id, value, budget = ARGV[1], ARGV[2], tonumber(ARGV[4])
+_INSERT = _NOW + """
+local id, value, budget = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local size = string.len(value)
 if size > budget then return 0 end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+if redis.call('ZCARD', KEYS[2]) == 0 then
+  -- Nothing indexed (first use, or the keys were lost): start the count afresh with what is there.
+  redis.call('DEL', KEYS[1])
+  total = 0
+end
 total = total - redis.call('HSTRLEN', KEYS[1], id) + size
 redis.call('HSET', KEYS[1], id, value)
-redis.call('ZADD', KEYS[2], ARGV[3], id)
+redis.call('ZADD', KEYS[2], now, id)
 local evicted = 0
 while total > budget do
   local victim = redis.call('ZPOPMIN', KEYS[2])
@@ -77,10 +87,11 @@ def parse_cache_config(text: str) -> int:
     return size
 
 
-def cache_key(model: str, version: int, req: ParsedInfer) -> str:
-    """The hash of the canonical request (see the module doc)."""
+def cache_key(model: str, version: int, req: ParsedInfer, gen: str = "") -> str:
+    """The hash of the canonical request (see the module doc); `gen`, the model's generation, keeps a
+    reloaded model from answering with what its previous load computed."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{model}\0{version}\0".encode())
+    h.update(f"{model}\0{version}\0{gen}\0".encode())
     for t in sorted(req.inputs, key=lambda t: t.name):
         h.update(f"{t.name}\0{t.datatype}\0{list(t.shape)}\0{len(t.data)}\0".encode())
         h.update(t.data)
@@ -110,7 +121,7 @@ class ResponseCache:
     async def lookup(self, key: str) -> ReplyEnvelope | None:
         """The cached reply, or None (also when Redis fails: a cache never fails a request)."""
         try:
-            raw = await self._lookup(keys=self.keys[:2], args=[key, time.time()])
+            raw = await self._lookup(keys=self.keys[:2], args=[key])
         except RedisError as exc:
             log.warning("response cache lookup failed: %s", exc)
             return None
@@ -130,7 +141,7 @@ class ResponseCache:
         stored = ReplyEnvelope(id="", model_version=reply.model_version, outputs=reply.outputs,
                                parameters=reply.parameters)
         try:
-            await self._insert(keys=self.keys, args=[key, encode_reply(stored), time.time(), self.budget_bytes])
+            await self._insert(keys=self.keys, args=[key, encode_reply(stored), self.budget_bytes])
             took = lookup_ns + time.perf_counter_ns() - started
             pipe = self.client.pipeline(transaction=False)
             pipe.hincrby(stats_key, field(version, "cache_miss:count"), 1)

@@ -267,14 +267,22 @@ class StreamConsumer:
         return removed
 
     async def undelivered(self) -> int:
-        """Entries of this version's lanes that no consumer of the group has read yet."""
+        """Entries of this version's lanes that no consumer of the group has read yet: the group's lag
+        (entries deleted while pending, as a gateway deletes an abandoned request, do not hide unread
+        ones as XLEN - pending would); where Redis cannot say, XLEN - pending."""
         pipe = self._client.pipeline(transaction=False)
         for stream in self.streams:
+            pipe.xinfo_groups(stream)
             pipe.xlen(stream)
             pipe.xpending(stream, GROUP)
         results = await pipe.execute(raise_on_error=False)
         total = 0
-        for length, pending in zip(results[::2], results[1::2], strict=True):
+        for groups, length, pending in zip(results[::3], results[1::3], results[2::3], strict=True):
+            ours = [g for g in groups if g.get("name") in (GROUP, GROUP.encode())] if isinstance(groups, list) else []
+            lag = ours[0].get("lag") if ours else None
+            if isinstance(lag, int):
+                total += lag
+                continue
             n = int(length) if isinstance(length, int) else 0
             if isinstance(pending, dict):
                 n -= int(pending.get("pending", 0))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from google.protobuf import text_format
 from redis.exceptions import RedisError
 
 from fleet.admission import lane_count
-from fleet.cancellation import cancel_and_wait, raise_if_cancelled
+from fleet.cancellation import raise_if_cancelled
 from fleet.clock import SystemClock
 from fleet.errors import ConfigError, InvalidInput
 from fleet.keys import Keys
@@ -63,6 +63,14 @@ from workers.watchdog import HungHandler
 
 log = logging.getLogger("workers")
 
+
+def repo_dirs(repo: Repository | None) -> list[tuple[str, Path]]:
+    return sorted(repo.dirs.items()) if repo is not None else []
+
+
+async def _unknown() -> bool:
+    return True
+
 # Without a nudge, the desired state is read again this often (a missed pub/sub message only delays).
 RECONCILE_EVERY_S = 5.0
 # A stopping worker waits this long for loads in flight, so it can close what they load.
@@ -77,6 +85,7 @@ class Served:
     loop: ModelLoop | None = None
     task: asyncio.Task[None] | None = None
     instances: list[Instance] = field(default_factory=list)
+    closed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,8 @@ class HostContext:
     beat_now: Callable[[], None]
     live_workers: LiveWorkers
     limiter: RateLimiter | None = None  # --rate-limit execution_count (workers/rate_limiter.py)
+    # Whether a live worker other than this one serves (model, version): read from the heartbeats.
+    serves_elsewhere: Callable[[str, int], Awaitable[bool]] = field(default=lambda m, v: _unknown())
 
 
 class ModelHost:
@@ -110,12 +121,14 @@ class ModelHost:
         self.problems: dict[str, tuple[str, str]] = {}
         self.seen: dict[str, str] = {}  # model -> the generation this worker last reconciled
         self._entries: dict[tuple[str, str], ModelEntry | str] = {}  # (model, gen) -> entry or why not
-        self._boot: Repository | None = None
+        self._boot: Repository | None = None  # none mode: the repository as found at start
+        self._boot_gens: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._jobs: set[asyncio.Task[None]] = set()  # unloads (cancelled at stop)
         self._loads: set[asyncio.Task[None]] = set()  # loads (finished at stop: a thread cannot be cancelled)
         self._load_lock = asyncio.Lock()
         self._stopping = False
+        self._stop_event = asyncio.Event()
 
     # ------------------------------------------------------------------ what the worker asks
 
@@ -168,9 +181,10 @@ class ModelHost:
             self._wake.clear()
             try:
                 await self.reconcile_once()
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, ConfigError) as exc:
+                # Redis away, a repository briefly unmounted: what serves keeps serving meanwhile.
                 raise_if_cancelled()
-                log.warning("cannot read the desired model state: %s", exc)
+                log.warning("cannot work out the desired model state: %s", exc)
             try:
                 async with asyncio.timeout(period):
                     await self._wake.wait()
@@ -178,45 +192,41 @@ class ModelHost:
                 pass
 
     async def stop(self) -> None:
-        """Stop reconciling, then stop every unit: each answers what it holds."""
+        """Stop reconciling, then stop every unit: each answers what it holds. Unloads in progress skip
+        the rest of their drain; loads in flight close what they load (a thread cannot be cancelled)."""
         self._stopping = True
-        await cancel_and_wait(list(self._jobs), "model unloads")
-        if self._loads:  # each closes what it loaded once it sees the host stopping
-            await asyncio.wait(list(self._loads), timeout=LOAD_AT_STOP_S)
-        for served in self.units.values():
-            if served.loop is not None:
-                served.loop.stop()
-        await asyncio.gather(*(s.task for s in self.units.values() if s.task is not None), return_exceptions=True)
-        for served in self.units.values():
-            close_instances({served.unit.version: served.instances})
-            if served.loop is not None:
-                await served.loop.consumer.close()
+        self._stop_event.set()
+        units = list(self.units.values())
+        await asyncio.gather(*(self._close(s) for s in units))
+        pending = list(self._jobs | self._loads)
+        if pending:
+            await asyncio.wait(pending, timeout=LOAD_AT_STOP_S)
         self.units.clear()
 
     # ------------------------------------------------------------------ reconciling
 
     async def reconcile_once(self) -> None:
         targets, problems = await self._targets()
-        self.problems = dict(problems)
-        for name, (gen, _) in problems.items():
-            self.seen[name] = gen
+        problems = dict(problems)
+        seen = {name: gen for name, (gen, _) in problems.items()}
         desired: dict[tuple[str, int], str] = {}
         entries: dict[str, ModelEntry] = {}
         for name, target in sorted(targets.items()):
             built = await self._entry(target)
-            self.seen[name] = target.gen
+            seen[name] = target.gen
             if isinstance(built, str):
-                self.problems[name] = (target.gen, built)
+                problems[name] = (target.gen, built)
+                # A generation that cannot even be built leaves what serves now serving (Triton keeps
+                # the old model when a reload fails).
+                desired.update({(u.model, u.version): u.gen for u, s in self.units.items()
+                                if u.model == name and s.state is UnitState.READY})
                 continue
             problem = placement_problem(built.spec, self.ctx.device)
             if problem is not None:  # another worker's device fits it (fleet/placement.py)
-                self.problems[name] = (target.gen, f"not served by a {self.ctx.device} worker: {problem}")
+                problems[name] = (target.gen, f"not served by a {self.ctx.device} worker: {problem}")
                 continue
             entries[name] = built
             desired.update({(name, v): target.gen for v in built.versions})
-        for name in list(self.seen):
-            if name not in targets and name not in problems:
-                del self.seen[name]
         self.failed = {u: why for u, why in self.failed.items() if desired.get((u.model, u.version)) == u.gen}
         self._entries = {k: v for k, v in self._entries.items() if k[0] in targets and targets[k[0]].gen == k[1]}
         actions = reconcile(desired, {u: s.state for u, s in self.units.items()}, set(self.failed))
@@ -229,6 +239,9 @@ class ModelHost:
             else:
                 self.units[action.unit].state = UnitState.UNLOADING
                 self._spawn(self._unload(action.unit), self._jobs)
+        # Only now: a heartbeat must never say "reconciled" before the loads it started are listed.
+        self.problems = problems
+        self.seen = seen
         if actions:
             self.ctx.beat_now()
 
@@ -242,8 +255,9 @@ class ModelHost:
         if self.mode is ControlMode.NONE:
             if self._boot is None:
                 self._boot = await asyncio.to_thread(self._scan)
+                self._boot_gens = await asyncio.to_thread(lambda: {n: fingerprint(p) for n, p in repo_dirs(self._boot)})
             repo = self._boot
-            targets = desired_targets(self.mode, repo.dirs, {})
+            targets = desired_targets(self.mode, repo.dirs, {}, self._boot_gens)
         elif self.mode is ControlMode.POLL:
             repo = await asyncio.to_thread(self._scan)
             gens = await asyncio.to_thread(lambda: {n: fingerprint(p) for n, p in repo.dirs.items()})
@@ -278,7 +292,10 @@ class ModelHost:
 
     async def _write_files(self, target: Target) -> Path:
         """A load call's `file:` overrides, written to a directory of this load's own (paths confined)."""
-        base = (self.settings.model_load_dir / self.ctx.worker_id / target.name / target.gen).resolve()
+        root = self.settings.model_load_dir.resolve()
+        base = contained(root, f"{self.ctx.worker_id}/{target.name}/{target.gen}")
+        if base.parent.parent.parent != root:  # a name with a separator in it: never a model name
+            raise InvalidInput(f"model name '{target.name}' cannot name a directory")
         raw: dict[bytes, bytes] = await self.ctx.client.hgetall(  # type: ignore[assignment]
             self.ctx.keys.model_files(target.name, target.gen))
 
@@ -307,18 +324,18 @@ class ModelHost:
         try:
             async with self._load_lock:
                 if self._stopping:
-                    del self.units[unit]
+                    self.units.pop(unit, None)
                     return
                 device = instance_device(entry.spec, self.ctx.device)
                 served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
                                                            self.settings.max_deliveries, self.ctx.limiter)
             if self._stopping:
-                del self.units[unit]
+                self.units.pop(unit, None)
                 await asyncio.to_thread(close_instances, {unit.version: served.instances})
                 return
         except Exception as exc:
             log.error("model '%s' version %d failed to load: %s", unit.model, unit.version, exc)
-            del self.units[unit]
+            self.units.pop(unit, None)
             self.failed[unit] = str(exc)
             self.ctx.beat_now()
             self.nudge()
@@ -329,6 +346,9 @@ class ModelHost:
         except (RedisError, OSError) as exc:
             raise_if_cancelled()
             log.warning("cannot publish the config of model '%s': %s", unit.model, exc)
+        if self._stopping or served.closed:  # the worker stopped meanwhile (stop() closed the instances)
+            self.units.pop(unit, None)
+            return
         sibling = any(u.model == unit.model and u.version == unit.version and u != unit for u in self.units)
         name = f"{self.ctx.worker_id}~{unit.gen}" if sibling else self.ctx.worker_id
         client = async_client(self.settings.redis_url_or_default)  # its readers block in XREADGROUP
@@ -351,23 +371,65 @@ class ModelHost:
         loop = served.loop
         assert loop is not None
         log.info("model '%s' version %d (generation %s) unloading: draining", unit.model, unit.version, unit.gen)
-        await asyncio.sleep(self.settings.unload_grace_s)
-        clock = asyncio.get_running_loop()
-        give_up = clock.time() + self.settings.request_timeout_s
-        while clock.time() < give_up:
-            try:
-                if await loop.consumer.undelivered() == 0:
-                    break
-            except (RedisError, OSError) as exc:
-                raise_if_cancelled()
-                log.debug("cannot read the backlog of model '%s': %s", unit.model, exc)
-            await asyncio.sleep(0.2)
-        loop.stop()
-        if served.task is not None:
-            await asyncio.gather(served.task, return_exceptions=True)
-        await asyncio.to_thread(close_instances, {unit.version: served.instances})
-        await loop.consumer.close()
-        del self.units[unit]
+        await self._pause(self.settings.unload_grace_s)
+        await self._drain(loop, self.settings.request_timeout_s)
+        if not self._stop_event.is_set() and not await self._served_elsewhere(unit):
+            # Nobody else reads this version's streams now: what still arrives (from a gateway a heartbeat
+            # behind, or a bulk job's window) is answered UNAVAILABLE rather than left for nobody.
+            loop.retire(f"model '{unit.model}' version {unit.version} is unloaded")
+            await self._pause(max(1.0, self.settings.unload_grace_s))
+            await self._drain(loop, 5.0)
+        self.units.pop(unit, None)
+        await self._close(served)
         log.info("model '%s' version %d (generation %s) unloaded", unit.model, unit.version, unit.gen)
         self.ctx.beat_now()
         self.nudge()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, cut short when the worker stops."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._stop_event.wait()
+        except TimeoutError:
+            pass
+
+    async def _drain(self, loop: ModelLoop, limit_s: float) -> None:
+        """Until nothing is left unread in the unit's streams (at most `limit_s`, or the worker stops)."""
+        clock = asyncio.get_running_loop()
+        give_up = clock.time() + limit_s
+        while clock.time() < give_up and not self._stop_event.is_set():
+            try:
+                if await loop.consumer.undelivered() == 0:
+                    return
+            except (RedisError, OSError) as exc:
+                raise_if_cancelled()
+                log.debug("cannot read the backlog of model '%s': %s", loop.spec.name, exc)
+            await self._pause(0.2)
+
+    async def _served_elsewhere(self, unit: Unit) -> bool:
+        """Whether another unit here, or another live worker, serves this version (reads its streams)."""
+        if any(u.model == unit.model and u.version == unit.version and s.state is UnitState.READY
+               for u, s in self.units.items() if u != unit):
+            return True
+        try:
+            return await self.ctx.serves_elsewhere(unit.model, unit.version)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelled()
+            log.warning("cannot read the other workers' heartbeats: %s", exc)
+            return True  # not knowing, leave the streams to whoever may read them
+
+    async def _close(self, served: Served) -> None:
+        """Stop the unit's loop (it answers what it holds) and close its instances; once."""
+        if served.closed:
+            return
+        served.closed = True
+        if served.loop is not None:
+            served.loop.stop()
+        if served.task is not None:
+            await asyncio.wait({served.task})  # never cancels the loop: it finishes what it holds
+        try:
+            await asyncio.to_thread(close_instances, {served.unit.version: served.instances})
+        except Exception:
+            log.exception("closing model '%s' version %d failed", served.unit.model, served.unit.version)
+        if served.loop is not None:
+            await served.loop.consumer.close()

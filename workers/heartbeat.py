@@ -11,6 +11,7 @@ Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's d
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -86,6 +87,19 @@ class Heartbeat:
             await pipe.execute()
         except (RedisError, OSError):
             pass
+
+    async def serves_elsewhere(self, model: str, version: int) -> bool:
+        """Whether another live worker's heartbeat advertises (model, version) ready."""
+        others = await self.live_workers() - {self.worker_id}
+        if not others:
+            return False
+        pipe = self._client.pipeline(transaction=False)
+        for worker_id in sorted(others):
+            pipe.hget(self._keys.worker(worker_id), "models")
+        for raw in await pipe.execute():
+            if raw and any(item[0] == model and int(item[1]) == version for item in json.loads(raw)):
+                return True
+        return False
 
     async def live_workers(self) -> set[str]:
         """Ids of workers whose heartbeat was refreshed within the last minute (generous: clocks differ)."""

@@ -140,6 +140,7 @@ class ModelLoop:
         self._timer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-timer")
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
+        self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
         self._readers_done = False
 
     @property
@@ -182,6 +183,11 @@ class ModelLoop:
         finally:
             await cancel_and_wait([*background, *readers, driver], f"model '{self.spec.name}'")
             self._timer.shutdown(wait=False)
+
+    def retire(self, why: str) -> None:
+        """From now on, answer what is read with UNAVAILABLE `why` (the version is unloaded and no other
+        unit reads its streams); what is already held is still computed."""
+        self._retired = why
 
     def stop(self) -> None:
         """Stop reading; finish and answer what is held, then run() returns."""
@@ -238,9 +244,10 @@ class ModelLoop:
         rows = env.batch_rows(self.spec.max_batch_size > 0)
         self.holding.hold(message, rows)
         scheduler = self.schedulers.get(env.version)
-        if scheduler is None:
-            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="NOT_FOUND",
-                                  error_message=f"model '{env.model}' version {env.version} is not loaded here")
+        if scheduler is None or self._retired is not None:
+            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="UNAVAILABLE",
+                                  error_message=self._retired or
+                                  f"model '{env.model}' version {env.version} is not loaded here")
             self.custody.finish([Answer(message, env.reply_to, reply)])
             return
         lane, entry_id = message

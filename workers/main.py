@@ -93,7 +93,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
         limiter = RateLimiter(parse_resource_flags(settings.rate_limit_resources, device),
                               redis.Redis.from_url(url, protocol=2), settings.key_prefix, worker_id)
     host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
-                                           on_loop_done, beat_now, heartbeat.live_workers, limiter), completer)
+                                           on_loop_done, beat_now, heartbeat.live_workers, limiter,
+                                           heartbeat.serves_elsewhere), completer)
     heartbeat.report = host.report
     beat_task = asyncio.create_task(heartbeat.run())
     await host.seed()

@@ -12,8 +12,9 @@ lower value first), then in arrival order.
   for: give every worker the same `--rate-limit-resource` for a global resource.
 
 Instances wait for resources on their own threads (workers/instance.py), before their batch counts as
-running, so the watchdog never mistakes waiting for a hang. Global resources are taken first, then
-local ones, and released together.
+running, so the watchdog never mistakes waiting for a hang. Global resources are taken first (in name
+order), then local ones, and released together. Priority is strict among instances that fit (fleet's
+choice; Triton weights priorities instead), and a waiter that does not fit never blocks one that does.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ log = logging.getLogger(__name__)
 LEASE_S = 10.0
 POLL_MIN_S, POLL_MAX_S = 0.001, 0.02
 
-# Takes `count` of a global resource if the leases that have not lapsed leave room.
+# Takes `count` of a global resource if the leases that have not lapsed leave room. Times are Redis's
+# (TIME), so workers' clocks never disagree about a lease.
 # KEYS[1] = holders (zset: member -> lease expiry ms), KEYS[2] = counts (hash: member -> count).
-# ARGV = member, count, capacity, now ms, expiry ms.
+# ARGV = member, count, capacity, lease ms.
 _ACQUIRE = """
-local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 for _, member in ipairs(lapsed) do
   redis.call('ZREM', KEYS[1], member)
   redis.call('HDEL', KEYS[2], member)
@@ -49,11 +53,15 @@ local held = 0
 for _, n in ipairs(redis.call('HVALS', KEYS[2])) do held = held + tonumber(n) end
 if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return 0 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[1], ARGV[5], ARGV[1])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[1])
 return 1
 """
-# Renews a lease this holder still has (XX: a lapsed one is not revived).
-_RENEW = "return redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[2], ARGV[1])"
+# Renews a lease this holder still has (XX: a lapsed one is not revived). ARGV = member, lease ms.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+"""
 
 
 def parse_resource_flags(flags: Iterable[str], device: str) -> dict[str, int]:
@@ -121,8 +129,16 @@ class RateLimiter:
     # ------------------------------------------------------------------ acquire / release (instance threads)
 
     def acquire(self, limit: InstanceLimit) -> Held:
-        """Block until every resource of `limit` is held."""
-        members = tuple(self._acquire_global(need) for need in limit.resources if need.is_global)
+        """Block until every resource of `limit` is held. Global resources are taken in name order, so
+        two instances needing the same ones never each hold what the other waits for."""
+        taken: list[tuple[str, str]] = []
+        try:
+            for need in sorted((n for n in limit.resources if n.is_global), key=lambda n: n.name):
+                taken.append(self._acquire_global(need))
+        except BaseException:
+            self._release_global(tuple(taken))
+            raise
+        members = tuple(taken)
         local = tuple(need for need in limit.resources if not need.is_global)
         if local:
             with self._cond:
@@ -179,10 +195,8 @@ class RateLimiter:
         delay = POLL_MIN_S
         self._start_renewer()
         while not self._stop.is_set():
-            now_ms = int(time.time() * 1000)
             try:
-                if self._acquire_script(keys=keys, args=[member, need.count, capacity, now_ms,
-                                                         now_ms + int(LEASE_S * 1000)]):
+                if self._acquire_script(keys=keys, args=[member, need.count, capacity, int(LEASE_S * 1000)]):
                     with self._leases_lock:
                         self._leases[member] = need.name
                     return need.name, member
@@ -207,8 +221,7 @@ class RateLimiter:
                 leases = dict(self._leases)
             for member, name in leases.items():
                 try:
-                    self._renew_script(keys=self._keys(name)[:1],
-                                       args=[member, int(time.time() * 1000) + int(LEASE_S * 1000)])
+                    self._renew_script(keys=self._keys(name)[:1], args=[member, int(LEASE_S * 1000)])
                 except redis.RedisError as exc:
                     log.warning("cannot renew the lease on global resource '%s': %s", name, exc)
 

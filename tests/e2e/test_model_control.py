@@ -244,3 +244,25 @@ def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster
     while index_of(client)["slow"] != [{"name": "slow", "state": "UNAVAILABLE", "reason": "unloaded"}]:
         assert time.monotonic() < deadline, index_of(client)["slow"]
         time.sleep(0.2)
+
+
+def test_a_reload_that_fails_leaves_the_model_serving(client: th.InferenceServerClient) -> None:
+    """Triton keeps the loaded model when a reload fails; so does fleet (here: a config that parses but
+    does not validate)."""
+    x = th.InferInput("IN", [1, 1], "FP32")
+    x.set_data_from_numpy(np.array([[2.0]], np.float32))
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        client.load_model("doubler", config='{"backend": "python", "max_batch_size": -1}')
+    assert client.is_model_ready("doubler")
+    assert float(client.infer("doubler", [x]).as_numpy("OUT")[0, 0]) == 4.0
+
+
+def test_a_model_name_is_never_a_path(cluster: Cluster) -> None:
+    grpc = tg.InferenceServerClient(f"127.0.0.1:{cluster.grpc_port}")
+    try:
+        for name in ("../../escape", "a/b", ".."):
+            with pytest.raises(InferenceServerException, match="not a valid model name"):
+                grpc.load_model(name, config="{}", files={"file:1/model.onnx": b"x"})
+    finally:
+        grpc.close()
+    assert not (cluster.tmp / "escape").exists()

@@ -130,7 +130,12 @@ def test_the_published_config_of_the_serving_generation_is_rendered(tmp_path: Pa
     catalog.update_from_heartbeats([beat(("m", 1, "e1", "READY"), ("m", 1, "e2", "LOADING"))])
     assert catalog.view("m").entry.spec.max_batch_size == 8  # the generation still serving
     catalog.add_configs({("m", "e2"): published(CONFIG.replace("max_batch_size: 8", "max_batch_size: 16"))})
+    # Published, but not serving yet: requests are still checked against what serves them.
+    assert catalog.view("m").entry.spec.max_batch_size == 8
+    catalog.update_from_heartbeats([beat(("m", 1, "e1", "UNLOADING"), ("m", 1, "e2", "READY"))])
     assert catalog.view("m").entry.spec.max_batch_size == 16
+    assert catalog.wanted_gens() == [("m", "e2")]  # just became ready: read again (a republish)
+    catalog.add_configs({("m", "e2"): published(CONFIG.replace("max_batch_size: 8", "max_batch_size: 16"))})
     assert catalog.wanted_gens() == []
 
 
