@@ -35,6 +35,7 @@ from fleet.admission import lane_count
 from fleet.cancellation import raise_if_cancelled
 from fleet.clock import SystemClock
 from fleet.errors import ConfigError, InvalidInput
+from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.model_control import (
     BOOT_GEN,
@@ -365,6 +366,8 @@ class ModelHost:
                  len(served.instances))
         self.ctx.beat_now()
         self.nudge()  # an older unit it replaces can go now
+        if len(self._loads) <= 1:  # the last load in flight: what it loaded lives as long as the worker
+            freeze_after_startup()
 
     async def _unload(self, unit: Unit) -> None:
         served = self.units[unit]
