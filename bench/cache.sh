@@ -17,8 +17,10 @@ cp -r "$ROOT/model_repository/mlp" "$WORK/repo/mlp_cached"
 sed -i 's/name: "mlp"/name: "mlp_cached"/' "$WORK/repo/mlp_cached/config.pbtxt"
 echo 'response_cache { enable: true }' >> "$WORK/repo/mlp_cached/config.pbtxt"
 
-cd "$ROOT" && .venv/bin/python -m fleet up --model-repository "$WORK/repo" --http-port "$P" --metrics-port $((P + 2)) \
-  --grpc-port $((P + 1)) --data-dir "$WORK/data" --cache-config local,size=104857600 > "$OUT/fleet.log" 2>&1 &
+cd "$ROOT"
+# exec: $! is fleet up itself, so the TERM below reaches it (it then stops its gateway, workers and Redis).
+(exec .venv/bin/python -m fleet up --model-repository "$WORK/repo" --http-port "$P" --metrics-port $((P + 2)) \
+  --grpc-port $((P + 1)) --data-dir "$WORK/data" --cache-config local,size=104857600 > "$OUT/fleet.log" 2>&1) &
 UP=$!
 for _ in $(seq 1 120); do
   curl -sf "127.0.0.1:$P/v2/models/mlp/ready" > /dev/null && curl -sf "127.0.0.1:$P/v2/models/mlp_cached/ready" > /dev/null && break

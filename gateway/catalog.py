@@ -22,10 +22,13 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
+from fleet.ensemble import EnsemblePlan, plan
 from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, VersionNotFound
 from fleet.model_config import spec_from_proto
 from fleet.model_control import Target
 from fleet.repository import ModelEntry, Repository, version_dirs
+
+MAX_ENSEMBLE_DEPTH = 8  # ensembles of ensembles, this deep at most
 
 
 @dataclass(slots=True)
@@ -86,6 +89,9 @@ class Catalog:
     configs: dict[tuple[str, str], str] = field(default_factory=dict)
     # (model, generation, source) -> the view built from it, so a refresh rebuilds nothing unchanged
     _built: dict[tuple[str, str, str], ModelView] = field(default_factory=dict)
+    # Ensembles (fleet/ensemble.py): the plan of each whose steps all have a ready version; why not, else.
+    ensemble_plans: dict[str, EnsemblePlan] = field(default_factory=dict)
+    ensemble_problems: dict[str, str] = field(default_factory=dict)
     _ready_gens: set[tuple[str, str]] = field(default_factory=set)
     _stale: set[tuple[str, str]] = field(default_factory=set)  # configs to read again
 
@@ -131,7 +137,7 @@ class Catalog:
     def _why_not(self, name: str) -> str:
         if name not in self.targets:
             return " (unloaded)"
-        reason = self.failures.get(name)
+        reason = self.failures.get(name) or self.ensemble_problems.get(name)
         return f": {reason}" if reason else " (no ready worker serves it)"
 
     def all_ready(self) -> bool:
@@ -208,8 +214,42 @@ class Catalog:
             if view is not None:
                 views[name] = view
         self.views = views
+        self._plan_ensembles()
         live = {(n, v.gen, "c" if v.gen else "r") for n, v in views.items()}
         self._built = {k: v for k, v in self._built.items() if k in live}
+
+    def _plan_ensembles(self) -> None:
+        """Plan each ensemble against its steps' configs; it is ready (every version of it) when each
+        step's model has the version the step names ready. Nested ensembles settle level by level."""
+        names = [n for n, v in self.views.items() if v.entry.spec.ensemble]
+        self.ready = {p for p in self.ready if p[0] not in names}
+        plans: dict[str, EnsemblePlan] = {}
+        problems: dict[str, str] = {}
+        for _ in range(MAX_ENSEMBLE_DEPTH):
+            settled = len(plans)
+            for name in names:
+                if name in plans:
+                    continue
+                spec = self.views[name].entry.spec
+                wanted = {s.model_name for s in spec.proto.ensemble_scheduling.step}
+                try:
+                    planned = plan(spec, {m: self.views[m].entry.spec for m in wanted if m in self.views})
+                except ConfigError as exc:
+                    problems[name] = exc.message
+                    continue
+                waiting = [s.model for s in planned.steps if not self._step_ready(s.model, s.version)]
+                if waiting:
+                    problems[name] = f"step model '{waiting[0]}' has no ready version"
+                    continue
+                plans[name] = planned
+                self.ready |= {(name, v) for v in self.views[name].entry.versions}
+            if len(plans) == settled:
+                break
+        self.ensemble_plans = plans
+        self.ensemble_problems = {n: why for n, why in problems.items() if n not in plans}
+
+    def _step_ready(self, model: str, version: int) -> bool:
+        return bool(self.ready_versions(model)) if version < 0 else (model, version) in self.ready
 
     def _view_of(self, target: Target) -> ModelView | None:
         """The config of the target's generation once it serves, else of a generation that serves (the

@@ -26,6 +26,7 @@ from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.broker import Broker
 from gateway.catalog import Catalog
+from gateway.ensembles import Ensembles
 from gateway.response_cache import ResponseCache, cache_key
 from gateway.tracer import Trace
 
@@ -38,9 +39,10 @@ class InferResult:
 
 class DataPlane:
     def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None,
-                 regions: Regions | None = None, max_in_flight: int = 4096, cache: ResponseCache | None = None
-                 ) -> None:
+                 regions: Regions | None = None, max_in_flight: int = 4096, cache: ResponseCache | None = None,
+                 ensembles: Ensembles | None = None) -> None:
         self.catalog = catalog
+        self.ensembles = ensembles
         self.cache = cache if cache is not None and cache.enabled else None  # gateway/response_cache.py
         self.broker = broker
         self.clock = clock or SystemClock()
@@ -82,7 +84,7 @@ class DataPlane:
         cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
         generation of the config it was validated with (a reload must not answer from the old one)."""
         if self.cache is None or not spec.response_cache:
-            return await self.queued(model, v, spec, req, trace, caller_timeout_s)
+            return await self._compute(model, v, spec, req, trace, caller_timeout_s)
         started = time.perf_counter_ns()
         key = cache_key(model, v, req, gen)
         hit = await self.cache.lookup(key)
@@ -92,9 +94,20 @@ class DataPlane:
             rows = req.inputs[0].shape[0] if spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape else 1
             self.cache.count_later(stats_key, v, rows, time.perf_counter_ns() - started, 0, lookup_ns)
             return hit
-        reply = await self.queued(model, v, spec, req, trace, caller_timeout_s)
+        reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
         self.cache.insert_later(key, reply, stats_key, v, lookup_ns)
         return reply
+
+    async def _compute(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
+                       caller_timeout_s: float | None) -> ReplyEnvelope:
+        """An ensemble's graph (gateway/ensembles.py), or one request queued for the model's workers."""
+        if spec.ensemble and self.ensembles is not None:
+            return await self.ensembles.run(model, v, spec, req, self._step, caller_timeout_s)
+        return await self.queued(model, v, spec, req, trace, caller_timeout_s)
+
+    async def _step(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, caller_timeout_s: float | None,
+                    gen: str) -> ReplyEnvelope:
+        return await self.run(model, v, spec, req, None, caller_timeout_s, gen=gen)
 
     async def queued(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None = None,
                      caller_timeout_s: float | None = None) -> ReplyEnvelope:

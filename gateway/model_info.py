@@ -61,7 +61,8 @@ def repository_index(catalog: Catalog, only_ready: bool) -> list[dict[str, Any]]
         view = catalog.views.get(name)
         versions = set(view.entry.versions if view else ()) | {u.version for u in units}
         versions |= {v for m, v in catalog.ready if m == name}
-        reason = catalog.failures.get(name) or catalog.repository.errors.get(name)
+        reason = (catalog.failures.get(name) or catalog.ensemble_problems.get(name)
+                  or catalog.repository.errors.get(name))
         if target is None:
             if name not in catalog.repository.dirs:  # in two repositories: never served
                 items.append({"name": name, "state": "UNAVAILABLE", "reason": reason or "not servable"})

@@ -25,6 +25,7 @@ from fleet.settings import Settings
 from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.dataplane import DataPlane, model_statistics
+from gateway.ensembles import Ensembles
 from gateway.jobs.service import jobs_context
 from gateway.model_control import ModelControl
 from gateway.response_cache import ResponseCache, parse_cache_config
@@ -65,8 +66,9 @@ class GatewayState:
         # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
         self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
         self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config))
+        self.ensembles = Ensembles(self.catalog, self.client, self.keys)
         self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
-                                   max_in_flight=settings.max_in_flight, cache=self.cache)
+                                   max_in_flight=settings.max_in_flight, cache=self.cache, ensembles=self.ensembles)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
         # The logging and trace extensions: settings followed from Redis, traces written by this process.
@@ -96,6 +98,7 @@ class GatewayState:
             await cancel_and_wait([self._refresher], "readiness refresher")
         await self.runtime.stop()
         await self.cache.drain()
+        await self.ensembles.drain()
         await self.broker.stop()
         self.jobs.client.close()
 

@@ -222,6 +222,8 @@ class ModelHost:
                 desired.update({(u.model, u.version): u.gen for u, s in self.units.items()
                                 if u.model == name and s.state is UnitState.READY})
                 continue
+            if built.spec.ensemble:
+                continue  # gateways run ensembles (gateway/ensembles.py): no instances here
             problem = placement_problem(built.spec, self.ctx.device)
             if problem is not None:  # another worker's device fits it (fleet/placement.py)
                 problems[name] = (target.gen, f"not served by a {self.ctx.device} worker: {problem}")

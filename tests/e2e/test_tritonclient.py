@@ -222,3 +222,40 @@ def test_response_is_compressed_when_asked(system: RunningSystem) -> None:
         assert r.headers["Content-Encoding"] == "gzip"
         doc = json.loads(gzip.decompress(r.read()))
     assert {o["name"]: o["data"] for o in doc["outputs"]}["OUTPUT0"] == [2] * 16
+
+
+def test_the_mlp_pipeline_ensemble_equals_its_steps_called_one_by_one(system: RunningSystem,
+                                                                     client: http.InferenceServerClient) -> None:
+    """model_repository/mlp_pipeline (mlp_pre -> mlp -> mlp_post), over HTTP and gRPC, against the three
+    models called from the client one after another."""
+    import tritonclient.grpc as grpc
+
+    raw = np.random.default_rng(7).normal(3.0, 2.0, size=(2, 256)).astype(np.float32)
+    pre = infer(client, "mlp_pre", {"RAW": raw}, {"RAW": "FP32"}, True).as_numpy("INPUT0")
+    logits = infer(client, "mlp", {"INPUT0": pre}, {"INPUT0": "FP32"}, True).as_numpy("OUTPUT0")
+    post = infer(client, "mlp_post", {"LOGITS": logits}, {"LOGITS": "FP32"}, True)
+    result = infer(client, "mlp_pipeline", {"RAW": raw}, {"RAW": "FP32"}, True)
+    assert (result.as_numpy("CLASS") == post.as_numpy("CLASS")).all()
+    assert np.allclose(result.as_numpy("PROBS"), post.as_numpy("PROBS"), atol=1e-6)
+    assert np.allclose(result.as_numpy("PROBS").sum(axis=1), 1.0, atol=1e-5)
+    g = grpc.InferenceServerClient(system.grpc_url)
+    try:
+        x = grpc.InferInput("RAW", [2, 256], "FP32")
+        x.set_data_from_numpy(raw)
+        out = g.infer("mlp_pipeline", [x], outputs=[grpc.InferRequestedOutput("CLASS")])
+        assert (out.as_numpy("CLASS") == post.as_numpy("CLASS")).all() and out.as_numpy("PROBS") is None
+        assert g.get_model_config("mlp_pipeline").config.platform == "ensemble"
+    finally:
+        g.close()
+
+
+def test_the_text_pipeline_ensemble(client: http.InferenceServerClient) -> None:
+    """model_repository/text_pipeline: text_pre (cleaning) -> minilm -> text_post (FP16, top dim)."""
+    messy = np.array([["  A cat\tsits on\nthe mat.  "], ["A kitten is sitting on a rug."]], dtype=object)
+    result = infer(client, "text_pipeline", {"RAW_TEXT": messy}, {"RAW_TEXT": "BYTES"}, True)
+    emb16 = result.as_numpy("EMBEDDING_FP16")
+    assert emb16.dtype == np.float16 and emb16.shape == (2, 384)
+    clean = np.array([["A cat sits on the mat."], ["A kitten is sitting on a rug."]], dtype=object)
+    direct = infer(client, "minilm", {"TEXT": clean}, {"TEXT": "BYTES"}, True).as_numpy("EMBEDDING")
+    np.testing.assert_allclose(emb16.astype(np.float32), direct, atol=2e-3)
+    assert (result.as_numpy("TOP_DIM")[:, 0] == np.abs(direct).argmax(axis=1)).all()
