@@ -92,7 +92,7 @@ class DataPlane:
         stats_key = self.broker.keys.stats(model)
         if hit is not None:
             rows = req.inputs[0].shape[0] if spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape else 1
-            self.cache.count_later(stats_key, v, rows, time.perf_counter_ns() - started, 0, lookup_ns)
+            self.cache.count_hit(stats_key, v, rows, time.perf_counter_ns() - started, lookup_ns)
             return hit
         reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
         self.cache.insert_later(key, reply, stats_key, v, lookup_ns)

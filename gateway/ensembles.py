@@ -23,17 +23,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from fleet.ensemble import EnsembleRun, Step
 from fleet.envelope import ReplyEnvelope, WireTensor
 from fleet.errors import InferenceFailed, ModelNotReady
 from fleet.keys import Keys
 from fleet.kserve import ParsedInfer, check_input, check_input_set
 from fleet.model_config import ModelSpec
-from fleet.stats import field
 from gateway.catalog import Catalog
+from gateway.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +39,10 @@ RunStep = Callable[[str, int, ModelSpec, ParsedInfer, float | None, str], Awaita
 
 
 class Ensembles:
-    def __init__(self, catalog: Catalog, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, catalog: Catalog, keys: Keys, counters: Counters) -> None:
         self.catalog = catalog
-        self.client = client
         self.keys = keys
-        self._counting: set[asyncio.Task[None]] = set()
+        self.counters = counters
 
     async def run(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, run_step: RunStep,
                   caller_timeout_s: float | None) -> ReplyEnvelope:
@@ -73,12 +69,12 @@ class Ensembles:
             for unfinished in pending:
                 unfinished.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            self._count(model, v, req, time.perf_counter_ns() - started, ok=False)
+            self._count(model, v, spec, req, time.perf_counter_ns() - started, ok=False)
             raise
         for unneeded in pending:  # steps whose outputs nothing needs any more
             unneeded.cancel()
         wanted = req.outputs if req.outputs is not None else list(plan.outputs)
-        self._count(model, v, req, time.perf_counter_ns() - started, ok=True)
+        self._count(model, v, spec, req, time.perf_counter_ns() - started, ok=True)
         return ReplyEnvelope(id="", model_version=v, outputs=[run.tensors[name] for name in wanted])
 
     async def _step(self, step: Step, run: EnsembleRun, req: ParsedInfer, started_ns: int, run_step: RunStep,
@@ -100,29 +96,14 @@ class Ensembles:
         reply = await run_step(step.model, sv, spec, step_req, caller_timeout_s, view.gen)
         return list(reply.outputs or [])
 
-    def _count(self, model: str, v: int, req: ParsedInfer, took_ns: int, ok: bool) -> None:
-        rows = 1
-        if req.inputs and req.inputs[0].shape:
-            spec = self.catalog.views[model].entry.spec if model in self.catalog.views else None
-            rows = req.inputs[0].shape[0] if spec is not None and spec.max_batch_size > 0 else 1
+    def _count(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, took_ns: int, ok: bool) -> None:
+        batched = spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape
+        rows = req.inputs[0].shape[0] if batched else 1
         kind = "success" if ok else "fail"
         deltas = {f"{kind}:count": 1, f"{kind}:ns": took_ns}
         if ok:
             deltas |= {"queue:count": 1, "inference_count": rows, "execution_count": 1}
-        task = asyncio.ensure_future(self._write(self.keys.stats(model), v, deltas))
-        self._counting.add(task)
-        task.add_done_callback(self._counting.discard)
-
-    async def _write(self, key: str, v: int, deltas: dict[str, int]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for name, value in deltas.items():
-            pipe.hincrby(key, field(v, name), value)
-        pipe.hset(key, field(v, "last_inference"), int(time.time() * 1000))
-        try:
-            await pipe.execute()
-        except RedisError as exc:
-            log.warning("cannot count an ensemble request: %s", exc)
+        self.counters.add(self.keys.stats(model), v, deltas)
 
     async def drain(self) -> None:
-        if self._counting:
-            await asyncio.wait(list(self._counting), timeout=5)
+        await self.counters.drain()

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from fleet.envelope import ReplyEnvelope, decode_reply, encode_reply
 from fleet.errors import ConfigError, InvalidInput
 from fleet.kserve import ParsedInfer
-from fleet.stats import field
+from gateway.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,10 @@ def cache_key(model: str, version: int, req: ParsedInfer, gen: str = "") -> str:
 
 
 class ResponseCache:
-    def __init__(self, client: aioredis.Redis, prefix: str, budget_bytes: int) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str, budget_bytes: int, counters: Counters | None = None
+                 ) -> None:
         self.client = client
+        self.counters = counters or Counters(client)
         self.budget_bytes = budget_bytes
         self.keys = [f"{prefix}:{{cache}}:entries", f"{prefix}:{{cache}}:lru", f"{prefix}:{{cache}}:bytes"]
         self._stats_key = prefix
@@ -143,37 +145,22 @@ class ResponseCache:
         try:
             await self._insert(keys=self.keys, args=[key, encode_reply(stored), self.budget_bytes])
             took = lookup_ns + time.perf_counter_ns() - started
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hincrby(stats_key, field(version, "cache_miss:count"), 1)
-            pipe.hincrby(stats_key, field(version, "cache_miss:ns"), took)
-            await pipe.execute()
+            self.counters.add(stats_key, version, {"cache_miss:count": 1, "cache_miss:ns": took},
+                              last_inference=False)
         except RedisError as exc:
             log.warning("response cache insert failed: %s", exc)
 
-    def count_later(self, stats_key: str, version: int, rows: int, request_ns: int, queue_ns: int,
-                    lookup_ns: int) -> None:
-        """Count a hit off the request path."""
-        task = asyncio.ensure_future(self._count_hit(stats_key, version, rows, request_ns, queue_ns, lookup_ns))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _count_hit(self, stats_key: str, version: int, rows: int, request_ns: int, queue_ns: int,
-                         lookup_ns: int) -> None:
-        """A hit's statistics, as Triton counts them (a success that never executed)."""
-        pipe = self.client.pipeline(transaction=False)
-        for name, value in (("success:count", 1), ("success:ns", request_ns), ("queue:count", 1),
-                            ("queue:ns", queue_ns), ("cache_hit:count", 1), ("cache_hit:ns", lookup_ns),
-                            ("inference_count", rows)):
-            pipe.hincrby(stats_key, field(version, name), value)
-        pipe.hset(stats_key, field(version, "last_inference"), int(time.time() * 1000))
-        try:
-            await pipe.execute()
-        except RedisError as exc:
-            log.warning("cannot count a response cache hit: %s", exc)
+    def count_hit(self, stats_key: str, version: int, rows: int, request_ns: int, lookup_ns: int) -> None:
+        """A hit's statistics, as Triton counts them (a success that never executed; queue time 0)."""
+        self.counters.add(stats_key, version, {"success:count": 1, "success:ns": request_ns, "queue:count": 1,
+                                               "cache_hit:count": 1, "cache_hit:ns": lookup_ns,
+                                               "inference_count": rows})
 
     async def drain(self) -> None:
+        """Inserts and counts still in flight, done (tests, and a stopping gateway)."""
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=5)
+        await self.counters.drain()
 
     async def usage(self) -> tuple[int, int]:
         """(entries, bytes) now in the cache."""

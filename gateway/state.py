@@ -24,6 +24,7 @@ from fleet.repository import Repository
 from fleet.settings import Settings
 from gateway.broker import Broker
 from gateway.catalog import Catalog
+from gateway.counters import Counters
 from gateway.dataplane import DataPlane, model_statistics
 from gateway.ensembles import Ensembles
 from gateway.jobs.service import jobs_context
@@ -65,8 +66,10 @@ class GatewayState:
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
         # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
         self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
-        self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config))
-        self.ensembles = Ensembles(self.catalog, self.client, self.keys)
+        counters = Counters(self.client)  # statistics this gateway adds itself (gateway/counters.py)
+        self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config),
+                                   counters)
+        self.ensembles = Ensembles(self.catalog, self.keys, counters)
         self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
                                    max_in_flight=settings.max_in_flight, cache=self.cache, ensembles=self.ensembles)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.

@@ -27,7 +27,6 @@ Contract:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -45,7 +44,7 @@ from fleet.config_checks import BACKENDS, ENSEMBLE_PLATFORM, PLATFORMS, WILDCARD
 from fleet.config_json import config_to_json
 from fleet.errors import ConfigError
 from fleet.lifetime import die_with_parent
-from workers.backends.python_stub import SHIM_DIR
+from workers.backends.python_stub import SHIM_DIR, import_model_module
 
 DEFAULT_MAX_BATCH_SIZE = 4  # Triton's --backend-config=onnxruntime,default-max-batch-size default
 PYTHON_TIMEOUT_S = 60.0
@@ -281,13 +280,7 @@ def _run_auto_complete(model_py: Path, config_json: str) -> dict[str, Any] | Non
     sys.path.insert(0, str(SHIM_DIR))
     import triton_python_backend_utils as pb_utils
 
-    sys.path.insert(0, str(model_py.parent))
-    spec = importlib.util.spec_from_file_location("model", model_py)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {model_py}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["model"] = module
-    spec.loader.exec_module(module)
+    module = import_model_module(model_py)
     hook = getattr(getattr(module, "TritonPythonModel", None), "auto_complete_config", None)
     if hook is None:
         return None  # a model.py without TritonPythonModel fails when it loads, with the stub's message

@@ -32,7 +32,9 @@ from workers.backends.frames import PipeClosed, read_frame, write_frame
 SHIM_DIR = Path(__file__).parent / "python_shim"
 
 
-def _load_model(model_py: Path) -> Any:
+def import_model_module(model_py: Path) -> Any:
+    """model.py imported as Triton's stub does (as module `model`, its directory on sys.path); also used
+    by workers/auto_complete.py's child."""
     sys.path.insert(0, str(model_py.parent))
     spec = importlib.util.spec_from_file_location("model", model_py)
     if spec is None or spec.loader is None:
@@ -40,7 +42,11 @@ def _load_model(model_py: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules["model"] = module
     spec.loader.exec_module(module)
-    return module.TritonPythonModel()
+    return module
+
+
+def _load_model(model_py: Path) -> Any:
+    return import_model_module(model_py).TritonPythonModel()
 
 
 def _decode_inputs(raw: list[Any]) -> dict[str, np.ndarray]:
