@@ -42,6 +42,9 @@ class RequestEnvelope:
     # Traced requests only (the trace extension): timestamps by name (fleet/trace_points.py), ns on Redis's
     # clock, that the worker adds to and sends back in the reply. None, and absent on the wire, otherwise.
     trace: dict[str, int] | None = None
+    # A request a Python model made (BLS, workers/bls.py): "model:version" of each model on the call path
+    # that is waiting for it, the outermost first. Empty, and absent on the wire, for a caller's request.
+    bls_chain: list[str] = field(default_factory=list)
 
     def batch_rows(self, batched: bool) -> int:
         """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
@@ -61,6 +64,10 @@ class ReplyEnvelope:
     queue_us: int = 0
     compute_us: int = 0
     trace: dict[str, int] | None = None  # the request's trace timestamps plus the worker's; traced only
+    # A decoupled model's responses (workers/backends/python_backend.py): every one but the last has
+    # final False; the last may be `empty` (the model sent the final flag without a response).
+    final: bool = True
+    empty: bool = False
 
     @property
     def ok(self) -> bool:
@@ -92,8 +99,16 @@ def encode_request(env: RequestEnvelope) -> bytes:
     }
     if env.trace is not None:
         m["tr"] = env.trace
+    if env.bls_chain:
+        m["bc"] = env.bls_chain
     payload: bytes = msgpack.packb(m, use_bin_type=True)
     return payload
+
+
+def _chain(raw: Any) -> list[str]:
+    if not isinstance(raw, list) or not all(isinstance(link, str) for link in raw):
+        raise ValueError("the BLS chain of an envelope must be a list of strings")
+    return raw
 
 
 def _trace(raw: Any) -> dict[str, int]:
@@ -130,6 +145,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
             client_id=m.get("c") or "",
             expires_us=m.get("ex"),
             trace=_trace(m["tr"]) if "tr" in m else None,
+            bls_chain=_chain(m["bc"]) if "bc" in m else [],
         )
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise InvalidInput(f"malformed request envelope: {exc}") from exc
@@ -145,6 +161,10 @@ def encode_reply(rep: ReplyEnvelope) -> bytes:
         m["p"] = rep.parameters
     if rep.trace is not None:
         m["tr"] = rep.trace
+    if not rep.final:
+        m["f"] = 0
+    if rep.empty:
+        m["n"] = 1
     payload: bytes = msgpack.packb(m, use_bin_type=True)
     return payload
 
@@ -158,6 +178,8 @@ def decode_reply(payload: bytes) -> ReplyEnvelope:
         compute_us=m.get("x", 0),
         parameters=m.get("p") or {},
         trace=_trace(m["tr"]) if "tr" in m else None,
+        final=bool(m.get("f", 1)),
+        empty=bool(m.get("n", 0)),
     )
     if "e" in m:
         rep.error_code, rep.error_message = m["e"]

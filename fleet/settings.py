@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     # A version being unloaded keeps reading this long after it stops being advertised (gateways follow
     # heartbeats within ~1.5 s), then until its streams are empty, so nothing routed to it is stranded.
     unload_grace_s: float = Field(default=2.0, ge=0)
+    # BLS (workers/bls.py): how many calls deep a chain of Python models calling models may go (a client's
+    # request is depth 0). A call that would go deeper fails with an error that shows the chain.
+    bls_max_depth: int = Field(default=8, ge=1, le=64)
     # Triton's rate limiter (workers/rate_limiter.py): --rate-limit off|execution_count and
     # --rate-limit-resource NAME:COUNT[:DEVICE] (repeatable; from the env as a JSON list).
     rate_limit: Literal["off", "execution_count"] = "off"

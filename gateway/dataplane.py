@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from fleet.admission import admit
+from fleet.admission import Admission, admit
+from fleet.broker import Broker
 from fleet.clock import Clock, SystemClock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, encode_request
-from fleet.errors import ModelNotReady, Overloaded, from_code
+from fleet.errors import InferenceFailed, ModelNotReady, Overloaded, from_code
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.model_config import ModelSpec
 from fleet.stats import render_model_stats
 from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
-from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.ensembles import Ensembles
 from gateway.response_cache import ResponseCache, cache_key
@@ -116,7 +117,63 @@ class DataPlane:
         BrokerUnavailable or DeadlineExceeded. Cancelled (the caller went away), the request is deleted
         from its stream or dropped by its worker. `caller_timeout_s`: the caller stops waiting after this
         long (a gRPC deadline), so a worker drops the request if it is still queued then instead of
-        computing it for nobody."""
+        computing it for nobody. A decoupled model must answer with exactly one response here."""
+        if spec.decoupled:
+            return await self._single(model, v, spec, req, caller_timeout_s)
+        sub = self._submission(model, v, spec, req, trace, caller_timeout_s)
+        try:
+            reply = await self._submit(sub)
+        except asyncio.CancelledError:
+            # The caller went away: nobody will read a reply, so none should be computed.
+            self.broker.cancel(sub.env.id)
+            raise
+        finally:
+            self.broker.forget(sub.env.id)
+        if trace is not None:
+            trace.reply(reply)
+        if not reply.ok:
+            raise from_code(reply.error_code, reply.error_message)
+        return reply
+
+    async def responses(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
+                        caller_timeout_s: float | None = None) -> AsyncGenerator[ReplyEnvelope, None]:
+        """A decoupled model's replies, each as its worker writes it; the last is final (and `empty` when
+        the model sent the final flag alone). A response that is an error is yielded like the others;
+        what fails the request before any response (admission, Redis) is raised. Closed early (the
+        caller went away), the request is cancelled: dropped if queued, `is_cancelled()` in the model."""
+        sub = self._submission(model, v, spec, req, None, caller_timeout_s)
+        first = self._submit(sub, streamed=True)
+        later = self.broker.later(sub.env.id)
+        finished = False
+        try:
+            reply = await first
+            while True:
+                finished = reply.final
+                yield reply
+                if finished:
+                    return
+                reply = await later.get()
+        finally:
+            if not finished:
+                self.broker.cancel(sub.env.id)
+            self.broker.forget(sub.env.id)
+
+    async def _single(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
+                      caller_timeout_s: float | None) -> ReplyEnvelope:
+        """A decoupled model through a one-reply protocol (infer): its one response, else an error."""
+        got: list[ReplyEnvelope] = []
+        async for reply in self.responses(model, v, spec, req, caller_timeout_s):
+            if not reply.ok:
+                raise from_code(reply.error_code, reply.error_message)
+            if not reply.empty:
+                got.append(reply)
+        if len(got) != 1:
+            raise InferenceFailed(f"model '{model}' is decoupled and produced {len(got)} responses; a single "
+                                  f"inference expects exactly 1 (stream it: generate_stream or gRPC streaming)")
+        return got[0]
+
+    def _submission(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
+                    caller_timeout_s: float | None) -> _Submission:
         rid = self.broker.next_id()
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).
@@ -143,22 +200,22 @@ class DataPlane:
             trace.request(v, req.client_id, req.inputs)
             env.trace = {}
             trace.stamp(QUEUE_START)
-        try:
-            reject_at = None if admission.delay_on_timeout else admission.deadline_us
-            stream = self.broker.keys.queue(model, admission.lane, version=v)
-            reply = await self.broker.submit(rid, stream, encode_request(env), admission.max_queue_size, model,
-                                             version=v, enqueued_us=now_us, reject_at_us=reject_at)
-        except asyncio.CancelledError:
-            # The caller went away: nobody will read a reply, so none should be computed.
-            self.broker.cancel(rid)
-            raise
-        finally:
-            self.broker.forget(rid)
-        if trace is not None:
-            trace.reply(reply)
-        if not reply.ok:
-            raise from_code(reply.error_code, reply.error_message)
-        return reply
+        return _Submission(env, admission, now_us)
+
+    def _submit(self, sub: _Submission, streamed: bool = False) -> asyncio.Future[ReplyEnvelope]:
+        env, admission = sub.env, sub.admission
+        reject_at = None if admission.delay_on_timeout else admission.deadline_us
+        stream = self.broker.keys.queue(env.model, admission.lane, version=env.version)
+        return self.broker.submit(env.id, stream, encode_request(env), admission.max_queue_size, env.model,
+                                  version=env.version, enqueued_us=sub.now_us, reject_at_us=reject_at,
+                                  streamed=streamed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Submission:
+    env: RequestEnvelope
+    admission: Admission
+    now_us: int
 
 
 async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any, name: str | None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleet.broker import Broker
 from fleet.errors import VersionNotFound
-from gateway.broker import Broker
 from gateway.catalog import Catalog, ModelView
 
 

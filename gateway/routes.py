@@ -7,14 +7,17 @@ path, and design.md measured FastAPI's per-route layer at up to 2x the cost of a
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleet.envelope import ReplyEnvelope
 from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
 from gateway import model_info
+from gateway.generate import events, parse_generate, raise_reply, render_generate, single
 from gateway.state import GatewayState
 
 SERVER_VERSION = "2.51.0"
@@ -99,6 +102,69 @@ async def infer(request: Request) -> Response:
     raise InvalidInput("infer requests are served by the fast path")
 
 
+async def generate(request: Request) -> Response:
+    """Triton's generate extension (gateway/generate.py): one JSON response."""
+    st = state_of(request)
+    name = request.path_params["name"]
+    view, v = st.catalog.resolve(name, _version(request))
+    spec = view.entry.spec
+    req = parse_generate(await _identity_body(request), spec)
+    st.dataplane.admit()
+    try:
+        if spec.decoupled:
+            reply = await single(st.dataplane.responses(name, v, spec, req))
+        else:
+            reply = await st.dataplane.run(name, v, spec, req, gen=view.gen)
+    finally:
+        st.dataplane.release()
+    return json_response(render_generate(name, v, req.client_id, reply))
+
+
+async def generate_stream(request: Request) -> Response:
+    """Each response of the model as a server-sent event, as it comes; the status is the first one's."""
+    st = state_of(request)
+    name = request.path_params["name"]
+    view, v = st.catalog.resolve(name, _version(request))
+    spec = view.entry.spec
+    req = parse_generate(await _identity_body(request), spec)
+    st.dataplane.admit()
+    try:
+        if spec.decoupled:
+            rest = st.dataplane.responses(name, v, spec, req)
+            first = await anext(rest)
+            if not first.ok:
+                await rest.aclose()
+                raise_reply(first)
+        else:
+            first = await st.dataplane.run(name, v, spec, req, gen=view.gen)
+            rest = _nothing()
+    except BaseException:
+        st.dataplane.release()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events(name, v, req.client_id, first, rest):
+                yield chunk
+        finally:
+            await rest.aclose()  # the client went away: the request is cancelled
+            st.dataplane.release()
+
+    return StreamingResponse(body(), media_type="text/event-stream; charset=utf-8")
+
+
+async def _nothing() -> AsyncGenerator[ReplyEnvelope, None]:
+    return
+    yield  # an empty async generator
+
+
+async def _identity_body(request: Request) -> bytes:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidInput(f"generate requests do not support Content-Encoding '{encoding}'")
+    return await request.body()
+
+
 async def repository_index(request: Request) -> Response:
     st = state_of(request)
     body = await request.body()
@@ -161,6 +227,8 @@ ROUTES: list[Route] = [
     Route("/v2", server_metadata, methods=["GET"]),
     Route("/v2/models/stats", model_stats, methods=["GET"]),
     *model_routes("/infer", infer, ["POST"]),
+    *model_routes("/generate", generate, ["POST"]),
+    *model_routes("/generate_stream", generate_stream, ["POST"]),
     *model_routes("/ready", model_ready, ["GET"]),
     *model_routes("/config", model_config, ["GET"]),
     *model_routes("/stats", model_stats, ["GET"]),

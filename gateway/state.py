@@ -17,12 +17,12 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from fleet.broker import Broker
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.keys import Keys
 from fleet.redis_clients import async_client
 from fleet.repository import Repository
 from fleet.settings import Settings
-from gateway.broker import Broker
 from gateway.catalog import Catalog
 from gateway.counters import Counters
 from gateway.dataplane import DataPlane, model_statistics

@@ -53,6 +53,8 @@ from fleet.redis_clients import async_client
 from fleet.redis_time import RedisClock
 from fleet.repository import Completer, ModelEntry, Repository, load_model, scan
 from fleet.settings import Settings
+from workers.backends.base import BlsHandler, LoadContext
+from workers.backends.decoupled import Emit
 from workers.consumer import StreamConsumer
 from workers.custody import LiveWorkers
 from workers.instance import Instance
@@ -107,6 +109,8 @@ class HostContext:
     limiter: RateLimiter | None = None  # --rate-limit execution_count (workers/rate_limiter.py)
     # Whether a live worker other than this one serves (model, version): read from the heartbeats.
     serves_elsewhere: Callable[[str, int], Awaitable[bool]] = field(default=lambda m, v: _unknown())
+    bls: BlsHandler | None = None  # Python models' calls to other models (workers/bls.py)
+    emit: Emit | None = None  # a decoupled model's responses as they come (workers/replies.py)
 
 
 class ModelHost:
@@ -191,6 +195,17 @@ class ModelHost:
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def load_context(self, model: str, version: int) -> LoadContext | None:
+        """How a serving Python-backend instance of (model, version) here was loaded (BLS starts nested
+        instances from it); None if this worker serves no such instance."""
+        for unit, served in self.units.items():
+            if unit.model == model and unit.version == version and served.state == UnitState.READY:
+                for instance in served.instances:
+                    ctx = getattr(instance.backend, "context", None)
+                    if isinstance(ctx, LoadContext):
+                        return ctx
+        return None
 
     async def stop(self) -> None:
         """Stop reconciling, then stop every unit: each answers what it holds. Unloads in progress skip
@@ -331,7 +346,8 @@ class ModelHost:
                     return
                 device = instance_device(entry.spec, self.ctx.device)
                 served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
-                                                           self.settings.max_deliveries, self.ctx.limiter)
+                                                           self.settings.max_deliveries, self.ctx.limiter,
+                                                           self.ctx.bls, self.ctx.emit)
             if self._stopping:
                 self.units.pop(unit, None)
                 await asyncio.to_thread(close_instances, {unit.version: served.instances})

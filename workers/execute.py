@@ -42,7 +42,8 @@ def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpe
     inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in wire} \
         if to_arrays else {}
     return InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
-                         request_id=env.client_id, wire=wire)
+                         request_id=env.client_id, wire=wire, bls_chain=env.bls_chain, key=env.id,
+                         reply_to=env.reply_to, version=env.version)
 
 
 def _internal(env: RequestEnvelope, message: str) -> ReplyEnvelope:
@@ -101,6 +102,8 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
     if result.error is not None:
         return ReplyEnvelope(id=env.id, model_version=env.version, error_code=result.error.code.value,
                              error_message=result.error.message)
+    if result.empty:
+        return ReplyEnvelope(id=env.id, model_version=env.version, outputs=[], empty=True)
     produced = result.outputs or {}
     wire = result.wire_outputs or {}
     names = list(wire) or list(produced)

@@ -6,14 +6,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fleet.repository import ModelEntry
 from workers.backends import load_backend
-from workers.backends.base import LoadContext
+from workers.backends.base import BlsHandler, LoadContext
+from workers.backends.decoupled import Emit
 from workers.instance import Instance
 from workers.rate_limiter import RateLimiter
 from workers.warmup import warm_up
 
 
 def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: int = 3,
-                 limiter: RateLimiter | None = None) -> list[Instance]:
+                 limiter: RateLimiter | None = None, bls: BlsHandler | None = None,
+                 emit: Emit | None = None) -> list[Instance]:
     """The version's instances, each warmed up (model_warmup: before the version is advertised; a
     failing sample fails the load); raises if any fails, after closing those already made. With a
     `limiter` (--rate-limit execution_count), each instance executes under its group's rate_limiter."""
@@ -25,7 +27,7 @@ def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: i
         for i in range(max(1, entry.spec.instance_count)):
             name = f"{entry.name}_{i}"
             ctx = LoadContext(spec=entry.spec, model_dir=entry.path, version=version, instance_name=name,
-                              device=device, max_deliveries=max_deliveries)
+                              device=device, max_deliveries=max_deliveries, bls=bls, emit=emit)
             limit = limits[i] if limiter is not None and i < len(limits) and limits[i].resources else None
             out.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name),
                                 limit=limit, limiter=limiter if limit is not None else None))

@@ -23,12 +23,14 @@ from fleet.settings import Settings
 from fleet.settings_watch import follow_log_settings
 from fleet.subscription import follow_channel
 from workers.auto_complete import complete_config
+from workers.bls import BlsService
 from workers.control import HostContext, ModelHost
 from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop import LoopConfig
 from workers.rate_limiter import RateLimiter, parse_resource_flags
+from workers.replies import ReplyWriter
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
@@ -92,9 +94,13 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     if settings.rate_limit == "execution_count":
         limiter = RateLimiter(parse_resource_flags(settings.rate_limit_resources, device),
                               redis.Redis.from_url(url, protocol=2), settings.key_prefix, worker_id)
+    replies = ReplyWriter(url)  # decoupled models' responses before their last
+    # Python models' calls to other models; nested instances for cyclic calls come from what the host loaded.
+    bls = BlsService(settings, keys, control, worker_id, asyncio.get_running_loop(),
+                     lambda model, version: host.load_context(model, version))
     host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
                                            on_loop_done, beat_now, heartbeat.live_workers, limiter,
-                                           heartbeat.serves_elsewhere), completer)
+                                           heartbeat.serves_elsewhere, bls, replies.emit), completer)
     heartbeat.report = host.report
     beat_task = asyncio.create_task(heartbeat.run())
     await host.seed()
@@ -114,6 +120,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     await heartbeat.clear()
     await cancel_and_wait([host_task, beat_task, cancel_task, control_task, settings_task], f"worker {worker_id}")
     await host.stop()
+    await bls.stop()
+    replies.close()
     if limiter is not None:
         limiter.close()
     await control.aclose()
@@ -126,7 +134,7 @@ async def _nudge(host: ModelHost) -> None:
 
 
 async def listen_for_cancellations(url: str, keys: Keys, host: ModelHost) -> None:
-    """Drop queued requests whose callers went away (gateway/broker.py publishes them): never computed.
+    """Drop queued requests whose callers went away (fleet/broker.py publishes them): never computed.
     Best effort: a cancellation missed while reconnecting only costs a reply nobody reads."""
 
     async def cancel(data: object) -> None:
@@ -137,6 +145,12 @@ async def listen_for_cancellations(url: str, keys: Keys, host: ModelHost) -> Non
         if isinstance(model, str):
             for loop in host.loops_of(model):
                 loop.cancel({request_id})
+                # One running on a decoupled model: the model sees request.is_cancelled().
+                for instances in loop.instances.values():
+                    for instance in instances:
+                        cancel_running = getattr(instance.backend, "cancel_requests", None)
+                        if cancel_running is not None:
+                            cancel_running([request_id])
 
     await follow_channel(url, keys.cancel(), "cancellation listener", cancel)
 

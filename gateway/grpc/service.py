@@ -35,7 +35,7 @@ from fleet.trace_points import (
 from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
 from gateway.grpc.codec import decode_infer, encode_infer, request_version
-from gateway.grpc.stream import StreamSessions
+from gateway.grpc.stream import StreamAnswer, StreamSessions
 from gateway.routes import EXTENSIONS, SERVER_VERSION
 from gateway.state import GatewayState
 from gateway.tracer import Trace
@@ -44,7 +44,7 @@ from gateway.tracer import Trace
 class InferenceService:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self.streams = StreamSessions(self.infer, state.dataplane)
+        self.streams = StreamSessions(self.infer_stream, state.dataplane)
 
     def drain(self) -> None:
         """The server is stopping: open streams read no more requests and end once theirs are answered."""
@@ -185,6 +185,42 @@ class InferenceService:
         if trace is not None:
             trace.stamp(REQUEST_END)
         return response
+
+
+    async def infer_stream(self, request: Any, timeout_s: float | None) -> AsyncGenerator[StreamAnswer, None]:
+        """One ModelInferRequest of a stream: its one response, or each of a decoupled model's as it
+        comes. With the request parameter `triton_enable_empty_final_response` (Triton's), every
+        response carries `triton_final_response`, and a final flag sent alone is an empty response;
+        without it, a final flag alone sends nothing."""
+        flag = request.parameters.get(EMPTY_FINAL)
+        empty_final = flag is not None and flag.WhichOneof("parameter_choice") == "bool_param" and flag.bool_param
+        if flag is not None:
+            del request.parameters[EMPTY_FINAL]
+        catalog, dataplane = self.state.catalog, self.state.dataplane
+        view, v = catalog.resolve(request.model_name, request_version(request.model_version))
+        spec = view.entry.spec
+        if not spec.decoupled:
+            yield StreamAnswer(_marked(await self.infer(request, timeout_s), empty_final, True), None, True)
+            return
+        req = decode_infer(request, spec, dataplane.regions)
+        async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):
+            if not reply.ok:
+                yield StreamAnswer(None, reply.error_message, reply.final)
+            elif reply.empty:
+                response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(v), id=req.client_id)
+                yield StreamAnswer(_marked(response, True, True) if empty_final else None, None, True)
+            else:
+                response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
+                yield StreamAnswer(_marked(response, empty_final, reply.final), None, reply.final)
+
+
+EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+def _marked(response: Any, mark: bool, final: bool) -> Any:
+    if mark:
+        response.parameters["triton_final_response"].bool_param = final
+    return response
 
 
 def _repository_parameters(parameters: Any) -> dict[str, Any]:

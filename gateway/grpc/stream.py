@@ -1,7 +1,8 @@
 """ModelStreamInfer: a bidirectional stream of ModelInferRequests, each answered as it completes.
 
 Every request read from a stream starts at once, so many are in flight on one stream; answers go back
-in the order they complete, each with its request's id (Triton's decoupled-free streaming). A request
+in the order they complete, each with its request's id. A decoupled model's request gets each of its
+responses as it comes (service.py's infer_stream). A request
 that fails is answered with `error_message` (and its id, as tritonserver fills it in) and the stream
 stays open. Each request takes one of the gateway's `max_in_flight` places like any other.
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
@@ -25,6 +27,19 @@ from gateway.dataplane import DataPlane
 from gateway.grpc.codec import parse_message
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAnswer:
+    """One answer to a request of a stream: a ModelInferResponse or an error message, or neither (a
+    decoupled model's final flag that sends nothing); `last` once the request is complete."""
+
+    response: Any
+    error: str | None
+    last: bool
+
+
+Answers = Callable[[Any, float | None], AsyncIterator[StreamAnswer]]
 
 
 class _Stream:
@@ -39,11 +54,11 @@ class _Stream:
 
 
 class StreamSessions:
-    """The open ModelStreamInfer streams of one server. `infer(request, timeout_s)` answers one
-    ModelInferRequest with its ModelInferResponse, or raises a ServingError."""
+    """The open ModelStreamInfer streams of one server. `answers(request, timeout_s)` yields the answers
+    to one ModelInferRequest (one, or a decoupled model's many), or raises a ServingError."""
 
-    def __init__(self, infer: Callable[[Any, float | None], Awaitable[Any]], dataplane: DataPlane) -> None:
-        self._infer = infer
+    def __init__(self, answers: Answers, dataplane: DataPlane) -> None:
+        self._answers = answers
         self._dataplane = dataplane
         self._readers: set[asyncio.Task[None]] = set()
         self._draining = False
@@ -89,27 +104,42 @@ class StreamSessions:
             log.debug("ModelStreamInfer: reading requests stopped: %r", exc)
 
     async def _answer(self, raw: bytes, timeout_s: float | None, stream: _Stream) -> None:
+        counted = True
         try:
-            answer = await self._respond(raw, timeout_s)
+            async for answer, last in self._respond(raw, timeout_s):
+                if last:
+                    stream.computing -= 1  # before the answer is queued, so the writer never waits for nothing
+                    counted = False
+                if answer is not None:
+                    stream.answers.put_nowait(answer)
         finally:
-            stream.computing -= 1  # before the answer is queued, so the writer never waits for nothing
-        stream.answers.put_nowait(answer)
+            if counted:
+                stream.computing -= 1
 
-    async def _respond(self, raw: bytes, timeout_s: float | None) -> bytes:
+    async def _respond(self, raw: bytes, timeout_s: float | None) -> AsyncGenerator[tuple[bytes | None, bool], None]:
         request_id = ""
         try:
             request = parse_message(pb.ModelInferRequest, raw)
             request_id = request.id
             self._dataplane.admit()
             try:
-                response = await self._infer(request, timeout_s)
+                async for answer in self._answers(request, timeout_s):
+                    if answer.error is not None:
+                        error = pb.ModelStreamInferResponse(error_message=answer.error,
+                                                            infer_response=pb.ModelInferResponse(id=request_id))
+                        yield bytes(error.SerializeToString()), answer.last
+                    elif answer.response is None:
+                        yield None, answer.last
+                    else:
+                        response = pb.ModelStreamInferResponse(infer_response=answer.response)
+                        yield bytes(response.SerializeToString()), answer.last
             finally:
                 self._dataplane.release()
-            return bytes(pb.ModelStreamInferResponse(infer_response=response).SerializeToString())
+            return
         except ServingError as exc:
             message = exc.message
         except Exception as exc:  # one request's failure must not end the stream
             log.exception("a ModelStreamInfer request failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
         error = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(id=request_id))
-        return bytes(error.SerializeToString())
+        yield bytes(error.SerializeToString()), True

@@ -33,6 +33,11 @@ class InferenceItem:
     parameters: dict[str, Any] = field(default_factory=dict)
     request_id: str = ""
     wire: list[WireTensor] = field(default_factory=list)  # the envelope's tensors, as received
+    # The models waiting on this request ("model:version", workers/bls.py); empty for a caller's request.
+    bls_chain: list[str] = field(default_factory=list)
+    key: str = ""  # the worker's name for this request (a decoupled model's responses carry it back)
+    reply_to: str = ""  # where its replies go (a decoupled model's are written as they come)
+    version: int = 0
 
 
 @dataclass(slots=True)
@@ -42,6 +47,16 @@ class ItemResult:
     parameters: dict[str, Any] = field(default_factory=dict)
     # Outputs already in wire form (the Python backend's stub encodes them): passed through as bytes.
     wire_outputs: dict[str, WireTensor] | None = None
+    # A decoupled model's last word was the final flag alone: the request's final reply carries nothing.
+    empty: bool = False
+
+
+class BlsHandler(Protocol):
+    """How a Python model's BLS call reaches other models (workers/bls.py). Thread-safe: `call` is made
+    on the stub's reader thread; `reply` gets each reply frame (one, or one per response of a decoupled
+    callee with "final" on the last), on any thread."""
+
+    def call(self, frame: dict[str, Any], chain: list[str], reply: Callable[[dict[str, Any]], None]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +68,9 @@ class LoadContext:
     device: str  # "cpu" or "cuda:N"
     # How often a request that crashes the instance when run alone is tried before it is poison.
     max_deliveries: int = 3
+    bls: BlsHandler | None = None  # BLS calls of a Python model; None: they fail with UNSUPPORTED
+    # Writes one of a decoupled model's responses, not the last, to its caller (workers/replies.py).
+    emit: Callable[[InferenceItem, dict[str, Any]], None] | None = None
 
 
 class Backend(Protocol):

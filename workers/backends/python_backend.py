@@ -24,17 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, ServingError, from_code
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
+from workers.backends.decoupled import DecoupledCall
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,11 @@ class PythonBackend:
         if not self._model_py.exists():
             raise ConfigError(f"{ctx.spec.name}: {self._model_py} is missing")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._write_lock = threading.Lock()
+        self._decoupled: DecoupledCall | None = None  # the call in flight, for a decoupled model
+        # The models waiting on what this instance runs now (their BLS chain) and this instance's own link.
+        self._link = f"{ctx.spec.name}:{ctx.version}"
+        self._chain: list[str] = [self._link]
         self._start()
 
     def _start(self) -> None:
@@ -88,6 +95,12 @@ class PythonBackend:
         os.close(from_child_w)
         self._out = os.fdopen(to_child_w, "wb")
         self._in = os.fdopen(from_child_r, "rb", buffering=0)
+        # Replies to init/execute/finalize, in order; the reader thread hands BLS calls on as they come.
+        self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # BLS replies are written off the event loop that produced them (a large tensor must not stall it).
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.instance_name}-bls-writer")
+        threading.Thread(target=self._read, args=(self._in, self._replies, self._out), daemon=True,
+                         name=f"{ctx.instance_name}-reader").start()
         args = {
             "model_config": json.dumps(ctx.spec.to_json()),
             "model_instance_kind": "GPU" if ctx.device.startswith("cuda") else "CPU",
@@ -98,7 +111,8 @@ class PythonBackend:
             "model_name": ctx.spec.name,
         }
         try:
-            reply = self._roundtrip({"op": "init", "model_py": str(self._model_py), "args": args})
+            reply = self._roundtrip({"op": "init", "model_py": str(self._model_py), "args": args,
+                                     "decoupled": ctx.spec.decoupled})
         except InferenceFailed as exc:  # the stub died while importing or initializing the model
             self.close()
             raise ConfigError(f"{ctx.spec.name}: initialize() failed: {exc}") from exc
@@ -108,11 +122,72 @@ class PythonBackend:
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
         try:
-            write_frame(self._out, message)
-            return read_frame(self._in)
+            with self._write_lock:
+                write_frame(self._out, message)
+            reply = self._replies.get()
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
         except (PipeClosed, OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
                                   f"{self._exit_status()}") from exc
+
+    def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes]) -> None:
+        """This stub's frames (one thread per stub process): replies in order; BLS calls and a
+        decoupled model's responses handed on as they come."""
+        while True:
+            try:
+                msg = read_frame(inp)
+            except (PipeClosed, OSError, ValueError) as exc:
+                replies.put(PipeClosed(str(exc)))
+                call = self._decoupled
+                if call is not None:
+                    call.stub_died()
+                return
+            op = msg.get("op") if isinstance(msg, dict) else None
+            if op == "bls":
+                self._bls(msg, out)
+            elif op == "send":
+                self._on_send(msg)
+            else:
+                replies.put(msg)
+
+    def _bls(self, msg: dict[str, Any], out: IO[bytes]) -> None:
+        n = msg.get("n")
+
+        def reply(frame: dict[str, Any]) -> None:
+            self._writer.submit(self._write_reply, out, {**frame, "op": "bls_reply", "n": n})
+
+        bls = self._ctx.bls
+        if bls is None:
+            reply({"e": ["UNSUPPORTED", "BLS calls are not available in this process"], "final": True})
+            return
+        bls.call(msg, list(self._chain), reply)
+
+    def _write_reply(self, out: IO[bytes], frame: dict[str, Any]) -> None:
+        try:
+            with self._write_lock:
+                write_frame(out, frame)
+        except (OSError, ValueError):
+            pass  # the stub is gone: its call died with it
+
+    def _on_send(self, msg: dict[str, Any]) -> None:
+        """A decoupled model's response (workers/backends/decoupled.py)."""
+        call = self._decoupled
+        if call is not None:
+            call.on_send(msg)
+        else:
+            log.warning("%s sent a response for a request that is complete: dropped", self._ctx.instance_name)
+
+    def cancel_requests(self, keys: list[str]) -> None:
+        """The callers of these requests went away: a decoupled model sees request.is_cancelled()."""
+        if self._decoupled is None or self._proc is None:
+            return
+        try:
+            with self._write_lock:
+                write_frame(self._out, {"op": "cancel", "keys": keys})
+        except (OSError, ValueError):
+            pass
 
     def _exit_status(self) -> str:
         proc = self._proc
@@ -133,6 +208,8 @@ class PythonBackend:
         outcome = self._call(items)
         if not isinstance(outcome, _CallFailed):
             return outcome
+        if self._ctx.spec.decoupled:  # responses may have gone out already: never run a request again
+            return [ItemResult(error=outcome.error) for _ in items]
         if len(items) == 1:
             return [self._alone(items[0], outcome)]
         # Which request was at fault is unknown: run each alone, so only that one gets the error.
@@ -170,15 +247,38 @@ class PythonBackend:
             return _CallFailed(InferenceFailed(exc.message), crashed=False)
         requests = [
             {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
-             "o": item.requested_outputs, "p": item.parameters}
+             "o": item.requested_outputs, "p": item.parameters, "k": item.key}
             for item, more in zip(items, extra, strict=True)
         ]
+        # BLS calls made while this runs wait on behalf of every request of the call: their chain is the
+        # longest of the requests' (its length is the depth), then any other model waiting, then this one.
+        longest = max((item.bls_chain for item in items), key=len, default=[])
+        others = sorted({link for item in items for link in item.bls_chain} - set(longest))
+        self._chain = [*longest, *others, self._link]
+        call = None
+        if self._ctx.spec.decoupled:
+            emit = self._ctx.emit
+            assert emit is not None, "a decoupled model is loaded with somewhere to write its responses"
+            call = self._decoupled = DecoupledCall(items, emit)
         try:
             reply = self._roundtrip({"op": "execute", "requests": requests})
+            # A decoupled call is complete once every request has its final flag (unless the stub could
+            # not even run execute(): then no flag comes).
+            if call is not None and "error" not in reply and not call.wait():
+                raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
+                                      f"{self._exit_status()}")
         except InferenceFailed as exc:
             log.error("%s; restarting it", exc)
+            self._decoupled = None
             self._restart()
             return _CallFailed(exc, crashed=True)
+        self._decoupled = None
+        if call is not None:
+            if reply.get("trace"):
+                log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
+            elif reply.get("warning"):
+                log.warning("%s: %s", self._ctx.instance_name, reply["warning"])
+            return call.results(self._result)
         if "error" in reply:
             if reply.get("trace"):
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
@@ -211,6 +311,11 @@ class PythonBackend:
             self._proc = None  # the next call tries again
 
     @property
+    def context(self) -> LoadContext:
+        """How this instance was loaded (BLS starts nested instances of a model from it)."""
+        return self._ctx
+
+    @property
     def alive(self) -> bool:
         """False after a restart failed: the worker stops advertising the model until revive() works."""
         return self._proc is not None
@@ -238,9 +343,8 @@ class PythonBackend:
             return
         try:
             if proc.poll() is None:
-                write_frame(self._out, {"op": "finalize"})
-                read_frame(self._in)
-        except (PipeClosed, OSError):
+                self._roundtrip({"op": "finalize"})
+        except InferenceFailed:
             pass
         for f in (self._out, self._in):
             try:
@@ -252,4 +356,5 @@ class PythonBackend:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        self._writer.shutdown(wait=False)
         self._proc = None

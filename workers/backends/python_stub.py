@@ -1,8 +1,10 @@
 """The Python-backend stub: one subprocess per model instance, like Triton's triton_python_backend_stub.
 
 It imports the model's model.py with fleet's `triton_python_backend_utils` on sys.path, then serves
-frames from the worker: init, execute (a list of requests -> one response per request), finalize.
-User code runs here, so its crash, leak or GIL use costs this instance, not the worker.
+frames from the worker: init, execute (a list of requests -> one response per request, or for a
+decoupled model `send` frames as the model sends), finalize; BLS calls go the other way
+(workers/backends/stub_channel.py has the frames). User code runs here, so its crash, leak or GIL use
+costs this instance, not the worker.
 
     python -m workers.backends.python_stub FD_IN FD_OUT WORKER_PID
 
@@ -13,12 +15,14 @@ itself if the worker WORKER_PID is already gone), so a hung execute() cannot out
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import inspect
 import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,9 @@ import numpy as np
 
 from fleet import tensors
 from fleet.lifetime import die_with_parent
-from workers.backends.frames import PipeClosed, read_frame, write_frame
+from workers.backends.frames import PipeClosed
+from workers.backends.stub_bls import BlsCaller
+from workers.backends.stub_channel import StubChannel
 
 SHIM_DIR = Path(__file__).parent / "python_shim"
 
@@ -89,16 +95,26 @@ def _encode_checked(pb: Any, response: Any) -> dict[str, Any]:
 
 
 class Stub:
-    def __init__(self) -> None:
+    def __init__(self, channel: StubChannel) -> None:
+        self.channel = channel
         self.model: Any = None
         self.pb: Any = None
         self.loop = asyncio.new_event_loop()
+        self.decoupled = False
+        # A decoupled model's requests not complete yet (final flag not sent), by the worker's key.
+        self._senders: dict[str, Any] = {}
+        self._senders_lock = threading.Lock()
+        channel.on_cancel = self.cancel
 
     def init(self, msg: dict[str, Any]) -> None:
         sys.path.insert(0, str(SHIM_DIR))
         import triton_python_backend_utils as pb
 
         self.pb = pb
+        caller = BlsCaller(self.channel, pb)
+        pb._bls_executor = caller.exec
+        pb._bls_async_executor = caller.async_exec
+        self.decoupled = bool(msg.get("decoupled"))
         self.model = _load_model(Path(msg["model_py"]))
         if hasattr(self.model, "initialize"):
             self._call(self.model.initialize, msg["args"])
@@ -109,15 +125,22 @@ class Stub:
             result = self.loop.run_until_complete(result)
         return result
 
-    def execute(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _requests(self, msg: dict[str, Any], senders: list[Any] | None = None) -> list[Any]:
         pb = self.pb
-        requests = [
+        return [
             pb._incoming_request(
                 _decode_inputs(r["i"]), request_id=r.get("id", ""), parameters=r.get("p") or {},
                 requested_output_names=r.get("o") or [],
+                response_sender=None if senders is None else senders[i],
             )
-            for r in msg["requests"]
+            for i, r in enumerate(msg["requests"])
         ]
+
+    def execute(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.decoupled:
+            return self._execute_decoupled(msg)
+        pb = self.pb
+        requests = self._requests(msg)
         try:
             responses = self._call(self.model.execute, requests)
         except Exception as exc:  # Triton: an exception fails every request of the call
@@ -133,6 +156,44 @@ class Stub:
         if len(responses) != len(requests):
             return {"error": f"execute() returned {len(responses)} responses for {len(requests)} requests"}
         return {"responses": [_encode_checked(pb, r) for r in responses]}
+
+    def _execute_decoupled(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Responses go to the worker as the model sends them (`send` frames, in order, before this
+        call's reply when sent from execute()); execute() itself returns None."""
+        pb = self.pb
+        keys = [r["k"] for r in msg["requests"]]
+        senders = [pb.InferenceResponseSender(on_send=functools.partial(self._sent, key)) for key in keys]
+        with self._senders_lock:
+            self._senders.update(zip(keys, senders, strict=True))
+        requests = self._requests(msg, senders)
+        try:
+            result = self._call(self.model.execute, requests)
+        except Exception as exc:  # every request not complete yet gets the error as its final response
+            error = pb.TritonError(f"{type(exc).__name__}: {exc}")
+            for sender in senders:
+                if not sender.closed:
+                    sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return {"decoupled": True, "trace": traceback.format_exc()}
+        if result is not None:
+            return {"decoupled": True, "warning": "a decoupled model's execute() should return None; "
+                                                  "what it returned was ignored"}
+        return {"decoupled": True}
+
+    def _sent(self, key: str, response: Any, flags: int) -> None:
+        frame: dict[str, Any] = {"op": "send", "k": key, "f": int(flags)}
+        if response is not None:
+            frame["r"] = _encode_checked(self.pb, response)
+        if flags & self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            with self._senders_lock:
+                self._senders.pop(key, None)
+        self.channel.send(frame)
+
+    def cancel(self, keys: list[str]) -> None:
+        """The callers of these requests went away: `request.is_cancelled()` turns true."""
+        with self._senders_lock:
+            senders = [self._senders[k] for k in keys if k in self._senders]
+        for sender in senders:
+            sender._cancel()
 
     def _from_sender(self, request: Any) -> Any:
         sent = [resp for resp, _flags in request.get_response_sender().sent if resp is not None]
@@ -152,30 +213,30 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL, int(argv[3]))
     # The worker decides when this instance stops (finalize or closing the pipe), not a terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    inp = os.fdopen(int(argv[1]), "rb", buffering=0)
-    out = os.fdopen(int(argv[2]), "wb")
-    stub = Stub()
+    channel = StubChannel(os.fdopen(int(argv[1]), "rb", buffering=0), os.fdopen(int(argv[2]), "wb"))
+    stub = Stub(channel)
     while True:
-        try:
-            msg = read_frame(inp)
-        except PipeClosed:
+        msg = channel.next_op()
+        if msg is None:
             stub.finalize()
             return 0
         op = msg.get("op")
         try:
             if op == "init":
                 stub.init(msg)
-                write_frame(out, {"ok": True})
+                channel.send({"ok": True})
             elif op == "execute":
-                write_frame(out, stub.execute(msg))
+                channel.send(stub.execute(msg))
             elif op == "finalize":
                 stub.finalize()
-                write_frame(out, {"ok": True})
+                channel.send({"ok": True})
                 return 0
             else:
-                write_frame(out, {"error": f"unknown op {op!r}"})
+                channel.send({"error": f"unknown op {op!r}"})
+        except PipeClosed:
+            return 0
         except Exception as exc:
-            write_frame(out, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+            channel.send({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
 
 
 if __name__ == "__main__":

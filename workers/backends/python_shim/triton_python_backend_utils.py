@@ -46,9 +46,9 @@ _MEMORY_DEFAULT = 2
 
 _BLS_UNSUPPORTED = "BLS (calling another model from a Python model) is not supported yet"
 
-# Set by the worker to enable BLS: `_bls_executor(request, decoupled)` returns an InferenceResponse
-# (or an iterator of them when decoupled). `_bls_async_executor` is the awaitable twin; without it
-# async_exec() runs `_bls_executor` in a thread.
+# Set by the stub (workers/backends/stub_bls.py) to enable BLS: `_bls_executor(request, decoupled)`
+# returns an InferenceResponse (or an iterator of them when decoupled). `_bls_async_executor` is the
+# awaitable twin; without it async_exec() runs `_bls_executor` in a thread.
 _bls_executor: Callable[[InferenceRequest, bool], Any] | None = None
 _bls_async_executor: Callable[[InferenceRequest, bool], Any] | None = None
 
@@ -345,6 +345,10 @@ class InferenceRequest:
         if _bls_executor is None:
             raise TritonModelException(_BLS_UNSUPPORTED)
         return _bls_executor(self, decoupled)
+
+    def stream_exec(self) -> Any:
+        """Older releases' name for exec(decoupled=True)."""
+        return self.exec(decoupled=True)
 
     async def async_exec(self, decoupled: bool = False) -> Any:
         if _bls_async_executor is not None:

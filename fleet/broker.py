@@ -1,4 +1,6 @@
-"""The gateway's Redis I/O: enqueue requests on model streams and the one reply reader per process.
+"""Calling models through Redis: enqueue requests on model streams and the one reply reader per process.
+A gateway's data plane uses it, and so does a worker whose Python models call other models (BLS,
+workers/bls.py); "gateway" below stands for either caller, its id for the worker's id in a worker.
 
 Enqueues issued in the same event-loop turn go out as one pipeline (one round trip for many
 requests); each command's own result decides its request's fate, so one refused XADD fails only its
@@ -92,6 +94,9 @@ class _Waiter:
     entry: tuple[str, bytes] | None = None  # (stream, entry id) once enqueued: what a cancel deletes
     version: int = 0
     enqueued_us: int = 0  # Redis's clock
+    # A decoupled model's request: `future` gets the first reply, this queue each later one, until the
+    # final one (which retires the waiter). None for the usual one reply.
+    more: asyncio.Queue[ReplyEnvelope] | None = None
 
 
 class Broker:
@@ -159,7 +164,7 @@ class Broker:
 
     def submit(self, request_id: str, stream: str, payload: bytes, max_queue_size: int = 0, model: str = "",
                *, version: int = 0, enqueued_us: int = 0, reject_at_us: int | None = None,
-               ) -> asyncio.Future[ReplyEnvelope]:
+               streamed: bool = False) -> asyncio.Future[ReplyEnvelope]:
         """Enqueue payload on stream and return the future of its reply.
 
         The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
@@ -167,11 +172,12 @@ class Broker:
         BrokerUnavailable; past `max_queue_size` (> 0) waiting requests, with QueueFull at once.
         `reject_at_us` (Redis's clock): its queue deadline under REJECT; if no worker has read it by then,
         it is deleted and fails with RequestTimeout. The caller must `forget(request_id)` when done (also
-        on cancellation)."""
+        on cancellation). `streamed` (a decoupled model): the future gets the first reply, `later(id)`
+        the ones after it until one is final; the timeout then counts from the last reply."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model, version=version,
-                                            enqueued_us=enqueued_us)
+                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
@@ -212,6 +218,13 @@ class Broker:
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
+
+    def later(self, request_id: str) -> asyncio.Queue[ReplyEnvelope]:
+        """The replies after the first of a `streamed` request (call before its first reply is used)."""
+        waiter = self._waiters.get(request_id)
+        if waiter is None or waiter.more is None:
+            raise KeyError(f"{request_id} is not a streamed request in flight")
+        return waiter.more
 
     def cancel(self, request_id: str) -> None:
         """The caller went away (disconnected, or timed out): delete the request from its stream if no
@@ -332,6 +345,17 @@ class Broker:
             return
         if reply.trace is not None:
             reply.trace[REPLY_RECEIVED] = self.redis_clock.now_ns()
+        waiter = self._waiters.get(reply.id)
+        if waiter is not None and waiter.more is not None:
+            if reply.final:
+                self._waiters.pop(reply.id, None)
+            else:
+                waiter.expires_at = asyncio.get_running_loop().time() + self.timeout_s
+            if not waiter.future.done():
+                waiter.future.set_result(reply)
+            else:
+                waiter.more.put_nowait(reply)
+            return
         waiter = self._waiters.pop(reply.id, None)
         if waiter is not None and not waiter.future.done():
             waiter.future.set_result(reply)
@@ -388,6 +412,11 @@ class Broker:
             for rid in expired:
                 waiter = self._waiters.pop(rid)
                 if waiter.future.done():
+                    if waiter.more is not None:  # a stream that stopped short of its final reply
+                        waiter.more.put_nowait(ReplyEnvelope(
+                            id=rid, model_version=waiter.version, error_code="DEADLINE_EXCEEDED",
+                            error_message=f"no further response from a worker within {self.timeout_s:g}s"))
+                        self._cancel_waiter(rid, waiter)
                     continue
                 if down_s is not None:
                     err: Exception = BrokerUnavailable(

@@ -1,0 +1,53 @@
+"""A decoupled model's responses before its last, written to the caller's reply stream as they come.
+
+Called on the thread that reads a stub's pipe (workers/backends/decoupled.py), so a blocking client:
+each XADD is done before the next response of that stub is read, which keeps the responses in the order
+the model sent them, and before the final one (which the worker loop writes) can exist. A response
+Redis refuses is logged and lost; the request's final reply still comes (the caller sees fewer
+responses, never a request without an end).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+
+from fleet.envelope import ReplyEnvelope, WireTensor, encode_reply
+from workers.backends.base import InferenceItem
+from workers.consumer import ORPHAN_REPLY_TTL_S, REPLY_MAXLEN
+
+log = logging.getLogger(__name__)
+
+
+def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> ReplyEnvelope:
+    """A stub's encoded response (`{"o": [...], "p": {...}}` or `{"e": [code, message]}`) as a reply."""
+    if "e" in frame:
+        code, message = frame["e"]
+        return ReplyEnvelope(id=item.key, model_version=item.version, error_code=str(code),
+                             error_message=str(message), final=final)
+    wanted = None if item.requested_outputs is None else set(item.requested_outputs)
+    outputs = [WireTensor(name, datatype, tuple(shape), data) for name, datatype, shape, data in frame.get("o") or []
+               if wanted is None or name in wanted]
+    return ReplyEnvelope(id=item.key, model_version=item.version, outputs=outputs,
+                         parameters=frame.get("p") or {}, final=final)
+
+
+class ReplyWriter:
+    def __init__(self, url: str) -> None:
+        self._client = redis.Redis.from_url(url, protocol=2)
+
+    def emit(self, item: InferenceItem, frame: dict[str, Any]) -> None:
+        payload = encode_reply(reply_of(item, frame, final=False))
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xadd(item.reply_to, {b"d": payload}, maxlen=REPLY_MAXLEN, approximate=True)
+            pipe.expire(item.reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+            pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("a response of request %s could not be written: %s", item.key, exc)
+
+    def close(self) -> None:
+        self._client.close()
