@@ -72,6 +72,7 @@ class Pending:
     must match (shapes, input names) into it. ``aging_from_us`` is when the request started competing
     for this worker's instances (None = ``enqueued_at_us``); lane aging counts from there, so a bulk
     item that sat in Redis for a minute is not promoted the moment a worker reads it.
+    ``instance``: see the field.
     """
 
     request_id: str
@@ -82,6 +83,9 @@ class Pending:
     shape_key: Hashable = None
     delay_on_timeout: bool = False
     aging_from_us: int | None = None
+    # The instance a sequence's request must run on (batching/sequences.py); None = any. Only a scheduler
+    # configured `pinned` reads it.
+    instance: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:

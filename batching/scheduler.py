@@ -108,6 +108,9 @@ class SchedulerConfig:
     # A batch is staged only if none of its requests can time out within this margin (expiry is
     # checked only while queued; a staged batch starts within one batch time).
     stage_margin_us: int = 1_000_000
+    # Sequence batching: every request names its instance (Pending.instance), each instance batches only
+    # its own, and nothing is staged (a sequence has one request in flight at a time anyway).
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -279,6 +282,8 @@ class Scheduler:
 
     def _dispatch(self, now_us: int, actions: list[Action]) -> int | None:
         """Form batches while an instance can take one; returns when to look again (None: on an event)."""
+        if self.config.pinned:
+            return self._dispatch_pinned(now_us, actions)
         while self._queue:
             free = [i for i, s in enumerate(self._slots) if s.free]
             stageable = [i for i, s in enumerate(self._slots) if s.stageable]
@@ -293,12 +298,7 @@ class Scheduler:
                 return self._bulk_after_us
             if not free and not self._stageable(decision, now_us):
                 return None
-            batch = Batch(self._next_batch, decision.items)
-            self._next_batch += 1
-            chosen = {p.request_id for p in batch.items}
-            self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in chosen)
-            self._queue = [(k, p) for k, p in self._queue if p.request_id not in chosen]
-            self._dispatched.append(batch.id)
+            batch = self._take(decision.items)
             if free:
                 # The most recently freed instance: its thread and caches are warm.
                 slot = self._slots[free[-1]]
@@ -308,7 +308,42 @@ class Scheduler:
             else:
                 self._slots[stageable[0]].assigned.append(batch)
                 actions.append(Stage(stageable[0], batch))
+                # The instance may refuse it (its thread went idle meanwhile) and the batch come back: form
+                # the next batch only once the driver has said (it calls step() again at once), so a
+                # lower lane is never staged elsewhere while this batch is being refused.
+                return None
         return None
+
+    def _take(self, items: tuple[Pending, ...]) -> Batch:
+        """A new batch of these queued requests, out of the queue (their order keys kept to requeue them)."""
+        batch = Batch(self._next_batch, items)
+        self._next_batch += 1
+        chosen = {p.request_id for p in items}
+        self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in chosen)
+        self._queue = [(k, p) for k, p in self._queue if p.request_id not in chosen]
+        self._dispatched.append(batch.id)
+        return batch
+
+    def _dispatch_pinned(self, now_us: int, actions: list[Action]) -> int | None:
+        """Per free instance, Triton's batching over the requests pinned to it."""
+        wake: int | None = None
+        for index, slot in enumerate(self._slots):
+            if not slot.free:
+                continue
+            mine = [p for _, p in self._queue if p.instance == index]
+            if not mine:
+                continue
+            decision = decide(self.policy, mine, now_us)
+            if isinstance(decision, Wait):
+                wake = decision.until_us if wake is None else min(wake, decision.until_us)
+                continue
+            if not isinstance(decision, Dispatch):
+                continue
+            batch = self._take(decision.items)
+            slot.thread_idle = False
+            slot.assigned.append(batch)
+            actions.append(Run(index, batch))
+        return wake
 
     def _online_active(self, now_us: int) -> bool:
         seen = self._online_seen_us

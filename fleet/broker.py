@@ -97,6 +97,9 @@ class _Waiter:
     # A decoupled model's request: `future` gets the first reply, this queue each later one, until the
     # final one (which retires the waiter). None for the usual one reply.
     more: asyncio.Queue[ReplyEnvelope] | None = None
+    # Called once its XADD has come back (taken or not): a sequence's next request is enqueued only then,
+    # since XADDs of different flushes may reach Redis in any order (gateway/sequences.py).
+    on_enqueued: Callable[[], None] | None = None
 
 
 class Broker:
@@ -119,6 +122,7 @@ class Broker:
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._start_id: bytes | None = None  # the reply stream's marker written by start()
         self._seq = 0
         self._boot = uuid.uuid4().hex[:8]  # request ids are unique across restarts with a fixed gateway id
         self.redis_clock = RedisClock()
@@ -143,6 +147,13 @@ class Broker:
             if unrecoverable(exc):  # credentials, ACL, TLS: waiting does not fix it
                 raise BrokerUnavailable(f"Redis refuses this gateway: {exc}") from exc
             log.warning("Redis is not reachable yet (%s); the gateway starts and waits for it", exc)
+        # The marker the reader starts after is written before start() returns: a request submitted at
+        # once (a worker's first BLS call starts its broker on demand) must not have its first reply
+        # land before the marker, where the reader would skip it.
+        try:
+            self._start_id = await asyncio.wait_for(self._touch_reply_stream(), 2.0)
+        except TimeoutError:
+            self._start_id = None
         self._tasks = [self.supervisor.start("reply-reader", self._read_replies),
                        self.supervisor.start("reply-sweeper", self._sweep)]
 
@@ -164,7 +175,8 @@ class Broker:
 
     def submit(self, request_id: str, stream: str, payload: bytes, max_queue_size: int = 0, model: str = "",
                *, version: int = 0, enqueued_us: int = 0, reject_at_us: int | None = None,
-               streamed: bool = False) -> asyncio.Future[ReplyEnvelope]:
+               streamed: bool = False, on_enqueued: Callable[[], None] | None = None
+               ) -> asyncio.Future[ReplyEnvelope]:
         """Enqueue payload on stream and return the future of its reply.
 
         The waiter is registered before the XADD is sent, so a fast reply is never missed. XADDs of one
@@ -177,7 +189,8 @@ class Broker:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model, version=version,
-                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
+                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None,
+                                            on_enqueued=on_enqueued)
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
@@ -258,6 +271,16 @@ class Broker:
     async def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         try:
+            await self._flush_batch(batch)
+        finally:
+            for rid, *_ in batch:
+                waiter = self._waiters.get(rid)
+                if waiter is not None and waiter.on_enqueued is not None:
+                    waiter.on_enqueued()
+                    waiter.on_enqueued = None
+
+    async def _flush_batch(self, batch: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]]) -> None:
+        try:
             pipe = self._client.pipeline(transaction=False)
             for _, stream, payload, bound, _ in batch:
                 if bound > 0:
@@ -296,7 +319,8 @@ class Broker:
         # written now: what is older was written for an earlier process with this gateway id (its ids
         # carry another nonce, so it could never be taken for a reply of ours; it is just skipped). If
         # Redis is away at start, from the beginning: a reply must never be missed.
-        last_id = await self._touch_reply_stream() or b"0-0"
+        last_id = self._start_id or await self._touch_reply_stream() or b"0-0"
+        self._start_id = None  # a restarted reader starts after a new marker
         next_touch = time.monotonic() + REPLY_TTL_S / 4
         backoff = Backoff()
         loop = asyncio.get_running_loop()

@@ -23,6 +23,16 @@ class WireTensor:
     data: bytes | memoryview  # raw little-endian row-major bytes (BYTES: length-prefixed elements)
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceFlags:
+    """Triton's request parameters `sequence_id` (uint64 or string; never 0 or empty here),
+    `sequence_start` and `sequence_end`."""
+
+    id: int | str
+    start: bool = False
+    end: bool = False
+
+
 @dataclass(slots=True)
 class RequestEnvelope:
     id: str  # unique per accepted request (gateway id + counter); replies are matched on it
@@ -45,6 +55,9 @@ class RequestEnvelope:
     # A request a Python model made (BLS, workers/bls.py): "model:version" of each model on the call path
     # that is waiting for it, the outermost first. Empty, and absent on the wire, for a caller's request.
     bls_chain: list[str] = field(default_factory=list)
+    # A sequence model's request (sequence batching): its correlation id and START/END flags. None, and
+    # absent on the wire, otherwise.
+    sequence: SequenceFlags | None = None
 
     def batch_rows(self, batched: bool) -> int:
         """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
@@ -101,6 +114,8 @@ def encode_request(env: RequestEnvelope) -> bytes:
         m["tr"] = env.trace
     if env.bls_chain:
         m["bc"] = env.bls_chain
+    if env.sequence is not None:
+        m["sq"] = [env.sequence.id, env.sequence.start, env.sequence.end]
     payload: bytes = msgpack.packb(m, use_bin_type=True)
     return payload
 
@@ -109,6 +124,13 @@ def _chain(raw: Any) -> list[str]:
     if not isinstance(raw, list) or not all(isinstance(link, str) for link in raw):
         raise ValueError("the BLS chain of an envelope must be a list of strings")
     return raw
+
+
+def _sequence(raw: Any) -> SequenceFlags:
+    if not (isinstance(raw, list) and len(raw) == 3 and type(raw[0]) in (int, str) and raw[0] not in (0, "")
+            and all(isinstance(flag, bool) for flag in raw[1:])):
+        raise ValueError("the sequence of an envelope must be [id, start, end]")
+    return SequenceFlags(raw[0], raw[1], raw[2])
 
 
 def _trace(raw: Any) -> dict[str, int]:
@@ -146,6 +168,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
             expires_us=m.get("ex"),
             trace=_trace(m["tr"]) if "tr" in m else None,
             bls_chain=_chain(m["bc"]) if "bc" in m else [],
+            sequence=_sequence(m["sq"]) if "sq" in m else None,
         )
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise InvalidInput(f"malformed request envelope: {exc}") from exc

@@ -118,6 +118,12 @@ class RequestTimeout(ServingError):
         super().__init__(message)
 
 
+class SequenceLost(ServingError):
+    """The worker holding a live sequence (and its state) is gone; the client restarts the sequence."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
 class DeadlineExceeded(ServingError):
     code = ErrorCode.DEADLINE_EXCEEDED
 

@@ -20,6 +20,26 @@ class Keys:
         its own when it is unloaded (a worker never has to answer NOT_FOUND for another's version)."""
         return f"{self.prefix}:{{{model}}}:v{version}:q:{lane}"
 
+    def sequence_queue(self, model: str, version: int, worker_id: str) -> str:
+        """Stream: the requests of the live sequences one worker holds for a version of a sequence model,
+        in order (gateway/sequences.py). It is that worker's online lane for the version: a sequence's
+        state lives on one instance, so its requests cannot go to whichever worker reads first."""
+        return f"{self.prefix}:{{{model}}}:v{version}:seq:{worker_id}"
+
+    def sequence_owner(self, model: str, version: int, sequence: int | str) -> str:
+        """String + TTL: the id of the worker holding a live sequence (the TTL outlasts the sequence's idle
+        timeout; the worker itself releases it). Integer and string correlation ids are distinct."""
+        kind = "s" if isinstance(sequence, str) else "i"
+        return f"{self.prefix}:{{{model}}}:v{version}:sequence:{kind}:{sequence}"
+
+    def sequence_workers(self, model: str, version: int) -> str:
+        """Set: ids of the workers that have a sequence stream for a version (workers/sequence_reaper.py)."""
+        return f"{self.prefix}:{{{model}}}:v{version}:seqworkers"
+
+    def sequence_reaping(self, model: str, version: int, worker_id: str) -> str:
+        """String + TTL: one live worker is answering what a dead one's sequence stream holds."""
+        return f"{self.prefix}:{{{model}}}:v{version}:seqreap:{worker_id}"
+
     def dead(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dead"
 

@@ -17,15 +17,18 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fleet import tensors
-from fleet.envelope import WireTensor
+from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
 from fleet.tensor_regions import Regions, RegionSlice, input_from_region, output_to_region
 
 __all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", "json_data", "parse_infer",
-           "render_infer", "split_body"]
+           "render_infer", "sequence_flags", "split_body"]
 
 # Request-level parameters with a meaning to the server; the rest pass through to the model.
 RESERVED_PARAMETERS = frozenset(
@@ -47,6 +50,7 @@ class ParsedInfer:
     priority: int = 0
     timeout_us: int = 0
     shm_outputs: dict[str, RegionSlice] = field(default_factory=dict)  # outputs written into shared memory
+    sequence: SequenceFlags | None = None  # a sequence model's correlation id and flags (sequence_flags)
 
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
@@ -263,6 +267,34 @@ def _check_sequence_parameters(params: dict[str, Any]) -> None:
             raise InvalidInput(f"parameter '{key}' must be a boolean")
 
 
+def sequence_flags(params: dict[str, Any], spec: ModelSpec, inputs: list[WireTensor]) -> SequenceFlags | None:
+    """A sequence model's request: its correlation id (required, as in Triton) and flags, its batch size 1.
+    Any other model ignores the (type-checked) sequence parameters, as Triton does."""
+    if spec.sequence is None:
+        return None
+    sid = params.get("sequence_id", 0)
+    if sid in (0, ""):
+        raise InvalidInput(f"inference request to model '{spec.name}' must specify a non-zero or non-empty "
+                           f"correlation ID")
+    if isinstance(sid, str):
+        if len(sid) > MAX_ID_CHARS:
+            raise InvalidInput(f"the sequence id is longer than {MAX_ID_CHARS} characters")
+        _check_text(sid, "parameter 'sequence_id'")
+    if spec.max_batch_size > 0 and inputs and inputs[0].shape and inputs[0].shape[0] != 1:
+        raise InvalidInput(f"inference request to model '{spec.name}' must specify batch-size 1 due to "
+                           f"requirements of sequence batcher")
+    corrid = spec.sequence.control(ControlKind.CORRID)
+    if corrid is not None and corrid.datatype.name != "BYTES":
+        if isinstance(sid, str):
+            raise InvalidInput(f"model '{spec.name}' takes its correlation ID as {corrid.datatype.name} (control "
+                               f"'{corrid.name}'): the sequence_id must be an integer, got the string '{sid}'")
+        limits = np.iinfo(corrid.datatype.numpy)
+        if not limits.min <= sid <= limits.max:
+            raise InvalidInput(f"sequence_id {sid} does not fit the {corrid.datatype.name} correlation ID control "
+                               f"'{corrid.name}' of model '{spec.name}'")
+    return SequenceFlags(sid, bool(params.get("sequence_start", False)), bool(params.get("sequence_end", False)))
+
+
 def _parse_parameters(doc: dict[str, Any], spec: ModelSpec) -> tuple[dict[str, Any], int, int, bool]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
@@ -274,7 +306,7 @@ def check_parameters(params: dict[str, Any], spec: ModelSpec) -> tuple[dict[str,
     """Request parameters as plain Python values (HTTP's JSON; gRPC: each InferParameter's set field):
     (those passed to the model, priority, timeout µs, binary_data_output). InvalidInput for a reserved
     `triton_` key, a value no model could be given (not a string, boolean, finite number or int64),
-    priority or timeout outside uint64, and sequence parameters (not supported yet)."""
+    priority or timeout outside uint64, and sequence parameters of the wrong type."""
     passthrough: dict[str, Any] = {}
     for key, value in params.items():
         if key.startswith("triton_"):
@@ -290,8 +322,6 @@ def check_parameters(params: dict[str, Any], spec: ModelSpec) -> tuple[dict[str,
                 _check_text(value, f"parameter '{key}'")
             passthrough[key] = value
     _check_sequence_parameters(params)
-    if any(k in params for k in ("sequence_id", "sequence_start", "sequence_end")) or spec.sequence_batching:
-        raise InvalidInput(f"sequence batching is not supported yet (model '{spec.name}')")
     priority = _uint64(params, "priority")
     timeout = _uint64(params, "timeout")
     binary_default = params.get("binary_data_output", False)
@@ -351,8 +381,9 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
     inputs = _parse_inputs(doc, spec, binary, regions)
     outputs, binary_outputs, in_regions = _parse_outputs(doc, spec, regions)
+    sequence = sequence_flags(doc.get("parameters") or {}, spec, inputs)
     return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us,
-                       in_regions)
+                       in_regions, sequence)
 
 
 def render_infer(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -51,6 +51,7 @@ from fleet.config_json import config_to_json
 from fleet.datatypes import Datatype, from_config
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
+from fleet.sequence_spec import SequenceSpec, parse_sequence
 
 CONFIG_FILENAME = "config.pbtxt"
 _POSITION = re.compile(r"^\d+:\d+ : ")
@@ -209,6 +210,18 @@ class ModelSpec:
     response_cache: bool = False  # `response_cache { enable: true }` (gateway/response_cache.py)
     # Per instance (groups expanded in order): its rate_limiter (workers/rate_limiter.py).
     instance_limits: tuple[InstanceLimit, ...] = ()
+    sequence: SequenceSpec | None = None  # sequence_batching's strategy, controls and state (fleet/sequence_spec.py)
+
+    def model_facing(self) -> ModelSpec:
+        """The spec a backend runs: a sequence model also takes its control tensors (one element per row)
+        and state inputs, and produces its state outputs, none of which a client sends or receives."""
+        seq = self.sequence
+        if seq is None:
+            return self
+        controls = tuple(TensorSpec(c.name, c.datatype, (1,)) for c in seq.controls)
+        state_in = tuple(TensorSpec(st.input_name, st.datatype, st.dims) for st in seq.states)
+        state_out = tuple(TensorSpec(st.output_name, st.datatype, st.dims) for st in seq.states)
+        return replace(self, inputs=self.inputs + controls + state_in, outputs=self.outputs + state_out)
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -320,7 +333,7 @@ def spec_from_proto(cfg: Any, *, source: str, model_name: str) -> ModelSpec:
     validate(cfg, fail)
     _validate_batch_io(cfg, fail)
     normalise(cfg)
-    return _to_spec(cfg)
+    return replace(_to_spec(cfg), sequence=parse_sequence(cfg, fail))
 
 
 def _validate_batch_io(cfg: Any, fail: Callable[[str], NoReturn]) -> None:

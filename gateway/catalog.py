@@ -81,6 +81,8 @@ class Catalog:
     # (model, version) -> requests the workers hold queued, not yet executing (summed over workers).
     queued: dict[tuple[str, int], int] = field(default_factory=dict)
     workers: int = 0
+    # (model, version) -> ids of the live workers advertising it ready (where a sequence may start).
+    serving: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     unloaded: frozenset[str] = frozenset()  # explicit mode: models whose record says unloaded
     units: list[UnitReport] = field(default_factory=list)
     # per live worker: model -> the generation it last reconciled
@@ -172,10 +174,14 @@ class Catalog:
         queued: dict[tuple[str, int], int] = {}
         units: list[UnitReport] = []
         seen: list[dict[str, str]] = []
+        serving: dict[tuple[str, int], list[str]] = {}
         for i, beat in enumerate(beats):
             advertised = set()
+            worker_id = beat.get(b"id", b"").decode()
             for item in json.loads(beat.get(b"models", b"[]")):
                 ready.add((item[0], int(item[1])))
+                if worker_id:
+                    serving.setdefault((item[0], int(item[1])), []).append(worker_id)
                 advertised.add((item[0], int(item[1]), item[2] if len(item) > 2 else ""))
             for model, version, gen, state in json.loads(beat.get(b"units", b"[]")):
                 if state == "READY" and (model, int(version), gen) not in advertised:
@@ -188,6 +194,7 @@ class Catalog:
                 for version, n in per.items():
                     queued[(model, int(version))] = queued.get((model, int(version)), 0) + int(n)
         self.ready = ready
+        self.serving = serving
         self.failures = failures
         self.failure_gens = failure_gens
         self.queued = queued

@@ -20,7 +20,7 @@ from fleet.admission import Admission, admit
 from fleet.broker import Broker
 from fleet.clock import Clock, SystemClock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, encode_request
-from fleet.errors import InferenceFailed, ModelNotReady, Overloaded, from_code
+from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, Overloaded, Unsupported, from_code
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.model_config import ModelSpec
 from fleet.stats import render_model_stats
@@ -29,6 +29,7 @@ from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.catalog import Catalog
 from gateway.ensembles import Ensembles
 from gateway.response_cache import ResponseCache, cache_key
+from gateway.sequences import Route, SequenceRouter
 from gateway.tracer import Trace
 
 
@@ -41,8 +42,9 @@ class InferResult:
 class DataPlane:
     def __init__(self, catalog: Catalog, broker: Broker, clock: Clock | None = None,
                  regions: Regions | None = None, max_in_flight: int = 4096, cache: ResponseCache | None = None,
-                 ensembles: Ensembles | None = None) -> None:
+                 ensembles: Ensembles | None = None, sequences: SequenceRouter | None = None) -> None:
         self.catalog = catalog
+        self.sequences = sequences  # sequence models' routing (gateway/sequences.py)
         self.ensembles = ensembles
         self.cache = cache if cache is not None and cache.enabled else None  # gateway/response_cache.py
         self.broker = broker
@@ -84,7 +86,7 @@ class DataPlane:
         """A decoded request of version `v` of `model`, for every protocol: answered from the response
         cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
         generation of the config it was validated with (a reload must not answer from the old one)."""
-        if self.cache is None or not spec.response_cache:
+        if self.cache is None or not spec.response_cache or req.sequence is not None:
             return await self._compute(model, v, spec, req, trace, caller_timeout_s)
         started = time.perf_counter_ns()
         key = cache_key(model, v, req, gen)
@@ -121,14 +123,17 @@ class DataPlane:
         if spec.decoupled:
             return await self._single(model, v, spec, req, caller_timeout_s)
         sub = self._submission(model, v, spec, req, trace, caller_timeout_s)
+        route = None if req.sequence is None else await self._sequence_route(sub, spec)
         try:
-            reply = await self._submit(sub)
+            reply = await self._submit(sub, route=route)
         except asyncio.CancelledError:
             # The caller went away: nobody will read a reply, so none should be computed.
             self.broker.cancel(sub.env.id)
             raise
         finally:
             self.broker.forget(sub.env.id)
+            if route is not None:
+                route.release()
         if trace is not None:
             trace.reply(reply)
         if not reply.ok:
@@ -142,7 +147,8 @@ class DataPlane:
         what fails the request before any response (admission, Redis) is raised. Closed early (the
         caller went away), the request is cancelled: dropped if queued, `is_cancelled()` in the model."""
         sub = self._submission(model, v, spec, req, None, caller_timeout_s)
-        first = self._submit(sub, streamed=True)
+        route = None if req.sequence is None else await self._sequence_route(sub, spec)
+        first = self._submit(sub, streamed=True, route=route)
         later = self.broker.later(sub.env.id)
         finished = False
         try:
@@ -157,6 +163,8 @@ class DataPlane:
             if not finished:
                 self.broker.cancel(sub.env.id)
             self.broker.forget(sub.env.id)
+            if route is not None:
+                route.release()
 
     async def _single(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
                       caller_timeout_s: float | None) -> ReplyEnvelope:
@@ -174,6 +182,9 @@ class DataPlane:
 
     def _submission(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
                     caller_timeout_s: float | None) -> _Submission:
+        if spec.sequence is not None and req.sequence is None:  # an ensemble's step: no worker reads its lane
+            raise InvalidInput(f"inference request to model '{model}' must specify a non-zero or non-empty "
+                               f"correlation ID (a sequence model cannot be an ensemble step in fleet)")
         rid = self.broker.next_id()
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).
@@ -195,6 +206,7 @@ class DataPlane:
             deadline_us=admission.deadline_us,
             client_id=req.client_id,
             expires_us=expires_us,
+            sequence=req.sequence,
         )
         if trace is not None:
             trace.request(v, req.client_id, req.inputs)
@@ -202,13 +214,22 @@ class DataPlane:
             trace.stamp(QUEUE_START)
         return _Submission(env, admission, now_us)
 
-    def _submit(self, sub: _Submission, streamed: bool = False) -> asyncio.Future[ReplyEnvelope]:
+    async def _sequence_route(self, sub: _Submission, spec: ModelSpec) -> Route:
+        env = sub.env
+        if self.sequences is None or env.sequence is None:
+            raise Unsupported(f"model '{env.model}' uses sequence batching, which this gateway cannot route")
+        return await self.sequences.route(env.model, env.version, spec, env.sequence)
+
+    def _submit(self, sub: _Submission, streamed: bool = False, route: Route | None = None
+                ) -> asyncio.Future[ReplyEnvelope]:
+        """`route`: a sequence's request goes to its worker's stream, the next of the sequence after it."""
         env, admission = sub.env, sub.admission
         reject_at = None if admission.delay_on_timeout else admission.deadline_us
-        stream = self.broker.keys.queue(env.model, admission.lane, version=env.version)
+        stream = self.broker.keys.queue(env.model, admission.lane, version=env.version) if route is None \
+            else route.stream
         return self.broker.submit(env.id, stream, encode_request(env), admission.max_queue_size, env.model,
                                   version=env.version, enqueued_us=sub.now_us, reject_at_us=reject_at,
-                                  streamed=streamed)
+                                  streamed=streamed, on_enqueued=None if route is None else route.release)
 
 
 @dataclass(frozen=True, slots=True)

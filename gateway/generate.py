@@ -24,7 +24,7 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import ReplyEnvelope, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, ServingError, from_code
-from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters
+from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
 from fleet.model_config import ModelSpec, TensorSpec
 
 
@@ -54,7 +54,8 @@ def parse_generate(body: bytes, spec: ModelSpec) -> ParsedInfer:
         inputs.append(tensor)
     check_input_set(spec, inputs, batch)
     passthrough, priority, timeout_us, _ = check_parameters(params, spec)
-    return ParsedInfer(client_id, inputs, None, frozenset(), False, passthrough, priority, timeout_us)
+    return ParsedInfer(client_id, inputs, None, frozenset(), False, passthrough, priority, timeout_us,
+                       sequence=sequence_flags(params, spec, inputs))
 
 
 def _tensor(spec: ModelSpec, ts: TensorSpec, value: Any) -> WireTensor:

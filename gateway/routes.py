@@ -16,7 +16,9 @@ from starlette.routing import Route
 
 from fleet.envelope import ReplyEnvelope
 from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
+from fleet.kserve import ParsedInfer
 from gateway import model_info
+from gateway.catalog import ModelView
 from gateway.generate import events, parse_generate, raise_reply, render_generate, single
 from gateway.state import GatewayState
 
@@ -102,13 +104,18 @@ async def infer(request: Request) -> Response:
     raise InvalidInput("infer requests are served by the fast path")
 
 
+async def _generate_request(request: Request) -> tuple[str, int, ModelView, ParsedInfer]:
+    """A generate body for the model of the URL: (name, version, its view, the request)."""
+    name = request.path_params["name"]
+    view, v = state_of(request).catalog.resolve(name, _version(request))
+    return name, v, view, parse_generate(await _identity_body(request), view.entry.spec)
+
+
 async def generate(request: Request) -> Response:
     """Triton's generate extension (gateway/generate.py): one JSON response."""
     st = state_of(request)
-    name = request.path_params["name"]
-    view, v = st.catalog.resolve(name, _version(request))
+    name, v, view, req = await _generate_request(request)
     spec = view.entry.spec
-    req = parse_generate(await _identity_body(request), spec)
     st.dataplane.admit()
     try:
         if spec.decoupled:
@@ -123,10 +130,8 @@ async def generate(request: Request) -> Response:
 async def generate_stream(request: Request) -> Response:
     """Each response of the model as a server-sent event, as it comes; the status is the first one's."""
     st = state_of(request)
-    name = request.path_params["name"]
-    view, v = st.catalog.resolve(name, _version(request))
+    name, v, view, req = await _generate_request(request)
     spec = view.entry.spec
-    req = parse_generate(await _identity_body(request), spec)
     st.dataplane.admit()
     try:
         if spec.decoupled:

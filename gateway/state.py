@@ -31,6 +31,7 @@ from gateway.jobs.service import jobs_context
 from gateway.model_control import ModelControl
 from gateway.response_cache import ResponseCache, parse_cache_config
 from gateway.runtime_settings import RuntimeSettings
+from gateway.sequences import SequenceRouter
 from gateway.shared_memory import SharedMemoryRegistry
 from gateway.tracer import Tracer
 
@@ -70,8 +71,10 @@ class GatewayState:
         self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config),
                                    counters)
         self.ensembles = Ensembles(self.catalog, self.keys, counters)
+        sequences = SequenceRouter(self.client, self.keys, self.catalog, settings.request_timeout_s)
         self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
-                                   max_in_flight=settings.max_in_flight, cache=self.cache, ensembles=self.ensembles)
+                                   max_in_flight=settings.max_in_flight, cache=self.cache, ensembles=self.ensembles,
+                                   sequences=sequences)
         # Bulk jobs go through RQ, which is synchronous: their own (blocking) client, used off the loop.
         self.jobs = jobs_context(redis.Redis.from_url(url, protocol=2), settings)
         # The logging and trace extensions: settings followed from Redis, traces written by this process.

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from fleet.admission import admit
 from fleet.broker import Broker
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_request
-from fleet.errors import InferenceFailed, InvalidInput, ModelNotFound, ModelNotReady, ServingError
+from fleet.errors import InferenceFailed, InvalidInput, ModelNotFound, ModelNotReady, ServingError, Unsupported
 from fleet.keys import Keys
 from fleet.kserve import check_input, check_input_set
 from fleet.model_config import ModelSpec, parse_config
@@ -107,6 +107,9 @@ class BlsService:
                 f"{' -> '.join(chain)}), past the limit FLEET_BLS_MAX_DEPTH = {self._max_depth}")
         spec, version = await self._resolve(model, int(req.get("version", -1)))
         inputs = self._inputs(spec, req)
+        if spec.sequence is not None:  # its requests go to the worker holding the sequence (gateway/sequences.py)
+            raise Unsupported(f"model '{model}' uses sequence batching: BLS calls to sequence models are not "
+                              f"supported by fleet yet")
         if spec.decoupled and not frame.get("decoupled"):
             raise InvalidInput(f"model '{model}' is decoupled: call it with exec(decoupled=True)")
         outputs = list(req.get("o") or [])

@@ -104,13 +104,16 @@ class Written:
 
 class StreamConsumer:
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, version: int, consumer: str, lanes: int = 1,
-                 redis_clock: RedisClock | None = None) -> None:
+                 redis_clock: RedisClock | None = None, streams: list[str] | None = None) -> None:
+        """`streams`: the lanes' stream keys when not the model's own (a sequence model's online lane is
+        this worker's sequence stream, fleet/keys.py)."""
         self._client = client
         self._redis_clock = redis_clock or RedisClock()  # stamps traced replies (REPLY_WRITE)
         self._keys = keys
         self.model = model
         self.version = version
-        self.streams = [keys.queue(model, lane, version=version) for lane in range(lanes)]
+        self.streams = streams or [keys.queue(model, lane, version=version) for lane in range(lanes)]
+        assert len(self.streams) == lanes, "one stream per lane"
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
         self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)

@@ -62,6 +62,7 @@ from workers.loading import close_instances, load_version
 from workers.loop import LoopConfig, ModelLoop
 from workers.rate_limiter import RateLimiter
 from workers.reconcile import Load, Unit, UnitState, reconcile
+from workers.sequence_tensors import SequenceTensors
 from workers.watchdog import HungHandler
 
 log = logging.getLogger("workers")
@@ -142,6 +143,11 @@ class ModelHost:
 
     def loops_of(self, model: str) -> list[ModelLoop]:
         return [s.loop for s in self.units.values() if s.unit.model == model and s.loop is not None]
+
+    def sequence_units(self) -> list[tuple[str, int]]:
+        """(model, version) of the sequence models served here (workers/sequence_reaper.py)."""
+        return sorted({(s.unit.model, s.unit.version) for s in self.units.values()
+                       if s.loop is not None and s.entry.spec.sequence is not None})
 
     def loops(self) -> list[ModelLoop]:
         return [s.loop for s in self.units.values() if s.loop is not None]
@@ -345,6 +351,10 @@ class ModelHost:
                     self.units.pop(unit, None)
                     return
                 device = instance_device(entry.spec, self.ctx.device)
+                seq = entry.spec.sequence
+                # Its initial states' files are read (and checked) now: a missing one fails the load.
+                sequence_tensors = None if seq is None else \
+                    SequenceTensors(seq, entry.spec.max_batch_size > 0, entry.path, unit.version)
                 served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
                                                            self.settings.max_deliveries, self.ctx.limiter,
                                                            self.ctx.bls, self.ctx.emit)
@@ -371,11 +381,17 @@ class ModelHost:
         sibling = any(u.model == unit.model and u.version == unit.version and u != unit for u in self.units)
         name = f"{self.ctx.worker_id}~{unit.gen}" if sibling else self.ctx.worker_id
         client = async_client(self.settings.redis_url_or_default)  # its readers block in XREADGROUP
-        consumer = StreamConsumer(client, self.ctx.keys, unit.model, unit.version, name,
-                                  lanes=lane_count(entry.spec), redis_clock=self.ctx.redis_clock)
+        lanes = lane_count(entry.spec)
+        streams = None
+        if entry.spec.sequence is not None:  # its online lane is this worker's own (gateway/sequences.py)
+            streams = [self.ctx.keys.sequence_queue(unit.model, unit.version, self.ctx.worker_id),
+                       *(self.ctx.keys.queue(unit.model, lane, version=unit.version) for lane in range(1, lanes))]
+        consumer = StreamConsumer(client, self.ctx.keys, unit.model, unit.version, name, lanes=lanes,
+                                  redis_clock=self.ctx.redis_clock, streams=streams)
         loop = ModelLoop(entry.spec, {unit.version: served.instances}, consumer, SystemClock(), self.ctx.redis_clock,
                          self.ctx.loop_config, on_hung=self.ctx.on_hung, on_health=self.ctx.beat_now,
-                         on_give_up=self.ctx.on_give_up, live_workers=self.ctx.live_workers)
+                         on_give_up=self.ctx.on_give_up, live_workers=self.ctx.live_workers,
+                         sequence_tensors=sequence_tensors)
         served.loop = loop
         served.task = asyncio.create_task(loop.run(), name=f"model '{unit.model}' version {unit.version}")
         served.task.add_done_callback(self.ctx.on_loop_done)

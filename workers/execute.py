@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,8 @@ class BatchOutcome:
     # instance every time it ran alone, so the loop dead-letters its message.
     poisoned: list[int] = field(default_factory=list)
     started_ns: int = 0  # time.perf_counter_ns() when the batch started (traced requests' COMPUTE_START)
+    # Sequence models with implicit state: what each request leaves for the next of its sequence (None: none).
+    states: list[object] | None = None
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:
@@ -146,8 +149,10 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
     return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters)
 
 
-def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) -> BatchOutcome:
-    """Never raises: every failure becomes an error reply for the requests it touched."""
+def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
+              state_of: Callable[[ItemResult], object] | None = None) -> BatchOutcome:
+    """Never raises: every failure becomes an error reply for the requests it touched. `state_of`: a
+    sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py)."""
     t0 = time.perf_counter_ns()
     to_arrays = not backend.takes_wire
     reshaped = {t.name: t for t in spec.inputs if t.reshape is not None and not t.is_shape_tensor}
@@ -177,4 +182,9 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]) ->
     t3 = time.perf_counter_ns()
     runnable_at = [i for i in range(len(envs)) if i not in early]
     poisoned = [runnable_at[k] for k, res in enumerate(results) if isinstance(res.error, PoisonRequest)]
-    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned, t0)
+    states: list[object] | None = None
+    if state_of is not None:
+        states = [None] * len(envs)
+        for k, res in enumerate(results):
+            states[runnable_at[k]] = state_of(res)
+    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned, t0, states)

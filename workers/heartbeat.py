@@ -48,7 +48,7 @@ class Heartbeat:
 
     async def beat(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        fields = {**self.report(), "device": self._device, "pid": str(os.getpid())}
+        fields = {**self.report(), "device": self._device, "pid": str(os.getpid()), "id": self.worker_id}
         pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(self.key, self._ttl_ms)
         pipe.zadd(self._keys.workers(), {self.worker_id: int(time.time() * 1000) + self._ttl_ms})

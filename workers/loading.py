@@ -26,7 +26,7 @@ def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: i
     try:
         for i in range(max(1, entry.spec.instance_count)):
             name = f"{entry.name}_{i}"
-            ctx = LoadContext(spec=entry.spec, model_dir=entry.path, version=version, instance_name=name,
+            ctx = LoadContext(spec=entry.spec.model_facing(), model_dir=entry.path, version=version, instance_name=name,
                               device=device, max_deliveries=max_deliveries, bls=bls, emit=emit)
             limit = limits[i] if limiter is not None and i < len(limits) and limits[i].resources else None
             out.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name),

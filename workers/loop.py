@@ -20,13 +20,14 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
 from batching.policy import BatchPolicy, Pending
 from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, SchedulerConfig, Stage, Unstage
+from batching.sequences import Admit, Refuse, SequenceGate, Verdict
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
@@ -50,6 +51,7 @@ from workers.custody import Answer, Custody, CustodyConfig, LiveWorkers
 from workers.execute import BatchOutcome, run_batch
 from workers.instance import Callbacks, Instance, Job
 from workers.samples import batch_sample, rejected_samples
+from workers.sequence_tensors import SequenceTensors
 from workers.watchdog import HungHandler, Watchdog
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,11 @@ THREAD_WAKE_S = 0.00015
 def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
     db = spec.dynamic_batching
     bulk = bulk_lane(spec)
+    seq = spec.sequence
+    if seq is not None:  # the sequence batcher's strategy batches each instance's sequences
+        return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=seq.preferred_batch_sizes,
+                           max_queue_delay_us=seq.max_queue_delay_us, dynamic=spec.max_batch_size > 0,
+                           aging_us=aging_us, bulk_lane=bulk)
     if db is None or spec.max_batch_size == 0:
         return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False, aging_us=aging_us, bulk_lane=bulk)
     return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=db.preferred_batch_sizes,
@@ -105,7 +112,7 @@ class ModelLoop:
                  clock: Clock, redis_clock: RedisClock, config: LoopConfig = LoopConfig(), *,
                  on_hung: HungHandler | None = None, on_health: Callable[[], None] | None = None,
                  on_give_up: Callable[[str, BaseException], None] | None = None,
-                 live_workers: LiveWorkers | None = None) -> None:
+                 live_workers: LiveWorkers | None = None, sequence_tensors: SequenceTensors | None = None) -> None:
         self.spec = spec
         self.instances = instances
         self.clock = clock
@@ -115,9 +122,17 @@ class ModelLoop:
         assert len(consumer.streams) == lane_count(spec), "consumer built for another lane count"
         policy = policy_for(spec, config.aging_us)
         preserve = spec.dynamic_batching is not None and spec.dynamic_batching.preserve_ordering
+        seq = spec.sequence
         self.schedulers = {v: Scheduler(SchedulerConfig(policy, len(insts), self.bulk_lane, config.bulk_share,
-                                                        preserve_ordering=preserve))
+                                                        preserve_ordering=preserve, pinned=seq is not None))
                            for v, insts in instances.items()}
+        # Sequence batching (batching/sequences.py): each version's live sequences, one request of each at a
+        # time, pinned to the sequence's instance; and the control and state tensors its requests get.
+        self._gates = {} if seq is None else {
+            v: SequenceGate(spec.name, len(insts), seq.max_sequence_idle_us) for v, insts in instances.items()}
+        self._sequence_tensors = sequence_tensors
+        if seq is not None and sequence_tensors is None:
+            self._sequence_tensors = SequenceTensors(seq, spec.max_batch_size > 0)
         n_instances = sum(len(i) for i in instances.values())
         per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
         self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
@@ -265,8 +280,40 @@ class ModelLoop:
         if env.trace is not None:
             env.trace[WORKER_READ] = self.redis_clock.now_ns()
             self._traced += 1
-        scheduler.arrive(pending, _order(entry_id), now)
+        gate = self._gates.get(env.version)
+        if gate is not None:
+            flags = env.sequence
+            verdict: Verdict = Refuse(pending.request_id, f"inference request to model '{env.model}' must specify "
+                                                         f"a non-zero or non-empty correlation ID") \
+                if flags is None else gate.arrive(pending.request_id, flags.id, flags.start, flags.end, now)
+            self._sequence_verdicts(env.version, [verdict], now)
+        else:
+            scheduler.arrive(pending, _order(entry_id), now)
         self._wake.set()
+
+    def _sequence_verdicts(self, version: int, verdicts: list[Verdict], now: int) -> None:
+        """Carry out the gate's verdicts: schedule on the sequence's instance, or answer the error."""
+        for verdict in verdicts:
+            held = self._held[verdict.request_id]
+            if isinstance(verdict, Admit):
+                held.pending = replace(held.pending, instance=verdict.instance)
+                self.schedulers[version].arrive(held.pending, _order(held.message[1]), now)
+            elif isinstance(verdict, Refuse):
+                self._forget((held.pending,))
+                err = InvalidInput(verdict.message)
+                reply = ReplyEnvelope(id=held.env.id, model_version=held.env.version, error_code=err.code.value,
+                                      error_message=err.message)
+                self.custody.finish([Answer(held.message, held.env.reply_to, reply)], ordered=True)
+
+    def _sequences_done(self, held: list[_Held], states: list[object] | None, now: int) -> None:
+        """These requests are answered: their sequences keep the state they left and move on."""
+        for i, h in enumerate(held):
+            gate = self._gates.get(h.version)
+            if gate is None:
+                continue
+            if states is not None and states[i] is not None:
+                gate.set_state(h.pending.request_id, states[i])
+            self._sequence_verdicts(h.version, gate.finished(h.pending.request_id, now), now)
 
     def cancel(self, request_ids: set[str]) -> None:
         """Callers went away (disconnected, or the gateway gave up): drop their requests if not started."""
@@ -313,6 +360,12 @@ class ModelLoop:
                         self._apply(version, scheduler, action, now)
                 if plan.wake_at_us is not None:
                     wake = plan.wake_at_us if wake is None else min(wake, plan.wake_at_us)
+            for gate in self._gates.values():
+                for gone in gate.release_idle(now):
+                    log.info("%s: sequence %s released after %d µs idle", self.spec.name, gone, gate.idle_us)
+                idle_at = gate.next_idle_us()
+                if idle_at is not None:
+                    wake = idle_at if wake is None else min(wake, idle_at)
             if acted:
                 continue
             if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
@@ -360,13 +413,19 @@ class ModelLoop:
 
     def _job(self, version: int, index: int, batch: Batch) -> Job:
         envs = [self._held[p.request_id].env for p in batch.items]
+        state_of = None
+        if self._sequence_tensors is not None:
+            gate = self._gates[version]
+            seq = self._sequence_tensors
+            envs = [seq.request(env, gate.state(p.request_id)) for env, p in zip(envs, batch.items, strict=True)]
+            state_of = seq.state_of if seq.capture else None
         if self._traced:
             formed = self.redis_clock.now_ns()
             for env in envs:
                 if env.trace is not None:
                     env.trace[BATCH_FORMED] = formed
         backend = self.instances[version][index].backend
-        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs))
+        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of))
         self._jobs[(version, batch.id)] = job
         if any(p.lane == self.bulk_lane for p in batch.items):
             gil.bulk_batch_started(self.clock.now_us())
@@ -433,7 +492,10 @@ class ModelLoop:
         if traced:
             self._traced_replies(held, replies, None)
         answers = [Answer(h.message, h.env.reply_to, reply) for h, reply in zip(held, replies, strict=True)]
-        self.custody.finish(answers, rejected_samples([h.env for h in held], self._envelope_times(held), now))
+        self.custody.finish(answers, rejected_samples([h.env for h in held], self._envelope_times(held), now),
+                            ordered=bool(self._gates))
+        if self._gates:
+            self._sequences_done(held, None, now)
 
     def _drop(self, items: tuple[Pending, ...]) -> None:
         held = self._forget(items)
@@ -441,6 +503,8 @@ class ModelLoop:
         self._lost_ids -= {h.pending.request_id for h in held}
         self.custody.release(lost)  # another worker owns these now: released, never acknowledged
         self.custody.finish([], [], [h.message for h in held if h.message not in lost])
+        if self._gates:
+            self._sequences_done(held, None, self.clock.now_us())
 
     def _release(self, version: int, batch_id: int) -> None:
         job = self._jobs.pop((version, batch_id))
@@ -454,6 +518,8 @@ class ModelLoop:
             # pending (released, not acknowledged) and are claimed and computed again.
             log.error("%s: batch of %d failed outside the model: %r", self.spec.name, len(held), result)
             self.custody.release([h.message for h in held])
+            if self._gates:
+                self._sequences_done(held, None, self.clock.now_us())
             return
         envs = [h.env for h in held]
         sample = batch_sample(version, self.spec.max_batch_size > 0, envs, result,
@@ -465,7 +531,13 @@ class ModelLoop:
                           park=reply.error_message if i in poisoned else None,
                           payload=encode_request(h.env) if i in poisoned else None)
                    for i, (h, reply) in enumerate(zip(held, result.replies, strict=True))]
-        self.custody.finish(answers, [sample], ordered=self._preserve_ordering)
+        # A sequence's replies must reach its caller in the order its requests ran (a gRPC stream answers
+        # in the order replies arrive): its next request may finish while this write is still in flight.
+        self.custody.finish(answers, [sample], ordered=self._preserve_ordering or bool(self._gates))
+        if self._gates:
+            states = [None if not reply.ok else state
+                      for reply, state in zip(result.replies, result.states or [None] * len(held), strict=True)]
+            self._sequences_done(held, states, self.clock.now_us())
 
     def _envelope_times(self, held: list[_Held]) -> list[int]:
         """When each request was enqueued, on this process's clock."""

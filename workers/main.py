@@ -31,6 +31,7 @@ from workers.instance import Instance
 from workers.loop import LoopConfig
 from workers.rate_limiter import RateLimiter, parse_resource_flags
 from workers.replies import ReplyWriter
+from workers.sequence_reaper import SequenceReaper
 
 # Exit status of a worker that stopped because an instance hung in code it cannot interrupt (a native
 # backend's thread): its supervisor (`fleet up`, compose's restart policy) starts a fresh one.
@@ -109,6 +110,9 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     host_task = asyncio.create_task(host.run(), name="model control")
     host_task.add_done_callback(on_loop_done)
     cancel_task = asyncio.create_task(listen_for_cancellations(url, keys, host))
+    # What dead workers' sequence streams hold is answered by a live one (nobody else reads them).
+    reaper = SequenceReaper(control, keys, worker_id, host.sequence_units, settings.claim_interval_s)
+    reaper_task = asyncio.create_task(reaper.run(), name="sequence reaper")
     control_task = asyncio.create_task(follow_channel(url, keys.control(), "model control listener",
                                                       lambda _: _nudge(host)))
     log.info("worker %s on %s started (model control: %s)", worker_id, device, settings.model_control_mode)
@@ -118,7 +122,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     log.info("worker %s stopping: draining", worker_id)
     heartbeat.report = Heartbeat.report_nothing
     await heartbeat.clear()
-    await cancel_and_wait([host_task, beat_task, cancel_task, control_task, settings_task], f"worker {worker_id}")
+    await cancel_and_wait([host_task, beat_task, cancel_task, control_task, settings_task, reaper_task],
+                          f"worker {worker_id}")
     await host.stop()
     await bls.stop()
     replies.close()

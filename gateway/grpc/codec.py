@@ -32,7 +32,7 @@ from fleet import tensors
 from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, Unsupported
-from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_input, check_input_set, check_parameters
+from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
 from fleet.model_config import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
 
@@ -207,7 +207,7 @@ def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> Pars
     outputs, in_regions = _outputs(request, spec, regions)
     return ParsedInfer(client_id=client_id, inputs=inputs, outputs=outputs, binary_outputs=frozenset(),
                        binary_default=True, parameters=passthrough, priority=priority, timeout_us=timeout_us,
-                       shm_outputs=in_regions)
+                       shm_outputs=in_regions, sequence=sequence_flags(params, spec, inputs))
 
 
 def encode_infer(model: str, version: int, req: ParsedInfer, outputs: list[WireTensor],

@@ -48,7 +48,8 @@ class _Stream:
     __slots__ = ("answers", "computing", "tasks")
 
     def __init__(self) -> None:
-        self.answers: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: no more requests will be read
+        # None: no more requests will be read; b"": nothing to write, look again whether the stream is done.
+        self.answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.computing = 0  # requests read and not yet answered
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -84,7 +85,7 @@ class StreamSessions:
                 answer = await stream.answers.get()
                 if answer is None:
                     reading = False
-                else:
+                elif answer:
                     yield answer
         finally:
             # Normally nothing is left; when the client went away, what it still waits for is cancelled.
@@ -112,9 +113,14 @@ class StreamSessions:
                     counted = False
                 if answer is not None:
                     stream.answers.put_nowait(answer)
+                elif last:
+                    # A final flag that sends nothing: the writer, waiting for an answer, must still look
+                    # again whether the stream is done (the client may have closed its side already).
+                    stream.answers.put_nowait(b"")
         finally:
             if counted:
                 stream.computing -= 1
+                stream.answers.put_nowait(b"")
 
     async def _respond(self, raw: bytes, timeout_s: float | None) -> AsyncGenerator[tuple[bytes | None, bool], None]:
         request_id = ""

@@ -203,7 +203,7 @@ def zeros(shape: tuple[int, ...], datatype: str = "INT32") -> list[tg.InferInput
     ("batch too large", lambda c: c.infer("simple", zeros((9, 16))),
      "INVALID_ARGUMENT", "batch-size must be <= 8"),
     ("sequence model", lambda c: c.infer("simple_sequence", [tensor("INPUT", np.zeros((1, 1), np.int32), "INT32")]),
-     "INVALID_ARGUMENT", "sequence batching is not supported yet"),
+     "INVALID_ARGUMENT", "model 'simple_sequence' must specify a non-zero or non-empty correlation ID"),
     ("model control", lambda c: c.load_model("simple"), "PERMISSION_DENIED", "model control is disabled"),
     ("unknown output", lambda c: c.infer("simple", zeros((1, 16)), outputs=[tg.InferRequestedOutput("NOPE")]),
      "INVALID_ARGUMENT", "unexpected inference output 'NOPE' for model 'simple'"),

@@ -169,7 +169,8 @@ def simple_body(**override: object) -> bytes:
         {"name": n, "datatype": "INT32", "shape": [9, 16], "data": [1] * 144} for n in ("INPUT0", "INPUT1")]}).encode(),
      400, "batch-size"),
     ("/v2/models/simple_sequence/infer", json.dumps({"inputs": [
-        {"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}]}).encode(), 400, "sequence batching"),
+        {"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}]}).encode(), 400,
+     "inference request to model 'simple_sequence' must specify a non-zero or non-empty correlation ID"),
 ])
 def test_bad_inputs_get_status_codes(system: RunningSystem, path: str, body: bytes, status: int,
                                      fragment: str) -> None:

@@ -17,7 +17,10 @@ import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from fleet.keys import GROUP
+from fleet.broker import Broker
+from fleet.envelope import ReplyEnvelope, encode_reply
+from fleet.keys import GROUP, Keys
+from fleet.redis_clients import async_client
 from fleet.redis_server import LocalServer, start_server
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
@@ -332,5 +335,29 @@ def test_consumers_of_dead_workers_are_removed_once_they_hold_nothing(redis_serv
             # The live worker's own consumer stays, however idle.
             assert await names() - {"ghost-holding-one"}
             assert (await post(s.client, "prune", request(5.0))).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_a_reply_written_the_moment_a_broker_starts_is_not_missed(redis_server: LocalServer,
+                                                                    key_prefix: str) -> None:
+    """A worker's BLS broker starts on its first call and submits at once: the callee's first reply may
+    land before the reply reader's first read. start() writes the marker the reader starts after."""
+
+    async def main() -> None:
+        keys = Keys(key_prefix)
+        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "early",
+                        block_ms=50, request_timeout_s=10)
+        await broker.start()
+        try:
+            future = broker.submit("r1", keys.queue("m", version=1), b"x", model="m", version=1)
+            # The reply, written before the reader task has run at all.
+            writer = async_client(redis_server.url)
+            await writer.xadd(broker.reply_key, {b"d": encode_reply(ReplyEnvelope(id="r1", model_version=1))})
+            await writer.aclose()
+            reply = await asyncio.wait_for(future, 5)
+            assert reply.id == "r1" and reply.ok
+        finally:
+            await broker.stop()
 
     asyncio.run(main())

@@ -120,7 +120,6 @@ def case(n: int, outputs: list[dict[str, Any]] | None = None, binary: bool | Non
     ({"timeout": True}, "parameter 'timeout' must be an integer from 0 to 2^64-1"),
     ({"sequence_id": 2**64}, "parameter 'sequence_id' must be an integer from 0 to 2^64-1"),
     ({"sequence_start": 1}, "parameter 'sequence_start' must be a boolean"),
-    ({"sequence_id": 5}, "sequence batching is not supported yet"),
 ])
 def test_parameters_outside_64_bits_are_a_400_naming_the_parameter(client: httpx.Client,
                                                                      params: dict[str, Any], needle: str) -> None:

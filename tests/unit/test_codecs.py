@@ -162,7 +162,6 @@ def good_inputs(batch: int = 1) -> list[dict[str, object]]:
     ({"inputs": [{**good_inputs()[0], "data": ["x"] * 16}, good_inputs()[1]]}, InvalidInput, "JSON numbers"),
     ({"inputs": good_inputs(), "outputs": [{"name": "nope"}]}, InvalidInput, "unexpected inference output"),
     ({"inputs": good_inputs(), "parameters": {"triton_x": 1}}, InvalidInput, "reserved"),
-    ({"inputs": good_inputs(), "parameters": {"sequence_id": 5}}, InvalidInput, "sequence batching"),
     ({"inputs": [{**good_inputs()[0], "parameters": {"shared_memory_region": "r"}}, good_inputs()[1]]},
      InvalidInput, "exactly one"),
     ({"inputs": [{"name": "A", "datatype": "INT32", "shape": [1, 16],

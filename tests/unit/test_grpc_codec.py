@@ -215,8 +215,6 @@ FAULTS: list[tuple[str, Any, str]] = [
      "'timeout' must be an integer"),
     ("reserved key", grpc_request([("X", "FP32", [4])], raw=[F4], params={"triton_x": ("int64_param", 1)}),
      "reserved"),
-    ("sequence", grpc_request([("X", "FP32", [4])], raw=[F4], params={"sequence_id": ("int64_param", 3)}),
-     "sequence batching is not supported yet"),
     ("sequence_start not a bool", grpc_request([("X", "FP32", [4])], raw=[F4],
                                                params={"sequence_start": ("string_param", "x")}),
      "'sequence_start' must be a boolean"),

@@ -445,3 +445,12 @@ def test_metrics() -> None:
         family.Metric(labels={"a": "b"})  # histograms need buckets
     with pytest.raises(ValueError):
         pb_utils.MetricFamily("test_requests", "requests", pb_utils.MetricFamily.GAUGE)
+
+
+def test_a_bls_request_takes_names_as_bytes_as_tritons_binding_does() -> None:
+    """Triton's bls example passes a model name read from a BYTES input: numpy bytes, not str."""
+    name = np.array([b"add_sub"], dtype=object)[0]
+    request = pb_utils.InferenceRequest(model_name=np.bytes_(name), requested_output_names=[b"OUTPUT0"],
+                                        inputs=[], request_id=b"r1")
+    assert (request.model_name(), request.requested_output_names(), request.request_id()) == \
+        ("add_sub", ["OUTPUT0"], "r1")

@@ -264,6 +264,10 @@ class InferenceResponseSender:
         self._cancelled = True
 
 
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 class InferenceRequest:
     """A request: the one execute() receives, or (BLS) one a model builds to call another model.
 
@@ -289,11 +293,13 @@ class InferenceRequest:
             raise TypeError("InferenceRequest() needs inputs, requested_output_names and model_name")
         if not all(isinstance(t, Tensor) for t in inputs):
             raise TritonModelException('"inputs" must contain pb_utils.Tensor objects.')
-        self._request_id = request_id
-        self._correlation_id = correlation_id
+        # Triton's binding takes std::string, so bytes work as well as str: Triton's own bls example passes
+        # a model name read from a BYTES input (`.as_numpy()[0]`, numpy bytes).
+        self._request_id = _text(request_id)
+        self._correlation_id = _text(correlation_id) if isinstance(correlation_id, bytes) else correlation_id
         self._inputs = list(inputs)
-        self._requested_output_names = list(requested_output_names)
-        self._model_name = model_name
+        self._requested_output_names = [_text(name) for name in requested_output_names]
+        self._model_name = _text(model_name)
         self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
