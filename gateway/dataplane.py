@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,15 +167,27 @@ class DataPlane:
             if route is not None:
                 route.release()
 
+    async def replies(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, gen: str = ""
+                      ) -> AsyncGenerator[ReplyEnvelope, None]:
+        """Every reply to a request, for the protocols that stream: a decoupled model's each as it comes
+        (`responses`), any other model's one (`run`). Closed early, the request is cancelled."""
+        if not spec.decoupled:
+            yield await self.run(model, v, spec, req, gen=gen)
+            return
+        async with aclosing(self.responses(model, v, spec, req)) as responses:
+            async for reply in responses:
+                yield reply
+
     async def _single(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
                       caller_timeout_s: float | None) -> ReplyEnvelope:
         """A decoupled model through a one-reply protocol (infer): its one response, else an error."""
         got: list[ReplyEnvelope] = []
-        async for reply in self.responses(model, v, spec, req, caller_timeout_s):
-            if not reply.ok:
-                raise from_code(reply.error_code, reply.error_message)
-            if not reply.empty:
-                got.append(reply)
+        async with aclosing(self.responses(model, v, spec, req, caller_timeout_s)) as responses:
+            async for reply in responses:  # an error reply ends the request at once (closed: cancelled)
+                if not reply.ok:
+                    raise from_code(reply.error_code, reply.error_message)
+                if not reply.empty:
+                    got.append(reply)
         if len(got) != 1:
             raise InferenceFailed(f"model '{model}' is decoupled and produced {len(got)} responses; a single "
                                   f"inference expects exactly 1 (stream it: generate_stream or gRPC streaming)")

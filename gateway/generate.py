@@ -16,7 +16,8 @@ has started, and ends after the final response. A client that goes away cancels 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
@@ -105,14 +106,15 @@ def render_generate(model: str, version: int, client_id: str, reply: ReplyEnvelo
     return doc
 
 
-async def single(responses: AsyncIterator[ReplyEnvelope]) -> ReplyEnvelope:
+async def single(responses: AsyncGenerator[ReplyEnvelope, None]) -> ReplyEnvelope:
     """/generate: the model's one response, or why there is not exactly one."""
     got: list[ReplyEnvelope] = []
-    async for reply in responses:
-        if not reply.ok:
-            raise_reply(reply)
-        if not reply.empty:
-            got.append(reply)
+    async with aclosing(responses) as replies:  # an error reply ends the request at once
+        async for reply in replies:
+            if not reply.ok:
+                raise_reply(reply)
+            if not reply.empty:
+                got.append(reply)
     if len(got) != 1:
         raise InferenceFailed("generate expects model to produce exactly 1 response")
     return got[0]

@@ -7,14 +7,13 @@ path, and design.md measured FastAPI's per-route layer at up to 2x the cost of a
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleet.envelope import ReplyEnvelope
 from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
 from fleet.kserve import ParsedInfer
 from gateway import model_info
@@ -118,10 +117,7 @@ async def generate(request: Request) -> Response:
     spec = view.entry.spec
     st.dataplane.admit()
     try:
-        if spec.decoupled:
-            reply = await single(st.dataplane.responses(name, v, spec, req))
-        else:
-            reply = await st.dataplane.run(name, v, spec, req, gen=view.gen)
+        reply = await single(st.dataplane.replies(name, v, spec, req, gen=view.gen))
     finally:
         st.dataplane.release()
     return json_response(render_generate(name, v, req.client_id, reply))
@@ -133,17 +129,13 @@ async def generate_stream(request: Request) -> Response:
     name, v, view, req = await _generate_request(request)
     spec = view.entry.spec
     st.dataplane.admit()
+    rest = st.dataplane.replies(name, v, spec, req, gen=view.gen)
     try:
-        if spec.decoupled:
-            rest = st.dataplane.responses(name, v, spec, req)
-            first = await anext(rest)
-            if not first.ok:
-                await rest.aclose()
-                raise_reply(first)
-        else:
-            first = await st.dataplane.run(name, v, spec, req, gen=view.gen)
-            rest = _nothing()
+        first = await anext(rest)
+        if not first.ok:
+            raise_reply(first)
     except BaseException:
+        await rest.aclose()
         st.dataplane.release()
         raise
 
@@ -156,11 +148,6 @@ async def generate_stream(request: Request) -> Response:
             st.dataplane.release()
 
     return StreamingResponse(body(), media_type="text/event-stream; charset=utf-8")
-
-
-async def _nothing() -> AsyncGenerator[ReplyEnvelope, None]:
-    return
-    yield  # an empty async generator
 
 
 async def _identity_body(request: Request) -> bytes:
