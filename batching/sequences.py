@@ -15,13 +15,25 @@ Triton's rules, kept here:
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-__all__ = ["Admit", "Refuse", "SequenceGate", "SequenceId", "Verdict", "Wait"]
+__all__ = ["Admit", "Refuse", "SequenceGate", "SequenceId", "Verdict", "Wait", "no_correlation_id", "no_start"]
 
 SequenceId: TypeAlias = int | str
+
+
+def no_correlation_id(model: str) -> str:
+    """Triton's text for a sequence model's request without a sequence id (gateway and worker say it)."""
+    return f"inference request to model '{model}' must specify a non-zero or non-empty correlation ID"
+
+
+def no_start(model: str, sequence: SequenceId) -> str:
+    """Triton's text for a request of a sequence that is not live, without START."""
+    return (f"inference request for sequence {sequence} to model '{model}' must specify the START flag on the "
+            f"first request of the sequence")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,10 @@ class SequenceGate:
         self.idle_us = idle_us
         self._live: dict[SequenceId, _Sequence] = {}
         self._by_request: dict[str, _Sequence] = {}  # the request in flight -> its sequence
+        # (when idle enough, tiebreak, id) of sequences that went idle; an entry is stale once its sequence
+        # ran again or is gone (checked when it comes up), so the driver's every step is O(log n), not O(n).
+        self._idle: list[tuple[int, int, SequenceId]] = []
+        self._pushed = 0
 
     # ------------------------------------------------------------------ what the driver reads
 
@@ -94,8 +110,13 @@ class SequenceGate:
 
     def next_idle_us(self) -> int | None:
         """When the earliest idle sequence is released, if any is idle."""
-        idle = [s.last_us + self.idle_us for s in self._live.values() if s.in_flight is None and not s.waiting]
-        return min(idle, default=None)
+        while self._idle and not self._still_idle(self._idle[0]):
+            heapq.heappop(self._idle)
+        return self._idle[0][0] if self._idle else None
+
+    def _still_idle(self, entry: tuple[int, int, SequenceId]) -> bool:
+        seq = self._live.get(entry[2])
+        return seq is not None and seq.in_flight is None and not seq.waiting and seq.last_us + self.idle_us == entry[0]
 
     # ------------------------------------------------------------------ events
 
@@ -103,7 +124,7 @@ class SequenceGate:
         seq = self._live.get(sequence)
         if seq is None:
             if not start:
-                return Refuse(request_id, self._no_start(sequence))
+                return Refuse(request_id, no_start(self.model, sequence))
             counts = self.per_instance()
             seq = _Sequence(sequence, counts.index(min(counts)), now_us)
             self._live[sequence] = seq
@@ -125,20 +146,25 @@ class SequenceGate:
         while seq.waiting:
             rid, start, end = seq.waiting.popleft()
             if seq.ending and not start:
-                out.append(Refuse(rid, self._no_start(seq.id)))
+                out.append(Refuse(rid, no_start(self.model, seq.id)))
                 continue
             out.append(self._let_through(seq, rid, start, end))
             return out
         if seq.ending:
             del self._live[seq.id]
+        else:
+            self._pushed += 1
+            heapq.heappush(self._idle, (now_us + self.idle_us, self._pushed, seq.id))
         return out
 
     def release_idle(self, now_us: int) -> list[SequenceId]:
         """Sequences idle for `idle_us` or longer, released (Triton's max_sequence_idle_microseconds)."""
-        gone = [s.id for s in self._live.values()
-                if s.in_flight is None and not s.waiting and now_us - s.last_us >= self.idle_us]
-        for sid in gone:
-            del self._live[sid]
+        gone: list[SequenceId] = []
+        while self._idle and self._idle[0][0] <= now_us:
+            entry = heapq.heappop(self._idle)
+            if self._still_idle(entry):
+                del self._live[entry[2]]
+                gone.append(entry[2])
         return gone
 
     def _let_through(self, seq: _Sequence, request_id: str, start: bool, end: bool) -> Admit:
@@ -148,7 +174,3 @@ class SequenceGate:
         seq.in_flight = request_id
         self._by_request[request_id] = seq
         return Admit(request_id, seq.instance)
-
-    def _no_start(self, sequence: SequenceId) -> str:
-        return (f"inference request for sequence {sequence} to model '{self.model}' must specify the START flag "
-                f"on the first request of the sequence")

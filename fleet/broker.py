@@ -97,9 +97,6 @@ class _Waiter:
     # A decoupled model's request: `future` gets the first reply, this queue each later one, until the
     # final one (which retires the waiter). None for the usual one reply.
     more: asyncio.Queue[ReplyEnvelope] | None = None
-    # Called once its XADD has come back (taken or not): a sequence's next request is enqueued only then,
-    # since XADDs of different flushes may reach Redis in any order (gateway/sequences.py).
-    on_enqueued: Callable[[], None] | None = None
 
 
 class Broker:
@@ -123,6 +120,10 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._start_id: bytes | None = None  # the reply stream's marker written by start()
+        # Request id -> called once its XADD has come back (taken or not): a sequence's next request is
+        # enqueued only then, since XADDs of different flushes may reach Redis in any order
+        # (gateway/sequences.py).
+        self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
         self._boot = uuid.uuid4().hex[:8]  # request ids are unique across restarts with a fixed gateway id
         self.redis_clock = RedisClock()
@@ -189,8 +190,9 @@ class Broker:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model, version=version,
-                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None,
-                                            on_enqueued=on_enqueued)
+                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
+        if on_enqueued is not None:
+            self._on_enqueued[request_id] = on_enqueued
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
@@ -273,11 +275,11 @@ class Broker:
         try:
             await self._flush_batch(batch)
         finally:
-            for rid, *_ in batch:
-                waiter = self._waiters.get(rid)
-                if waiter is not None and waiter.on_enqueued is not None:
-                    waiter.on_enqueued()
-                    waiter.on_enqueued = None
+            if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
+                for rid, *_ in batch:
+                    done = self._on_enqueued.pop(rid, None)
+                    if done is not None:
+                        done()
 
     async def _flush_batch(self, batch: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]]) -> None:
         try:

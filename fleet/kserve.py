@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from batching.sequences import no_correlation_id
 from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
@@ -274,8 +275,7 @@ def sequence_flags(params: dict[str, Any], spec: ModelSpec, inputs: list[WireTen
         return None
     sid = params.get("sequence_id", 0)
     if sid in (0, ""):
-        raise InvalidInput(f"inference request to model '{spec.name}' must specify a non-zero or non-empty "
-                           f"correlation ID")
+        raise InvalidInput(no_correlation_id(spec.name))
     if isinstance(sid, str):
         if len(sid) > MAX_ID_CHARS:
             raise InvalidInput(f"the sequence id is longer than {MAX_ID_CHARS} characters")

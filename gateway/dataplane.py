@@ -17,6 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from batching.sequences import no_correlation_id
 from fleet.admission import Admission, admit
 from fleet.broker import Broker
 from fleet.clock import Clock, SystemClock
@@ -196,8 +197,7 @@ class DataPlane:
     def _submission(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
                     caller_timeout_s: float | None) -> _Submission:
         if spec.sequence is not None and req.sequence is None:  # an ensemble's step: no worker reads its lane
-            raise InvalidInput(f"inference request to model '{model}' must specify a non-zero or non-empty "
-                               f"correlation ID (a sequence model cannot be an ensemble step in fleet)")
+            raise InvalidInput(f"{no_correlation_id(model)} (a sequence model cannot be an ensemble step in fleet)")
         rid = self.broker.next_id()
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from batching.sequences import no_start
 from fleet.envelope import SequenceFlags
 from fleet.errors import InvalidInput, ModelNotReady, SequenceLost
 from fleet.keys import Keys
@@ -83,8 +84,7 @@ class SequenceRouter:
         else:
             raw = await self._client.getex(key, px=lease_ms)
             if raw is None:
-                raise InvalidInput(f"inference request for sequence {flags.id} to model '{model}' must specify "
-                                   f"the START flag on the first request of the sequence")
+                raise InvalidInput(no_start(model, flags.id))
             worker = raw.decode() if isinstance(raw, bytes) else str(raw)
             if worker not in serving:
                 raise SequenceLost(f"sequence {flags.id} of model '{model}' was held by worker '{worker}', which "

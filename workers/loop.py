@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from batching.holding import Holding, MessageId
 from batching.policy import BatchPolicy, Pending
 from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, SchedulerConfig, Stage, Unstage
-from batching.sequences import Admit, Refuse, SequenceGate, Verdict
+from batching.sequences import Admit, Refuse, SequenceGate, Verdict, no_correlation_id
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
@@ -283,9 +283,8 @@ class ModelLoop:
         gate = self._gates.get(env.version)
         if gate is not None:
             flags = env.sequence
-            verdict: Verdict = Refuse(pending.request_id, f"inference request to model '{env.model}' must specify "
-                                                         f"a non-zero or non-empty correlation ID") \
-                if flags is None else gate.arrive(pending.request_id, flags.id, flags.start, flags.end, now)
+            verdict: Verdict = Refuse(pending.request_id, no_correlation_id(env.model)) if flags is None else \
+                gate.arrive(pending.request_id, flags.id, flags.start, flags.end, now)
             self._sequence_verdicts(env.version, [verdict], now)
         else:
             scheduler.arrive(pending, _order(entry_id), now)

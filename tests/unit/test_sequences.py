@@ -144,6 +144,8 @@ class GateMachine(RuleBasedStateMachine):
         for gone in self.gate.release_idle(self.now):
             assert not any(s == gone for s, _ in self.in_flight.values())
             assert not self.waiting.get(gone)
+        idle_at = self.gate.next_idle_us()
+        assert idle_at is None or idle_at > self.now, "an idle sequence was kept past its idle time"
 
     @invariant()
     def order_kept(self) -> None:
