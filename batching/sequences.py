@@ -85,6 +85,7 @@ class SequenceGate:
         # (when idle enough, tiebreak, id) of sequences that went idle; an entry is stale once its sequence
         # ran again or is gone (checked when it comes up), so the driver's every step is O(log n), not O(n).
         self._idle: list[tuple[int, int, SequenceId]] = []
+        self._counts = [0] * instances  # live sequences per instance: a new one goes where fewest are
         self._pushed = 0
 
     # ------------------------------------------------------------------ what the driver reads
@@ -93,10 +94,8 @@ class SequenceGate:
         return len(self._live)
 
     def per_instance(self) -> list[int]:
-        counts = [0] * self.instances
-        for seq in self._live.values():
-            counts[seq.instance] += 1
-        return counts
+        """Live sequences bound to each instance."""
+        return list(self._counts)
 
     def state(self, request_id: str) -> object:
         """The state the sequence of this request (in flight) carries: None = the initial state."""
@@ -125,9 +124,9 @@ class SequenceGate:
         if seq is None:
             if not start:
                 return Refuse(request_id, no_start(self.model, sequence))
-            counts = self.per_instance()
-            seq = _Sequence(sequence, counts.index(min(counts)), now_us)
+            seq = _Sequence(sequence, self._counts.index(min(self._counts)), now_us)
             self._live[sequence] = seq
+            self._counts[seq.instance] += 1
         seq.last_us = now_us
         if seq.in_flight is not None or seq.waiting:
             seq.waiting.append((request_id, start, end))
@@ -151,7 +150,7 @@ class SequenceGate:
             out.append(self._let_through(seq, rid, start, end))
             return out
         if seq.ending:
-            del self._live[seq.id]
+            self._drop(seq.id)
         else:
             self._pushed += 1
             heapq.heappush(self._idle, (now_us + self.idle_us, self._pushed, seq.id))
@@ -163,9 +162,12 @@ class SequenceGate:
         while self._idle and self._idle[0][0] <= now_us:
             entry = heapq.heappop(self._idle)
             if self._still_idle(entry):
-                del self._live[entry[2]]
+                self._drop(entry[2])
                 gone.append(entry[2])
         return gone
+
+    def _drop(self, sequence: SequenceId) -> None:
+        self._counts[self._live.pop(sequence).instance] -= 1
 
     def _let_through(self, seq: _Sequence, request_id: str, start: bool, end: bool) -> Admit:
         if start:

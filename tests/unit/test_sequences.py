@@ -148,6 +148,10 @@ class GateMachine(RuleBasedStateMachine):
         assert idle_at is None or idle_at > self.now, "an idle sequence was kept past its idle time"
 
     @invariant()
+    def instance_counts_match(self) -> None:
+        assert sum(self.gate.per_instance()) == self.gate.active()
+
+    @invariant()
     def order_kept(self) -> None:
         for seq, through in self.through.items():
             order = {rid: i for i, rid in enumerate(self.arrived[seq])}
