@@ -23,6 +23,8 @@ BACKENDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "pytorch": ("pytorch_libtorch", "model.pt"),
     "tensorrt": ("tensorrt_plan", "model.plan"),
     "python": ("", "model.py"),
+    # fleet's generative backend (workers/backends/llm.py): a Hugging Face checkpoint, or a GGUF file.
+    "llm": ("", "model.safetensors"),
 })
 PLATFORMS: Mapping[str, str] = MappingProxyType({p: b for b, (p, _) in BACKENDS.items() if p})
 # Triton's SetDefaultInstanceCount: a CPU group without a count gets 2 instances for these backends.

@@ -23,6 +23,7 @@ from gateway.errors import error_response, handle_serving_error
 from gateway.fastpath import InferFastPath
 from gateway.jobs.routes import ROUTES as JOB_ROUTES
 from gateway.metrics import metrics_route
+from gateway.openai_api import ROUTES as OPENAI_ROUTES
 from gateway.routes import ROUTES
 from gateway.settings_routes import ROUTES as SETTINGS_ROUTES
 from gateway.shm_routes import ROUTES as SHM_ROUTES
@@ -74,7 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
     document = json.loads((Path(__file__).parent / "openapi.json").read_text(encoding="utf-8"))
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.state.fleet = state
-    app.router.routes.extend([*ROUTES, *SHM_ROUTES, *SETTINGS_ROUTES, *JOB_ROUTES, metrics_route()])
+    app.router.routes.extend([*ROUTES, *OPENAI_ROUTES, *SHM_ROUTES, *SETTINGS_ROUTES, *JOB_ROUTES, metrics_route()])
     app.add_exception_handler(ServingError, handle_serving_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

