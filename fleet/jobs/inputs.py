@@ -11,6 +11,7 @@ never held whole, so one huge line costs the job worker no more memory than a li
 
 from __future__ import annotations
 
+import json
 import logging
 import zipfile
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, ServingError
-from fleet.kserve import parse_infer
+from fleet.generate_body import parse_generate
+from fleet.kserve import ParsedInfer, parse_infer
+from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -112,15 +115,29 @@ def _newlines_before(f: IO[bytes], offset: int) -> int:
     return seen
 
 
+def _generation_or_infer(body: bytes, regions: None, spec: ModelSpec) -> ParsedInfer:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict) or "inputs" in doc:
+        return parse_infer(body, regions, spec)
+    if "prompt" in doc and spec.input("prompt") is None:
+        doc["text_input"] = doc.pop("prompt")
+    return parse_generate(json.dumps(doc).encode(), spec)
+
+
 class JsonlInput:
-    """One KServe v2 infer request body per non-blank line, parsed exactly as POST /infer does."""
+    """One KServe v2 infer request body per non-blank line, parsed exactly as POST /infer does. For a
+    generative model (`backend: "llm"`) a line without "inputs" is a /generate body instead, its prompt
+    under `text_input` (or `prompt`) and its sampling beside it: `{"prompt": "...", "max_tokens": 64}`."""
 
     kind = "jsonl"
 
     def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self.path = path
         self._spec = spec
-        self._parse = parse_infer  # a line is exactly an /infer body
+        self._parse = _generation_or_infer if is_llm(spec) else parse_infer  # a line is exactly an /infer body
         self._max_line_bytes = max_line_bytes
 
     def count(self) -> int:

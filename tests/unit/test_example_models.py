@@ -95,7 +95,9 @@ def test_repository_has_the_example_models() -> None:
 def test_config_parses_with_tritons_schema(path: Path) -> None:
     config = parse_config(path)
     assert config.name == path.parent.name
-    assert config.backend == "python" or config.platform in ("pytorch_libtorch", "ensemble")
+    assert config.backend in ("python", "llm") or config.platform in ("pytorch_libtorch", "ensemble")
+    if config.backend == "llm":  # fleet's generative backend: a checkpoint written by `make models`
+        assert (path.parent / "1" / "model.safetensors").is_file()
     if config.backend == "python":
         assert (path.parent / "1" / "model.py").is_file()
     if config.HasField("dynamic_batching"):

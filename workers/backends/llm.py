@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _SAMPLING_INPUTS = ("stream", "exclude_input_in_output", "max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
-def load_llm(model_dir: Path, version: int, settings: LlmSettings) -> tuple[Any, Any]:
+def load_llm(model_dir: Path, version: int, settings: LlmSettings | None = None) -> tuple[Any, Any]:
     """(LlamaForCausalLM in float32, tokenizer) from the version directory's checkpoint, else the GGUF."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,7 +55,7 @@ def load_llm(model_dir: Path, version: int, settings: LlmSettings) -> tuple[Any,
     if (local / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
         return model, AutoTokenizer.from_pretrained(local)
-    if not settings.gguf_package:
+    if settings is None or not settings.gguf_package:
         raise ConfigError(f"{local} holds no checkpoint (config.json) and the config names no gguf_package")
     spec = importlib.util.find_spec(settings.gguf_package)
     if spec is None or not spec.submodule_search_locations:

@@ -24,7 +24,7 @@ import torch
 
 from batching.continuous import ContinuousConfig, ContinuousScheduler, Finish, TooLong
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, RequestTimeout, ServingError
-from workers.generation.metrics import GenerationMetrics
+from workers.generation.metrics import FLUSH_S, GenerationMetrics
 from workers.generation.paged_llama import PagedLlama, Segment
 from workers.generation.sampling import SamplingParams, generator_for, next_token
 from workers.generation.text import Detokenizer, StopText
@@ -126,7 +126,8 @@ class Engine:
         sched = self._scheduler
         with self._cv:
             while not self._closed and not self._new and not self._cancel and not sched.busy():
-                self._cv.wait()
+                if not self._cv.wait(timeout=FLUSH_S):
+                    self.metrics.flush(force=True)  # idle: the last state goes out too
             if self._closed:
                 return False
         self.last_iteration = time.monotonic()

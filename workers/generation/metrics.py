@@ -32,8 +32,10 @@ class GenerationMetrics:
         self._incr: dict[str, int] = {}
         self._gauges: dict[str, int] = {}
         self._flushed = 0.0
+        self._dirty = False
 
     def _add(self, name: str, value: int) -> None:
+        self._dirty = True
         if value:
             key = llm_field(self._version, name)
             self._incr[key] = self._incr.get(key, 0) + value
@@ -82,25 +84,30 @@ class GenerationMetrics:
         with self._lock:
             for name, value in (("running", running), ("waiting", waiting), ("kv_used", kv_used),
                                 ("kv_total", kv_total)):
-                self._gauges[gauge_field(self._version, name, self._worker)] = value
+                key = gauge_field(self._version, name, self._worker)
+                if self._gauges.get(key) != value:
+                    self._gauges[key] = value
+                    self._dirty = True
         self.flush()
 
     def flush(self, force: bool = False) -> None:
         """Writes what accumulated, at most once per FLUSH_S unless forced (a Redis hiccup loses nothing
         but the time: the deltas are kept for the next try)."""
         now = time.monotonic()
-        if self._writer is None or (not force and now - self._flushed < FLUSH_S):
+        if self._writer is None or not self._dirty or (not force and now - self._flushed < FLUSH_S):
             return
         self._flushed = now
         with self._lock:
             incr, self._incr = self._incr, {}
             gauges = dict(self._gauges)
+            self._dirty = False
         try:
             self._writer(self._model, incr, gauges)
         except Exception:
             with self._lock:
                 for k, v in incr.items():
                     self._incr[k] = self._incr.get(k, 0) + v
+                self._dirty = True
 
     def snapshot(self) -> dict[str, int]:
         """The deltas not yet written (tests)."""
