@@ -53,11 +53,10 @@ from fleet.redis_clients import async_client
 from fleet.redis_time import RedisClock
 from fleet.repository import Completer, ModelEntry, Repository, load_model, scan
 from fleet.settings import Settings
-from workers.backends.base import BlsHandler, LoadContext
+from workers.backends.base import BlsHandler, LoadContext, ModelWrites
 from workers.backends.decoupled import Emit
 from workers.consumer import StreamConsumer
 from workers.custody import LiveWorkers
-from workers.generation.metrics import Writer as StatsWriter
 from workers.instance import Instance
 from workers.loading import close_instances, load_version
 from workers.loop import LoopConfig, ModelLoop
@@ -113,7 +112,7 @@ class HostContext:
     serves_elsewhere: Callable[[str, int], Awaitable[bool]] = field(default=lambda m, v: _unknown())
     bls: BlsHandler | None = None  # Python models' calls to other models (workers/bls.py)
     emit: Emit | None = None  # a decoupled model's responses as they come (workers/replies.py)
-    stats_writer: StatsWriter | None = None  # generation engines' metrics (workers/replies.py)
+    writes: ModelWrites | None = None  # generation engines' responses and metrics (workers/replies.py)
 
 
 class ModelHost:
@@ -359,7 +358,7 @@ class ModelHost:
                     SequenceTensors(seq, entry.spec.max_batch_size > 0, entry.path, unit.version)
                 served.instances = await asyncio.to_thread(load_version, entry, unit.version, device,
                                                            self.settings.max_deliveries, self.ctx.limiter,
-                                                           self.ctx.bls, self.ctx.emit, self.ctx.stats_writer,
+                                                           self.ctx.bls, self.ctx.emit, self.ctx.writes,
                                                            self.ctx.worker_id)
             if self._stopping:
                 self.units.pop(unit, None)

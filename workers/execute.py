@@ -150,9 +150,11 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
 
 
 def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
-              state_of: Callable[[ItemResult], object] | None = None) -> BatchOutcome:
+              state_of: Callable[[ItemResult], object] | None = None, lanes: list[int] | None = None
+              ) -> BatchOutcome:
     """Never raises: every failure becomes an error reply for the requests it touched. `state_of`: a
-    sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py)."""
+    sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py).
+    `lanes`: each request's lane, for backends that schedule within a batch (a generation engine)."""
     t0 = time.perf_counter_ns()
     to_arrays = not backend.takes_wire
     reshaped = {t.name: t for t in spec.inputs if t.reshape is not None and not t.is_shape_tensor}
@@ -162,6 +164,8 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
     for i, env in enumerate(envs):
         try:
             items.append(_decode(env, to_arrays, reshaped, batched))
+            if lanes is not None:
+                items[-1].lane = lanes[i]
         except ServingError as exc:
             early[i] = ReplyEnvelope(id=env.id, model_version=env.version, error_code=exc.code.value,
                                      error_message=exc.message)

@@ -7,9 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from fleet.llm_spec import is_llm, llm_settings
 from fleet.repository import ModelEntry
 from workers.backends import load_backend
-from workers.backends.base import BlsHandler, LoadContext
+from workers.backends.base import BlsHandler, LoadContext, ModelWrites
 from workers.backends.decoupled import Emit
-from workers.generation.metrics import Writer as StatsWriter
 from workers.instance import Instance
 from workers.rate_limiter import RateLimiter
 from workers.warmup import warm_up
@@ -17,7 +16,7 @@ from workers.warmup import warm_up
 
 def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: int = 3,
                  limiter: RateLimiter | None = None, bls: BlsHandler | None = None,
-                 emit: Emit | None = None, stats_writer: StatsWriter | None = None,
+                 emit: Emit | None = None, writes: ModelWrites | None = None,
                  worker_id: str = "") -> list[Instance]:
     """The version's instances, each warmed up (model_warmup: before the version is advertised; a
     failing sample fails the load); raises if any fails, after closing those already made. With a
@@ -33,7 +32,7 @@ def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: i
             name = f"{entry.name}_{i}"
             ctx = LoadContext(spec=entry.spec.model_facing(), model_dir=entry.path, version=version, instance_name=name,
                               device=device, max_deliveries=max_deliveries, bls=bls, emit=emit,
-                              stats_writer=stats_writer, worker_id=worker_id)
+                              writes=writes, worker_id=worker_id)
             limit = limits[i] if limiter is not None and i < len(limits) and limits[i].resources else None
             out.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name),
                                 limit=limit, limiter=limiter if limit is not None else None))

@@ -34,6 +34,7 @@ from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
 from fleet.errors import InvalidInput, RequestTimeout
+from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
@@ -143,6 +144,7 @@ class ModelLoop:
         self.supervisor = Supervisor(f"model '{spec.name}'", on_give_up=on_give_up)
         self._on_health = on_health or (lambda: None)
         self._preserve_ordering = preserve
+        self._lane_aware = is_llm(spec)  # a generation engine admits by (lane, arrival) among its requests
         self._delay_lanes = frozenset(lane for lane in range(self.bulk_lane)
                                       if lane_policy(spec, lane).delay_on_timeout)
         self._held: dict[str, _Held] = {}  # by Pending.request_id
@@ -424,7 +426,8 @@ class ModelLoop:
                 if env.trace is not None:
                     env.trace[BATCH_FORMED] = formed
         backend = self.instances[version][index].backend
-        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of))
+        lanes = [p.lane for p in batch.items] if self._lane_aware else None
+        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of, lanes))
         self._jobs[(version, batch.id)] = job
         if any(p.lane == self.bulk_lane for p in batch.items):
             gil.bulk_batch_started(self.clock.now_us())

@@ -101,7 +101,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
                      lambda model, version: host.load_context(model, version))
     host = ModelHost(settings, HostContext(keys, worker_id, device, control, redis_clock, config, exit_hung, fail,
                                            on_loop_done, beat_now, heartbeat.live_workers, limiter,
-                                           heartbeat.serves_elsewhere, bls, replies.emit, replies.record_stats),
+                                           heartbeat.serves_elsewhere, bls, replies.emit, replies),
                       completer)
     heartbeat.report = host.report
     beat_task = asyncio.create_task(heartbeat.run())

@@ -52,6 +52,21 @@ class ReplyWriter:
             pipe.hset(key, mapping=gauges)  # type: ignore[arg-type]
         pipe.execute()
 
+    def emit_many(self, frames: list[tuple[InferenceItem, dict[str, Any]]]) -> None:
+        """Several responses in one pipeline (a generation engine's tokens of one iteration)."""
+        if not frames:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for item, frame in frames:
+                pipe.xadd(item.reply_to, {b"d": encode_reply(reply_of(item, frame, final=False))},
+                          maxlen=REPLY_MAXLEN, approximate=True)
+            for reply_to in {item.reply_to for item, _ in frames}:
+                pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+            pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("%d responses could not be written: %s", len(frames), exc)
+
     def emit(self, item: InferenceItem, frame: dict[str, Any]) -> None:
         payload = encode_reply(reply_of(item, frame, final=False))
         try:

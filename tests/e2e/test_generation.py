@@ -9,6 +9,7 @@ greedy tokens."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -120,6 +121,35 @@ def test_guide_interface_input_ids_over_http_and_grpc(cluster: Cluster) -> None:
             tensors.append(t)
         result = client.infer("tiny", tensors, outputs=[module.InferRequestedOutput("OUTPUT_IDS")])
         assert result.as_numpy("OUTPUT_IDS").tolist() == [ref["OUTPUT_IDS"]], module.__name__
+
+
+def test_grpc_stream_of_a_generation(cluster: Cluster) -> None:
+    ref = generate(cluster, {"text_input": PROMPT, "max_tokens": 8, "exclude_input_in_output": True})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{cluster.grpc_port}")
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([PROMPT.encode()], dtype=object), "BYTES"),
+                                   ("stream", np.array([True]), "BOOL"),
+                                   ("max_tokens", np.array([8], dtype=np.int32), "INT32")):
+            t = grpcclient.InferInput(name, [1], dtype)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        client.async_stream_infer("tiny", inputs, request_id="g1", enable_empty_final_response=True)
+        pieces: list[str] = []
+        while True:
+            result, error = got.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            text = result.as_numpy("text_output")
+            if text is not None:
+                pieces.extend(v.decode() for v in text.reshape(-1))
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+    assert len(pieces) > 2 and "".join(pieces) == ref["text_output"]
 
 
 def test_client_going_away_frees_the_slot(cluster: Cluster) -> None:

@@ -55,6 +55,11 @@ def test_keys_guard_inference_jobs_and_control_but_not_health(redis_server: Loca
         assert (await c.get("/v2/jobs", headers=bearer("second"))).status_code == 200
         assert (await c.post("/v2/repository/index")).status_code == 401
         assert (await c.post("/v2/repository/index", headers=bearer("second"))).status_code == 200
+        # The OpenAI-compatible routes are inference: the same keys (the openai client sends its api_key so).
+        assert (await c.get("/v1/models")).status_code == 401
+        assert (await c.post("/v1/chat/completions", json={"model": "doubler"})).status_code == 401
+        r = await c.get("/v1/models", headers=bearer("file-key"))
+        assert r.status_code == 200 and r.json() == {"object": "list", "data": []}  # doubler is not an LLM
 
     run(redis_server, key_prefix, body, api_keys="env-key, second", api_keys_file=keys_file)
 

@@ -33,10 +33,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 
 def reference(model: Any, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy generation of the prompt alone (no EOS stop: the tiny model's EOS is random)."""
+    """transformers' greedy generation of the prompt alone, never stopped by EOS (min_new_tokens would not
+    do: it suppresses EOS, changing the argmax where EOS is the top token)."""
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return [int(t) for t in out[0, len(prompt):]]
 
 
@@ -107,7 +108,7 @@ def test_staggered_arrivals_give_each_request_its_tokens_alone(harness: Any, tin
     for prompt, n in zip(PROMPTS, lengths, strict=True):  # each arrives while others are mid-generation
         started.append(h.submit(prompt, SamplingParams(max_tokens=n)))
         time.sleep(0.01)
-    for gen, done in started:
+    for _, done in started:
         assert done.wait(60)
     for (gen, _), n in zip(started, lengths, strict=True):
         assert gen.finish == "length" and len(gen.generated) == n
@@ -122,7 +123,7 @@ def test_preemption_when_the_kv_budget_runs_out_keeps_tokens_exact(harness: Any,
     # 8 blocks of 4 tokens: three sequences of ~6 prompt + 14 new tokens cannot all stay resident.
     h = harness(ContinuousConfig(kv_blocks=8, block_tokens=4, max_running=3, prefill_chunk=32))
     started = [h.submit(p, SamplingParams(max_tokens=14)) for p in PROMPTS[:3]]
-    for gen, done in started:
+    for _, done in started:
         assert done.wait(60)
     assert h.metrics.snapshot().get("1:llm:preemptions", 0) > 0
     for gen, _ in started:

@@ -38,6 +38,7 @@ class InferenceItem:
     key: str = ""  # the worker's name for this request (a decoupled model's responses carry it back)
     reply_to: str = ""  # where its replies go (a decoupled model's are written as they come)
     version: int = 0
+    lane: int = 0  # where it waited (0: the highest priority; the last: bulk); set for generation engines
 
 
 @dataclass(slots=True)
@@ -59,6 +60,17 @@ class BlsHandler(Protocol):
     def call(self, frame: dict[str, Any], chain: list[str], reply: Callable[[dict[str, Any]], None]) -> None: ...
 
 
+class ModelWrites(Protocol):
+    """Writes a model makes from its own threads (workers/replies.py's ReplyWriter; blocking, thread-safe
+    per call)."""
+
+    def emit_many(self, frames: list[tuple[InferenceItem, dict[str, Any]]]) -> None:
+        """Responses, not the last of their requests, to their callers in one round trip, in order."""
+
+    def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
+        """Adds `increments` to and sets `gauges` in the model's stats hash; raises on a Redis error."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadContext:
     spec: ModelSpec
@@ -71,8 +83,7 @@ class LoadContext:
     bls: BlsHandler | None = None  # BLS calls of a Python model; None: they fail with UNSUPPORTED
     # Writes one of a decoupled model's responses, not the last, to its caller (workers/replies.py).
     emit: Callable[[InferenceItem, dict[str, Any]], None] | None = None
-    # Adds to / sets fields of a model's stats hash (workers/replies.py): a generation engine's metrics.
-    stats_writer: Callable[[str, dict[str, int], dict[str, int]], None] | None = None
+    writes: ModelWrites | None = None  # a generation engine's responses and metrics (workers/replies.py)
     worker_id: str = ""
 
 

@@ -37,7 +37,8 @@ from fleet.llm_spec import LlmSettings, llm_settings
 from fleet.model_config import ModelSpec
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, LoadContext
 from workers.generation.engine import Engine, Generation
-from workers.generation.metrics import GenerationMetrics, Writer
+from workers.generation.metrics import GenerationMetrics
+from workers.generation.outbox import Outbox
 from workers.generation.paged_llama import PagedLlama
 from workers.generation.sampling import parse_sampling, sampling_json
 
@@ -82,7 +83,7 @@ class SharedEngine:
     _engines: ClassVar[dict[tuple[str, int, str], tuple[Engine, int]]] = {}
 
     @classmethod
-    def acquire(cls, ctx: LoadContext, writer: Writer | None, worker: str) -> Engine:
+    def acquire(cls, ctx: LoadContext) -> Engine:
         key = (ctx.spec.name, ctx.version, str(ctx.model_dir))
         with cls._lock:
             if key in cls._engines:
@@ -96,8 +97,11 @@ class SharedEngine:
             log.info("%s v%d: generation engine with %d KV blocks of %d tokens (%.1f MiB), %d running at most",
                      ctx.spec.name, ctx.version, cfg.kv_blocks, cfg.block_tokens, paged.kv.bytes / 2**20,
                      cfg.max_running)
-            metrics = GenerationMetrics(ctx.spec.name, ctx.version, worker, writer)
+            writes = ctx.writes
+            metrics = GenerationMetrics(ctx.spec.name, ctx.version, ctx.worker_id,
+                                        None if writes is None else writes.record_stats)
             engine = Engine(paged, tokenizer, cfg, eos_ids(model, tokenizer), metrics, name=ctx.spec.name)
+            engine.outbox = None if writes is None else Outbox(writes, ctx.spec.name)
             cls._engines[key] = (engine, 1)
             return engine
 
@@ -110,15 +114,17 @@ class SharedEngine:
                         cls._engines[key] = (known, users - 1)
                         return
                     del cls._engines[key]
-        engine.metrics.flush(force=True)
         engine.close()
+        engine.metrics.flush(force=True)
+        if engine.outbox is not None:
+            engine.outbox.close()
 
 
 class LlmSlot(InProcessBackend):
     def __init__(self, ctx: LoadContext) -> None:
         self.spec: ModelSpec = ctx.spec
-        self._emit = ctx.emit
-        self.engine = SharedEngine.acquire(ctx, ctx.stats_writer, ctx.worker_id)
+        self.engine = SharedEngine.acquire(ctx)
+        self._outbox = self.engine.outbox
         self._tok = self.engine.tokenizer
         self._outputs = {t.name for t in self.spec.outputs}
         self._running: dict[str, Generation] = {}
@@ -170,9 +176,17 @@ class LlmSlot(InProcessBackend):
         prompt = self._prompt(item)
         if not prompt:
             raise InvalidInput("the prompt is empty")
-        on_text = self._streamer(item) if params.stream and self._emit is not None else None
-        return Generation(key=item.key, prompt=prompt, params=params, on_done=lambda _: done.release(),
-                          on_text=on_text)
+        outbox = self._outbox
+        if not params.stream or outbox is None:
+            return Generation(key=item.key, prompt=prompt, params=params, lane=item.lane,
+                              on_done=lambda _: done.release())
+
+        def on_text(gen: Generation, text: str, ids: list[int]) -> None:
+            outbox.send(item, {"o": self._wire(text, ids), "p": {}})
+
+        # The slot answers (the final reply) only once the streamed responses before it are written.
+        return Generation(key=item.key, prompt=prompt, params=params, on_text=on_text, lane=item.lane,
+                          on_done=lambda _: outbox.after(done.release))
 
     def _prompt(self, item: InferenceItem) -> list[int]:
         inputs = item.inputs
@@ -205,15 +219,6 @@ class LlmSlot(InProcessBackend):
         if "text_input" in inputs:
             return list(self._tok.encode(_text(inputs["text_input"])))
         raise InvalidInput(f"model '{self.spec.name}' needs text_input or INPUT_IDS")
-
-    def _streamer(self, item: InferenceItem) -> Any:
-        emit = self._emit
-        assert emit is not None
-
-        def on_text(gen: Generation, text: str, ids: list[int]) -> None:
-            emit(item, {"o": self._wire(text, ids), "p": {}})
-
-        return on_text
 
     def _wire(self, text: str, ids: list[int]) -> list[tuple[str, str, list[int], bytes]]:
         out = []

@@ -25,6 +25,7 @@ import torch
 from batching.continuous import ContinuousConfig, ContinuousScheduler, Finish, TooLong
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, RequestTimeout, ServingError
 from workers.generation.metrics import FLUSH_S, GenerationMetrics
+from workers.generation.outbox import Outbox
 from workers.generation.paged_llama import PagedLlama, Segment
 from workers.generation.sampling import SamplingParams, generator_for, next_token
 from workers.generation.text import Detokenizer, StopText
@@ -75,6 +76,7 @@ class Engine:
         self._closed = False
         self._order = itertools.count()
         self.last_iteration = time.monotonic()  # the watchdog's sign of life (workers/backends/llm.py)
+        self.outbox: Outbox | None = None  # where streamed responses go (set by workers/backends/llm.py)
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
