@@ -291,6 +291,11 @@ def test_dead_letters_are_listed_and_replayed(redis_server: LocalServer, key_pre
         try:
             first = await first_reply(client, keys)
             assert not first.ok and "dead letters" in first.error_message
+            # The caller's error reply is written first, the dead letter right after (custody.finish).
+            for _ in range(100):
+                if list_dead(client, keys, "doubler"):
+                    break
+                await asyncio.sleep(0.05)
             (letter,) = list_dead(client, keys, "doubler")
             assert letter.request_id == "poison-1" and letter.lane == 0 and "delivered 2 times" in letter.reason
             assert replay(client, keys, "doubler", [letter]) == 1
