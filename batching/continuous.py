@@ -9,6 +9,9 @@ Per iteration (`step`):
   first, so a long prompt does not stall everyone's next token;
 - waiting requests are admitted in strict (lane, arrival) order while a slot is free and the KV cache has
   room for the head's whole context: within a lane nobody is overtaken, so nobody starves;
+- a waiting request of a more urgent lane than some running sequences, that finds no free slot or KV room,
+  preempts the least urgent of them (as few as make it fit), so online requests are never stuck behind bulk
+  generations;
 - when decoding needs a KV block that is not free, the youngest running sequence of the lowest priority is
   preempted (recompute: its blocks are freed, it waits again at its old place, and its context, prompt plus
   what it generated, is prefilled anew when readmitted). The oldest sequence can always finish alone.
@@ -158,8 +161,9 @@ class ContinuousScheduler:
         """The next forward pass. Call `report` with what it produced before the next step."""
         assert self._planned is None, "step() again before report()"
         finished = self._end_cancelled() + self._expire(now_us)
+        preempted = self._make_way()
         decode = [s for s in self._running if s.decoding]
-        preempted = self._make_room(decode)
+        preempted += self._make_room(decode)
         decode = [s for s in decode if s.running]
         for s in decode:
             self._grow(s, s.cached + 1)
@@ -255,13 +259,42 @@ class ContinuousScheduler:
             if need <= self._free:
                 return preempted
             victim = max(self._running, key=lambda s: (s.lane, s.order))
-            victim.running = False
-            self._running.remove(victim)
-            self._release(victim)
-            victim.preemptions += 1
-            self.counts.preempted += 1
-            self._enqueue(victim)
+            self._preempt(victim)
             preempted.append(victim.request_id)
+
+    def _preempt(self, victim: _Seq) -> None:
+        victim.running = False
+        self._running.remove(victim)
+        self._release(victim)
+        victim.preemptions += 1
+        self.counts.preempted += 1
+        self._enqueue(victim)
+
+    def _make_way(self) -> list[str]:
+        """Priority: a waiting request of a more urgent lane than some running ones, that finds no free
+        slot or not enough free KV, preempts the least urgent (then youngest) of those, as few as make it
+        fit; none if even all of them would not. So online requests join the running batch at once however
+        many bulk generations run."""
+        if not self._waiting:
+            return []
+        head = self._waiting[0]
+        need = self._blocks_for(head.context)
+
+        def growth(s: _Seq) -> int:  # the block its decode takes this step
+            return max(0, self._blocks_for(s.cached + 1) - s.blocks) if s.decoding else 0
+
+        slots, free = len(self._running), self._free - sum(growth(s) for s in self._running)
+        if slots < self.config.max_running and need <= free:
+            return []
+        victims = sorted((s for s in self._running if s.lane > head.lane), key=lambda s: (s.lane, s.order),
+                         reverse=True)
+        for n, victim in enumerate(victims, 1):
+            slots, free = slots - 1, free + victim.blocks + growth(victim)
+            if slots < self.config.max_running and need <= free:
+                for v in victims[:n]:
+                    self._preempt(v)
+                return [v.request_id for v in victims[:n]]
+        return []
 
     def _admit(self) -> list[str]:
         admitted: list[str] = []

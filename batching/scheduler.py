@@ -111,6 +111,12 @@ class SchedulerConfig:
     # Sequence batching: every request names its instance (Pending.instance), each instance batches only
     # its own, and nothing is staged (a sequence has one request in flight at a time anyway).
     pinned: bool = False
+    # Hand a batch to a busy instance (staging). Off for a generation engine's slots: a request staged behind
+    # a generation would wait for all of it while other slots free up.
+    stage: bool = True
+    # At most this many instances hold bulk batches at once (0: no cap). A generation engine's slots keep the
+    # rest for online requests, which then preempt bulk generations inside the engine.
+    bulk_instances: int = 0
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -286,7 +292,7 @@ class Scheduler:
             return self._dispatch_pinned(now_us, actions)
         while self._queue:
             free = [i for i, s in enumerate(self._slots) if s.free]
-            stageable = [i for i, s in enumerate(self._slots) if s.stageable]
+            stageable = [i for i, s in enumerate(self._slots) if s.stageable] if self.config.stage else []
             if not free and not stageable:
                 return None
             decision = decide(self.policy, [p for _, p in self._queue], now_us)
@@ -296,6 +302,8 @@ class Scheduler:
                 return None  # REJECT expiries were taken out above; nothing else to do
             if self._bulk_held(decision, now_us):
                 return self._bulk_after_us
+            if self._bulk_capped(decision):
+                return None  # an instance's bulk batch ending is the event to look again
             if not free and not self._stageable(decision, now_us):
                 return None
             batch = self._take(decision.items)
@@ -313,6 +321,13 @@ class Scheduler:
                 # lower lane is never staged elsewhere while this batch is being refused.
                 return None
         return None
+
+    def _bulk_capped(self, decision: Dispatch) -> bool:
+        cap, bulk = self.config.bulk_instances, self.config.bulk_lane
+        if not cap or any(p.lane != bulk for p in decision.items):
+            return False
+        holding = sum(1 for s in self._slots if any(all(p.lane == bulk for p in b.items) for b in s.assigned))
+        return holding >= cap
 
     def _take(self, items: tuple[Pending, ...]) -> Batch:
         """A new batch of these queued requests, out of the queue (their order keys kept to requeue them)."""

@@ -6,10 +6,10 @@
 
 1. Unless --no-start: starts `fleet up` itself from the repository root (or from --root CHECKOUT: another
    checkout's fleet, e.g. a `git worktree` of an older commit, measured by this script the same way),
-       PY -m fleet up --model-repository THIS/model_repository --model-repository THIS/bench/model_repository
-           --http-port P --metrics-port P+2 [--grpc-port P+1] --data-dir <fresh temp dir>
-   (PY: --python, else CHECKOUT/.venv/bin/python if there is one, else this checkout's; the model repositories
-   are always this checkout's, so both measure the same models), in its own session (PID and log in
+       PY -m fleet up --model-repository <temp dir linking the measured models> --http-port P --metrics-port P+2
+           [--grpc-port P+1] --data-dir <fresh temp dir>
+   (PY: --python, else CHECKOUT/.venv/bin/python if there is one, else this checkout's; the models are always
+   this checkout's, from model_repository and bench/model_repository, so both measure the same models), in its own session (PID and log in
    OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until GET /v2/health/ready and
    GET /v2/models/M/ready answer 200 for every model measured.
    With --check N: the anchor kit's check_models.py PORT N first (N simultaneous 1-item requests per model, each
@@ -109,6 +109,18 @@ def default_python(root: Path) -> str:
     return str(own if own.exists() else ROOT / ".venv" / "bin" / "python")
 
 
+def measured_repository(models: list[str]) -> Path:
+    """A temporary model repository linking just `models` from this checkout's repositories."""
+    repo = Path(tempfile.mkdtemp(prefix="fleet-bench-repo-"))
+    for name in models:
+        source = next((d / name for d in (ROOT / "model_repository", ROOT / "bench" / "model_repository")
+                       if (d / name / "config.pbtxt").exists()), None)
+        if source is None:
+            raise SystemExit(f"no model {name!r} in model_repository or bench/model_repository")
+        (repo / name).symlink_to(source.resolve(), target_is_directory=True)
+    return repo
+
+
 class Fleet:
     """`fleet up` started by this script, stopped by its PID."""
 
@@ -117,8 +129,10 @@ class Fleet:
                  root: Path = ROOT, python: str | None = None, protocol: str = "http") -> None:
         self.port, self.out, self.start_timeout, self.models = port, out, start_timeout, models
         self.env = env or {}
-        # Absolute: `fleet up` runs in `root`, which may be another checkout.
-        self.repositories = repositories or [str(ROOT / "model_repository"), str(ROOT / "bench" / "model_repository")]
+        # Absolute: `fleet up` runs in `root`, which may be another checkout. By default a repository of the
+        # measured models alone (links to this checkout's model_repository and bench/model_repository): an
+        # older checkout (--root) need not know every backend there, and nothing unmeasured loads beside them.
+        self.repositories = repositories or [str(measured_repository(models))]
         self.root = root.resolve()
         self.python = python or default_python(self.root)
         # An older checkout (--root) may have no gRPC service: it is then measured over HTTP only.

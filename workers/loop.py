@@ -34,7 +34,7 @@ from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.clock import Clock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
 from fleet.errors import InvalidInput, RequestTimeout
-from fleet.llm_spec import is_llm
+from fleet.llm_spec import is_llm, llm_settings
 from fleet.model_config import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
@@ -124,8 +124,16 @@ class ModelLoop:
         policy = policy_for(spec, config.aging_us)
         preserve = spec.dynamic_batching is not None and spec.dynamic_batching.preserve_ordering
         seq = spec.sequence
-        self.schedulers = {v: Scheduler(SchedulerConfig(policy, len(insts), self.bulk_lane, config.bulk_share,
-                                                        preserve_ordering=preserve, pinned=seq is not None))
+        # A generation engine's slots (workers/backends/llm.py): never staged, and bulk requests hold at most
+        # max_running of them, so online ones always find a slot and preempt bulk inside the engine.
+        llm = llm_settings(spec) if is_llm(spec) else None
+        # bulk_share's pauses would hold every bulk request for seconds after each generation: the engine's
+        # lane preemption already puts online first.
+        share = config.bulk_share if llm is None else 1.0
+        self.schedulers = {v: Scheduler(SchedulerConfig(policy, len(insts), self.bulk_lane, share,
+                                                        preserve_ordering=preserve, pinned=seq is not None,
+                                                        stage=llm is None,
+                                                        bulk_instances=llm.continuous.max_running if llm else 0))
                            for v, insts in instances.items()}
         # Sequence batching (batching/sequences.py): each version's live sequences, one request of each at a
         # time, pinned to the sequence's instance; and the control and state tensors its requests get.

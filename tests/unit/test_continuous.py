@@ -67,6 +67,43 @@ def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
     assert it.admitted == ("young",) and it.prefill[0].start == 0 and it.prefill[0].end > 4
 
 
+def test_an_urgent_lane_preempts_bulk_generations_for_a_slot_and_for_kv() -> None:
+    # No free slot: the youngest bulk generation makes way.
+    s = ContinuousScheduler(ContinuousConfig(kv_blocks=20, block_tokens=4, max_running=2, prefill_chunk=64))
+    s.add("bulk-old", 4, 8, lane=2, order=0)
+    s.add("bulk-young", 4, 8, lane=2, order=1)
+    s.step(0)
+    s.report()
+    s.add("online", 4, 4, lane=0, order=2)
+    it = s.step(1)
+    assert it.preempted == ("bulk-young",) and it.admitted == ("online",)
+    assert it.decode == ("bulk-old",) and s.waiting() == ["bulk-young"]
+    s.report()
+    s.add("online-2", 2, 4, lane=0, order=3)  # and the last bulk one for the next
+    it = s.step(2)
+    assert it.preempted == ("bulk-old",) and it.admitted == ("online-2",)
+    s.report()
+    # Equal lanes never preempt each other: a later online request waits its turn.
+    s.add("online-3", 2, 2, lane=0, order=4)
+    it = s.step(3)
+    assert not it.preempted and not it.admitted and s.waiting() == ["online-3", "bulk-old", "bulk-young"]
+
+    # A free slot but no KV room (after this step's decodes take theirs): as few bulk sequences as make it fit.
+    s = ContinuousScheduler(ContinuousConfig(kv_blocks=6, block_tokens=4, max_running=3, prefill_chunk=64))
+    s.add("bulk-old", 8, 8, lane=2, order=0)
+    s.add("bulk-young", 8, 8, lane=2, order=1)
+    s.step(0)
+    s.report()
+    s.add("online", 8, 4, lane=0, order=2)
+    it = s.step(1)
+    assert it.preempted == ("bulk-young",) and it.admitted == ("online",) and it.decode == ("bulk-old",)
+    s.report()
+    # A request that would not fit even with every bulk sequence gone preempts nobody.
+    s.add("huge", 20, 2, lane=0, order=3)
+    it = s.step(2)
+    assert not it.preempted and "huge" not in it.admitted
+
+
 def test_cancel_frees_the_slot_at_the_next_step_and_expiry_applies_while_waiting() -> None:
     s = ContinuousScheduler(ContinuousConfig(kv_blocks=8, block_tokens=4, max_running=1))
     s.add("a", 4, 20, order=0)

@@ -187,6 +187,25 @@ def test_bulk_takes_its_share_while_online_requests_come_in() -> None:
     assert any(isinstance(a, Run) for a in s.step(50).actions)
 
 
+def test_generation_slots_are_never_staged_and_bulk_holds_at_most_its_cap() -> None:
+    policy = BatchPolicy(max_batch_size=0, dynamic=False, bulk_lane=1)
+    s = Scheduler(SchedulerConfig(policy, 3, 1, stage=False, bulk_instances=2))
+    for i in range(4):
+        s.arrive(req(f"bulk{i}", lane=1), (1, i), 0)
+    bulk = [a for a in s.step(0).actions if isinstance(a, Run)]
+    assert [ids(a.batch.items) for a in bulk] == [["bulk0"], ["bulk1"]]
+    assert s.step(0).actions == ()  # a third slot is free, but it is kept for online requests
+    s.arrive(req("online0", lane=0), (1, 4), 0)
+    s.arrive(req("online1", lane=0), (1, 5), 0)
+    plan = s.step(0)
+    assert [ids(a.batch.items) for a in plan.actions if isinstance(a, Run)] == [["online0"]]
+    assert s.step(0).actions == ()  # every slot busy: online1 waits queued, never staged behind one
+    s.done(bulk[0].instance, bulk[0].batch.id, 10, 0)
+    s.idle(bulk[0].instance)
+    runs = [a for a in s.step(10).actions if isinstance(a, Run)]
+    assert [ids(a.batch.items) for a in runs] == [["online1"]]  # online first; bulk2 then waits for a slot
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         make(instances=0)
