@@ -722,8 +722,11 @@ def test_a_frozen_worker_is_taken_over_and_computes_nothing_again(cluster: Clust
     assert all(x.done_at - frozen_at >= CLAIM_TIMEOUT_S for x in runs)  # all served by the heir, claimed
     computed, dropped = _executions(cluster, HANDOVER) - before, _unclaimed_replies(cluster) - dropped_before
     print(f"\nfrozen worker ({thaw}): 12 held, all answered by the other after the claim timeout, "
-          f"{computed - 12} computed twice (allowed: the 4 executing when it froze)")
-    assert dropped == computed - 12 and 12 <= computed <= 12 + 4, (computed, dropped)
+          f"{computed - 12} computed twice (allowed: the 4 executing when it froze, and on a loaded machine the 4 "
+          f"it had just computed whose replies were still being written)")
+    # The batch executing when it froze is computed again by the heir; so is one it finished an instant before
+    # if its replies had not reached Redis yet (seen once in a full-suite run, 8). Never the queued 4.
+    assert dropped == computed - 12 and 12 <= computed <= 12 + 8, (computed, dropped)
     _assert_drained(r, HANDOVER)
 
 
