@@ -46,8 +46,8 @@ def api(port: int, method: str, path: str, doc: dict[str, Any] | None = None) ->
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
-def run_job(port: int, source: Path, *, wait: bool = True) -> dict[str, Any]:
-    record = api(port, "POST", "/v2/jobs", {"model": "mlp", "input": str(source), "output": {"format": "npy"}})
+def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy") -> dict[str, Any]:
+    record = api(port, "POST", "/v2/jobs", {"model": "mlp", "input": str(source), "output": {"format": fmt}})
     if not wait:
         return record
     deadline = time.monotonic() + 600
@@ -86,6 +86,11 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--skip-mixed", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--jsonl-items", type=int, default=0,
+                   help="also JSONL jobs of this many mlp lines (JSON in, JSON out), each pass between two direct "
+                        "measurements")
+    p.add_argument("--passes", type=int, default=1, help="JSONL passes (default 1)")
+    p.add_argument("--root", type=Path, default=ROOT, help="the fleet checkout to serve (before/after a change)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()
@@ -100,7 +105,7 @@ def main() -> None:
     offline_in = data / "offline.npy"
     np.save(offline_in, rng.standard_normal((a.items, 256), dtype=np.float32))
     # The job inputs are server-side files in `data`: a directory jobs may read.
-    fleet = Fleet(a.port, out, 180.0, ["mlp"], env={"FLEET_JOB_INPUT_DIRS": json.dumps([str(data)])})
+    fleet = Fleet(a.port, out, 180.0, ["mlp"], env={"FLEET_JOB_INPUT_DIRS": json.dumps([str(data)])}, root=a.root)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -116,6 +121,8 @@ def main() -> None:
             rows.append(["offline job", f"{a.items:,}", f"{offline_ips:,.0f}", f"{offline_ips / direct_ips:.2f}x",
                          "", "", ""])
             print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
+        if a.jsonl_items:
+            rows += jsonl_passes(a, fleet, data, rng)
         if not a.skip_mixed:
             ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "idle")
             rows.append([f"online alone, C={a.conc}", "", "", "", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
@@ -141,6 +148,54 @@ def main() -> None:
     rows.insert(0, ["direct in-process, batch 64", "", f"{direct_ips:,.0f}", "1.00x", "", "", ""])
     print_table(f"bulk jobs on mlp ({out})",
                 ["scenario", "items", "bulk items/s", "vs direct", "online infer/s", "p50 ms", "p99 ms"], rows)
+
+
+def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random.Generator) -> list[list[str]]:
+    """JSONL jobs (a KServe /infer body per line, 256 floats as json.dumps writes them; a JSON line out),
+    each between two direct measurements: the ratio is against the direct rate around that very job."""
+    source = data / "offline.jsonl"
+    x = rng.standard_normal((a.jsonl_items, 256), dtype=np.float32)
+    with source.open("w") as f:
+        for row in x:
+            f.write(json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 256],
+                                            "data": row.tolist()}]}) + "\n")
+    rows = []
+    for n in range(a.passes):
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, 1)
+        before = batch * calls / seconds
+        record = run_job(a.port, source, fmt="jsonl")
+        ips = record["done"] / (record["finished_at"] - record["started_at"])
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, 1)
+        after = batch * calls / seconds
+        direct = (before + after) / 2
+        if n == 0:
+            check_jsonl(x, fleet, record)
+        print(f"JSONL pass {n + 1}: {ips:,.0f} items/s, direct {before:,.0f} / {after:,.0f}: "
+              f"{ips / direct:.2f}x", flush=True)
+        rows.append([f"JSONL job, pass {n + 1}", f"{a.jsonl_items:,}", f"{ips:,.0f}", f"{ips / direct:.2f}x "
+                     f"(direct {before:,.0f}/{after:,.0f})", "", "", ""])
+    return rows
+
+
+def check_jsonl(x: np.ndarray, fleet: Fleet, record: dict[str, Any], rows: int = 2000) -> None:
+    """The first `rows` output lines equal direct computation (float32 read back from the JSON text)."""
+    import warnings
+
+    import torch
+
+    assert fleet.data_dir is not None
+    output = fleet.data_dir / "jobs" / record["id"] / "output.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = torch.jit.load(str(ROOT / "model_repository" / "mlp" / "1" / "model.pt")).eval()
+    with output.open() as f:
+        got = [json.loads(next(f)) for _ in range(min(rows, len(x)))]
+    y = np.array([g["outputs"][0]["data"] for g in got], dtype=np.float32)
+    with torch.inference_mode():
+        ref = model(torch.from_numpy(x[:len(y)])).numpy()
+    if not np.allclose(y, ref, rtol=1e-5, atol=1e-5):
+        raise SystemExit("JSONL job output differs from direct computation")
+    print(f"JSONL output checked: {len(y):,} lines equal direct computation", flush=True)
 
 
 def check_output(source: Path, fleet: Fleet, record: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from batching.sequences import no_correlation_id
 from fleet import tensors
@@ -371,7 +372,42 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
     """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported. `regions`: the
     gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
     header, binary = split_body(body, header_length)
-    doc = _load_json(header)
+    return parse_infer_doc(_load_json(header), spec, binary, regions)
+
+
+def _huge_float_parameter(doc: dict[str, Any]) -> bool:
+    """Whether a parameter (the request's, an input's or an output's) is a float beyond int64: orjson reads
+    an integer literal beyond 64 bits as one, where /infer refuses the integer by its range."""
+    groups = [doc.get("parameters")]
+    for key in ("inputs", "outputs"):
+        entries = doc.get(key)
+        if isinstance(entries, list):
+            groups += [e.get("parameters") for e in entries if isinstance(e, dict)]
+    return any(isinstance(v, float) and abs(v) >= 2**63
+               for g in groups if isinstance(g, dict) for v in g.values())
+
+
+def parse_infer_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
+    """A bulk job's JSONL line: an /infer body in JSON alone, parsed with orjson (about 10x json's speed:
+    the job worker's parsing bounds a JSONL job). The checks are /infer's; only the words of a syntax error
+    differ. orjson reads an integer beyond 64 bits as a float, which would pass as a parameter where /infer
+    refuses it: a line with a parameter that large is parsed exactly as /infer parses it (rare; in tensor
+    data a float where an integer is due is refused anyway)."""
+    _check_encoding(line)
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"failed to parse the request JSON buffer: {exc.msg} at offset {exc.pos}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("the request JSON must be an object")
+    if _huge_float_parameter(doc):
+        return parse_infer(line, None, spec)
+    return parse_infer_doc(doc, spec, memoryview(b""), None)
+
+
+def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
+                    ) -> ParsedInfer:
+    """parse_infer once the JSON is read: `binary` is the body's binary tail."""
     client_id = doc.get("id", "")
     if isinstance(client_id, str) and len(client_id) > MAX_ID_CHARS:
         raise InvalidInput(f"the request id is longer than {MAX_ID_CHARS} characters")

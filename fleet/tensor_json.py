@@ -30,6 +30,7 @@ UINT64_MAX = 2**64 - 1
 
 # JSON values that are never a number element; bool is an int to Python, not to a tensor of numbers.
 _NOT_A_NUMBER = (bool, str, list, dict, type(None))
+_NUMBER_TYPES = frozenset({int, float})
 _ASK_BINARY = ('request it as binary data instead ("parameters": {"binary_data": true} in its "outputs" '
                'entry, or "binary_data_output": true for every output)')
 
@@ -91,10 +92,13 @@ def _pack_bytes(flat: list[Any], name: str, shape: Sequence[int]) -> bytes:
 
 
 def _pack_numbers(flat: list[Any], dt: Datatype, name: str, shape: Sequence[int]) -> bytes:
-    if any(isinstance(v, _NOT_A_NUMBER) for v in flat):
+    # The elements' types in one pass in C (a generator over isinstance was most of a JSONL job line's
+    # parsing); JSON numbers are exactly int and float (bool is its own type here).
+    kinds = set(map(type, flat))
+    if not kinds <= _NUMBER_TYPES:
         raise _type_error(name, shape, flat, lambda v: not isinstance(v, _NOT_A_NUMBER),
                           f"{dt.name} elements are JSON numbers")
-    if dt.numpy.kind in "iu" and any(isinstance(v, float) for v in flat):
+    if dt.numpy.kind in "iu" and float in kinds:
         raise _type_error(name, shape, flat, lambda v: not isinstance(v, float),
                           f"{dt.name} elements are JSON integers")
     try:
@@ -144,6 +148,22 @@ def json_data(t: WireTensor, dt: Datatype) -> list[Any]:
                            f"{_ASK_BINARY}")
     values: list[Any] = arr.tolist()
     return values
+
+
+def json_array(t: WireTensor, dt: Datatype) -> np.ndarray | list[str]:
+    """json_data's values for orjson (OPT_SERIALIZE_NUMPY), with the same refusals: numbers stay a numpy
+    array, which orjson writes in one pass, float32 in the shortest form that reads back to the same value
+    ("0.1", not json's "0.10000000149011612"); FP16 and BF16 go as float32 (exact)."""
+    if dt.name == "BYTES":
+        return json_data(t, dt)
+    arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
+    if arr.dtype.kind == "f":
+        if not np.isfinite(arr).all():
+            raise InvalidInput(f"output '{t.name}' holds NaN or infinity, which JSON cannot represent; "
+                               f"{_ASK_BINARY}")
+        if arr.dtype.itemsize < 4:
+            arr = arr.astype(np.float32)
+    return np.ascontiguousarray(arr)
 
 
 def _is_utf8(v: bytes) -> bool:

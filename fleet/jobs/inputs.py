@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
+import orjson
 
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, ServingError
 from fleet.generate_body import parse_generate
-from fleet.kserve import ParsedInfer, parse_infer
+from fleet.kserve import ParsedInfer, parse_infer_line
 from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec, TensorSpec
 
@@ -115,13 +116,13 @@ def _newlines_before(f: IO[bytes], offset: int) -> int:
     return seen
 
 
-def _generation_or_infer(body: bytes, regions: None, spec: ModelSpec) -> ParsedInfer:
+def _generation_or_infer(body: bytes, spec: ModelSpec) -> ParsedInfer:
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
         doc = None
     if not isinstance(doc, dict) or "inputs" in doc:
-        return parse_infer(body, regions, spec)
+        return parse_infer_line(body, spec)
     if "prompt" in doc and spec.input("prompt") is None:
         doc["text_input"] = doc.pop("prompt")
     return parse_generate(json.dumps(doc).encode(), spec)
@@ -137,7 +138,8 @@ class JsonlInput:
     def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self.path = path
         self._spec = spec
-        self._parse = _generation_or_infer if is_llm(spec) else parse_infer  # a line is exactly an /infer body
+        # A line is exactly an /infer body (or, for a generative model, a /generate one).
+        self._parse = _generation_or_infer if is_llm(spec) else parse_infer_line
         self._max_line_bytes = max_line_bytes
 
     def count(self) -> int:
@@ -176,7 +178,7 @@ class JsonlInput:
 
     def _item(self, index: int, line: int, end_offset: int, body: bytes) -> InputItem:
         try:
-            parsed = self._parse(body, None, self._spec)
+            parsed = self._parse(body, self._spec)
         except ServingError as exc:
             return InputItem(index, line, end_offset, None, error=exc.message)
         except RecursionError:

@@ -13,7 +13,6 @@ output is removed (`remove_output`).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -21,13 +20,14 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
+import orjson
 
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.inputs import InputItem
-from fleet.kserve import json_data
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.tensor_json import json_array
 
 OUTPUT_KINDS = ("jsonl", "npy", "npz")
 FAILED = "failed"  # the mask's name in an .npz, and its file in the parts directory
@@ -83,7 +83,9 @@ class JsonlOutput:
     """One compact JSON line per item: the /infer response with `line`, or `{"line", "error"}`."""
 
     def __init__(self, path: Path, resume_offset: int) -> None:
-        self._json_data = json_data  # the online /infer response's rendering: a line equals the online answer
+        # The online /infer response's values and refusals (fleet/tensor_json.py), written by orjson: ~20x
+        # json's speed (the job worker's rendering bounds a JSONL job), floats in their shortest exact form.
+        self._json_array = json_array
         self.path = path
         if resume_offset > 0:
             size = path.stat().st_size if path.exists() else -1
@@ -109,16 +111,16 @@ class JsonlOutput:
             try:
                 doc["outputs"] = [
                     {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
-                     "data": self._json_data(t, tensors.lookup(t.datatype))}
+                     "data": self._json_array(t, tensors.lookup(t.datatype))}
                     for t in outputs or ()
                 ]
             except InvalidInput as exc:  # NaN, infinity, non-UTF-8 BYTES: the /infer advice (binary) is
                 # not open to a JSONL job, so its line says only what JSON cannot carry.
                 raise InvalidInput(f"{exc.message.split('; ')[0]} (a JSONL job's output is JSON only)") from None
-        try:  # allow_nan=False: never a line that is not JSON, whatever json_data lets through
-            line = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
-        except ValueError:
-            raise InvalidInput("the response holds NaN or infinity, which JSON cannot represent") from None
+        try:
+            line = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
+        except orjson.JSONEncodeError as exc:
+            raise InvalidInput(f"the response cannot be written as JSON: {exc}") from None
         self._file.write(line)
         self._offset += len(line)
 

@@ -374,6 +374,32 @@ def test_jsonl_output_lines(tmp_path: Path) -> None:
     assert json.loads(lines[3]) == {"line": 4, "error": "boom"}
 
 
+def test_jsonl_output_floats_are_the_shortest_that_read_back_exactly(tmp_path: Path) -> None:
+    out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 1)
+    values = np.array([[0.1, 1 / 3, 1e-8, 16777217.0]], dtype=np.float32)
+    out.write(InputItem(0, 1, 0, []), [fp32("OUT", values.tolist())], None, "m", 1)
+    out.finish()
+    line = (tmp_path / "o.jsonl").read_text()
+    assert '"data":[0.1,0.33333334,1e-8,16777216.0]' in line  # json would write 0.10000000149011612
+    data = json.loads(line)["outputs"][0]["data"]
+    assert np.array_equal(np.array(data, dtype=np.float32), values.reshape(-1))
+
+
+def test_jsonl_lines_parse_as_infer_bodies_do(tmp_path: Path) -> None:
+    from fleet.kserve import parse_infer, parse_infer_line
+
+    spec = BATCHED
+    good = b'{"id":"a","inputs":[{"name":"IN","datatype":"FP32","shape":[1,4],"data":[1,2.5,3,4]}]}'
+    fast, exact = parse_infer_line(good, spec), parse_infer(good, None, spec)
+    assert (fast.client_id, fast.inputs) == (exact.client_id, exact.inputs)
+    nan = b'{"inputs":[{"name":"IN","datatype":"FP32","shape":[1,4],"data":[1,NaN,3,4]}]}'
+    for bad, words in ((b'[1]', "must be an object"), (b'{"inputs": [', "failed to parse"),
+                       (b'\xef\xbb\xbf{}', "byte order mark"), (nan, "failed to parse"),
+                       (b'{"parameters":{"big":18446744073709551616},"inputs":[]}', "64-bit")):
+        with pytest.raises(InvalidInput, match=words):
+            parse_infer_line(bad, spec)
+
+
 def test_jsonl_output_refuses_what_json_cannot_carry_and_writes_nothing(tmp_path: Path) -> None:
     out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 1)
     with pytest.raises(InvalidInput, match="NaN or infinity") as exc:
