@@ -28,6 +28,12 @@ def parse_generate(body: bytes, spec: ModelSpec) -> ParsedInfer:
         raise InvalidInput("failed to parse the request JSON buffer: it is not UTF-8 JSON") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the generate request must be a JSON object")
+    return parse_generate_doc(doc, spec)
+
+
+def parse_generate_doc(doc: dict[str, Any], spec: ModelSpec) -> ParsedInfer:
+    """parse_generate once the JSON is read (the OpenAI routes build it; a job's line is read by orjson).
+    Takes `doc` apart: the caller's dict is not kept."""
     client_id = doc.pop("id", "")
     if not isinstance(client_id, str):
         raise InvalidInput("'id' must be a string")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from batching.sequences import no_correlation_id
 from fleet import tensors
@@ -88,7 +87,7 @@ _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\x
          (b"\xfe\xff", "UTF-16"))
 
 
-def _check_encoding(header: bytes) -> None:
+def check_json_encoding(header: bytes) -> None:
     """JSON on the wire is UTF-8 (RFC 8259). json.loads on bytes would guess UTF-16/32 from the first
     bytes, and skip a UTF-8 BOM, where Triton's rapidjson refuses both: so do we, saying why."""
     if header.startswith(b"\xef\xbb\xbf"):
@@ -104,7 +103,7 @@ def _check_encoding(header: bytes) -> None:
 
 
 def _load_json(header: bytes) -> dict[str, Any]:
-    _check_encoding(header)
+    check_json_encoding(header)
     try:
         text = header.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -373,36 +372,6 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
     gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
     header, binary = split_body(body, header_length)
     return parse_infer_doc(_load_json(header), spec, binary, regions)
-
-
-def _huge_float_parameter(doc: dict[str, Any]) -> bool:
-    """Whether a parameter (the request's, an input's or an output's) is a float beyond int64: orjson reads
-    an integer literal beyond 64 bits as one, where /infer refuses the integer by its range."""
-    groups = [doc.get("parameters")]
-    for key in ("inputs", "outputs"):
-        entries = doc.get(key)
-        if isinstance(entries, list):
-            groups += [e.get("parameters") for e in entries if isinstance(e, dict)]
-    return any(isinstance(v, float) and abs(v) >= 2**63
-               for g in groups if isinstance(g, dict) for v in g.values())
-
-
-def parse_infer_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
-    """A bulk job's JSONL line: an /infer body in JSON alone, parsed with orjson (about 10x json's speed:
-    the job worker's parsing bounds a JSONL job). The checks are /infer's; only the words of a syntax error
-    differ. orjson reads an integer beyond 64 bits as a float, which would pass as a parameter where /infer
-    refuses it: a line with a parameter that large is parsed exactly as /infer parses it (rare; in tensor
-    data a float where an integer is due is refused anyway)."""
-    _check_encoding(line)
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: {exc.msg} at offset {exc.pos}") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("the request JSON must be an object")
-    if _huge_float_parameter(doc):
-        return parse_infer(line, None, spec)
-    return parse_infer_doc(doc, spec, memoryview(b""), None)
 
 
 def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None

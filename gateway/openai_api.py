@@ -29,7 +29,7 @@ from starlette.routing import Route
 from fleet import tensors
 from fleet.envelope import ReplyEnvelope
 from fleet.errors import InvalidInput, ModelNotFound, ServingError, from_code
-from fleet.generate_body import parse_generate
+from fleet.generate_body import parse_generate_doc
 from fleet.llm_spec import is_llm
 from gateway.errors import status_for
 from gateway.state import GatewayState
@@ -137,7 +137,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         spec = view.entry.spec
         if not is_llm(spec):
             raise ModelNotFound(name)
-        req = parse_generate(json.dumps(_checked(doc, chat)).encode(), spec)
+        req = parse_generate_doc(_checked(doc, chat), spec)
     except ServingError as exc:
         return openai_error(exc)
     stream = bool(doc.get("stream", False))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fleet.llm_spec import is_llm, llm_settings
 from fleet.repository import ModelEntry
@@ -27,12 +28,13 @@ def load_version(entry: ModelEntry, version: int, device: str, max_deliveries: i
         limiter.register(limits)
     # A generative model's instances are the engine's slots (workers/backends/llm.py), one engine for all.
     count = llm_settings(entry.spec).max_sequences if is_llm(entry.spec) else entry.spec.instance_count
+    siblings: dict[str, Any] = {}
     try:
         for i in range(max(1, count)):
             name = f"{entry.name}_{i}"
             ctx = LoadContext(spec=entry.spec.model_facing(), model_dir=entry.path, version=version, instance_name=name,
                               device=device, max_deliveries=max_deliveries, bls=bls, emit=emit,
-                              writes=writes, worker_id=worker_id)
+                              writes=writes, worker_id=worker_id, siblings=siblings)
             limit = limits[i] if limiter is not None and i < len(limits) and limits[i].resources else None
             out.append(Instance(name, load_backend(ctx), ThreadPoolExecutor(1, thread_name_prefix=name),
                                 limit=limit, limiter=limiter if limit is not None else None))

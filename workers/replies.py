@@ -68,14 +68,7 @@ class ReplyWriter:
             log.warning("%d responses could not be written: %s", len(frames), exc)
 
     def emit(self, item: InferenceItem, frame: dict[str, Any]) -> None:
-        payload = encode_reply(reply_of(item, frame, final=False))
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.xadd(item.reply_to, {b"d": payload}, maxlen=REPLY_MAXLEN, approximate=True)
-            pipe.expire(item.reply_to, ORPHAN_REPLY_TTL_S, nx=True)
-            pipe.execute()
-        except (RedisError, OSError) as exc:
-            log.warning("a response of request %s could not be written: %s", item.key, exc)
+        self.emit_many([(item, frame)])
 
     def close(self) -> None:
         self._client.close()

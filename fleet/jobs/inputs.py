@@ -11,7 +11,6 @@ never held whole, so one huge line costs the job worker no more memory than a li
 
 from __future__ import annotations
 
-import json
 import logging
 import zipfile
 from collections.abc import Iterator
@@ -22,13 +21,11 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
-import orjson
 
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, ServingError
-from fleet.generate_body import parse_generate
-from fleet.kserve import ParsedInfer, parse_infer_line
+from fleet.jobs.lines import parse_generation_line, parse_infer_line
 from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec, TensorSpec
 
@@ -116,18 +113,6 @@ def _newlines_before(f: IO[bytes], offset: int) -> int:
     return seen
 
 
-def _generation_or_infer(body: bytes, spec: ModelSpec) -> ParsedInfer:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        doc = None
-    if not isinstance(doc, dict) or "inputs" in doc:
-        return parse_infer_line(body, spec)
-    if "prompt" in doc and spec.input("prompt") is None:
-        doc["text_input"] = doc.pop("prompt")
-    return parse_generate(json.dumps(doc).encode(), spec)
-
-
 class JsonlInput:
     """One KServe v2 infer request body per non-blank line, parsed exactly as POST /infer does. For a
     generative model (`backend: "llm"`) a line without "inputs" is a /generate body instead, its prompt
@@ -139,7 +124,7 @@ class JsonlInput:
         self.path = path
         self._spec = spec
         # A line is exactly an /infer body (or, for a generative model, a /generate one).
-        self._parse = _generation_or_infer if is_llm(spec) else parse_infer_line
+        self._parse = parse_generation_line if is_llm(spec) else parse_infer_line
         self._max_line_bytes = max_line_bytes
 
     def count(self) -> int:

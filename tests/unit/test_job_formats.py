@@ -386,7 +386,8 @@ def test_jsonl_output_floats_are_the_shortest_that_read_back_exactly(tmp_path: P
 
 
 def test_jsonl_lines_parse_as_infer_bodies_do(tmp_path: Path) -> None:
-    from fleet.kserve import parse_infer, parse_infer_line
+    from fleet.jobs.lines import parse_infer_line
+    from fleet.kserve import parse_infer
 
     spec = BATCHED
     good = b'{"id":"a","inputs":[{"name":"IN","datatype":"FP32","shape":[1,4],"data":[1,2.5,3,4]}]}'

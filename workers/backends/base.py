@@ -85,6 +85,9 @@ class LoadContext:
     emit: Callable[[InferenceItem, dict[str, Any]], None] | None = None
     writes: ModelWrites | None = None  # a generation engine's responses and metrics (workers/replies.py)
     worker_id: str = ""
+    # Shared by the instances of one load of one version, and by nothing else (a generation engine: its
+    # slots' one engine). A reload of the same version gets a fresh one.
+    siblings: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend(Protocol):

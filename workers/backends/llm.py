@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -77,43 +77,39 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 class SharedEngine:
-    """One engine per loaded version, shared by its slots; closed with the last slot."""
+    """The engine of one load of a version, shared by its slots (LoadContext.siblings); closed with the last."""
 
-    _lock = threading.Lock()
-    _engines: ClassVar[dict[tuple[str, int, str], tuple[Engine, int]]] = {}
-
-    @classmethod
-    def acquire(cls, ctx: LoadContext) -> Engine:
-        key = (ctx.spec.name, ctx.version, str(ctx.model_dir))
-        with cls._lock:
-            if key in cls._engines:
-                engine, users = cls._engines[key]
-                cls._engines[key] = (engine, users + 1)
-                return engine
-            settings = llm_settings(ctx.spec)
-            model, tokenizer = load_llm(ctx.model_dir, ctx.version, settings)
-            cfg = settings.continuous
-            paged = PagedLlama(model, cfg.kv_blocks, cfg.block_tokens)
-            log.info("%s v%d: generation engine with %d KV blocks of %d tokens (%.1f MiB), %d running at most",
-                     ctx.spec.name, ctx.version, cfg.kv_blocks, cfg.block_tokens, paged.kv.bytes / 2**20,
-                     cfg.max_running)
-            writes = ctx.writes
-            metrics = GenerationMetrics(ctx.spec.name, ctx.version, ctx.worker_id,
-                                        None if writes is None else writes.record_stats)
-            engine = Engine(paged, tokenizer, cfg, eos_ids(model, tokenizer), metrics, name=ctx.spec.name)
-            engine.outbox = None if writes is None else Outbox(writes, ctx.spec.name)
-            cls._engines[key] = (engine, 1)
-            return engine
+    def __init__(self, ctx: LoadContext) -> None:
+        settings = llm_settings(ctx.spec)
+        model, tokenizer = load_llm(ctx.model_dir, ctx.version, settings)
+        cfg = settings.continuous
+        paged = PagedLlama(model, cfg.kv_blocks, cfg.block_tokens)
+        log.info("%s v%d: generation engine with %d KV blocks of %d tokens (%.1f MiB), %d running at most",
+                 ctx.spec.name, ctx.version, cfg.kv_blocks, cfg.block_tokens, paged.kv.bytes / 2**20, cfg.max_running)
+        writes = ctx.writes
+        metrics = GenerationMetrics(ctx.spec.name, ctx.version, ctx.worker_id,
+                                    None if writes is None else writes.record_stats)
+        outbox = None if writes is None else Outbox(writes, ctx.spec.name)
+        self.engine = Engine(paged, tokenizer, cfg, eos_ids(model, tokenizer), metrics, name=ctx.spec.name,
+                             outbox=outbox)
+        self._users = 0
+        self._lock = threading.Lock()
 
     @classmethod
-    def release(cls, engine: Engine) -> None:
-        with cls._lock:
-            for key, (known, users) in list(cls._engines.items()):
-                if known is engine:
-                    if users > 1:
-                        cls._engines[key] = (known, users - 1)
-                        return
-                    del cls._engines[key]
+    def acquire(cls, ctx: LoadContext) -> SharedEngine:
+        shared = ctx.siblings.get("engine")
+        if not isinstance(shared, SharedEngine):  # the load's first slot (slots load one after another)
+            shared = ctx.siblings["engine"] = cls(ctx)
+        with shared._lock:
+            shared._users += 1
+        return shared
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+        engine = self.engine
         engine.close()
         engine.metrics.flush(force=True)
         if engine.outbox is not None:
@@ -123,11 +119,11 @@ class SharedEngine:
 class LlmSlot(InProcessBackend):
     def __init__(self, ctx: LoadContext) -> None:
         self.spec: ModelSpec = ctx.spec
-        self.engine = SharedEngine.acquire(ctx)
+        self._shared = SharedEngine.acquire(ctx)
+        self.engine = self._shared.engine
         self._outbox = self.engine.outbox
         self._tok = self.engine.tokenizer
         self._outputs = {t.name for t in self.spec.outputs}
-        self._running: dict[str, Generation] = {}
 
     @property
     def progress_at(self) -> float:
@@ -140,28 +136,23 @@ class LlmSlot(InProcessBackend):
         for item in items:
             try:
                 gen = self._generation(item, done)
-                self._running[item.key] = gen
                 self.engine.submit(gen)
                 gens.append(gen)
             except ServingError as exc:
-                self._running.pop(item.key, None)
                 gens.append(exc)
         for g in gens:
             if isinstance(g, Generation):
                 done.acquire()
-        for item in items:
-            self._running.pop(item.key, None)
         return [ItemResult(error=g) if isinstance(g, ServingError) else self._result(g, item)
                 for g, item in zip(gens, items, strict=True)]
 
     def cancel_requests(self, keys: list[str]) -> None:
-        """Their callers went away (workers/main.py): each leaves the running batch at the next iteration."""
-        mine = [k for k in keys if k in self._running]
-        if mine:
-            self.engine.cancel(mine)
+        """Their callers went away (workers/main.py): each leaves the running batch at the next iteration (the
+        engine ignores keys that are not its own)."""
+        self.engine.cancel(keys)
 
     def close(self) -> None:
-        SharedEngine.release(self.engine)
+        self._shared.release()
 
     # ------------------------------------------------------------------ requests and responses
 

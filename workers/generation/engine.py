@@ -56,13 +56,19 @@ class Generation:
     _rng: torch.Generator | None = None
 
     @property
-    def context(self) -> list[int]:
-        return self.prompt + self.generated
+    def length(self) -> int:
+        """Its context: the prompt and what it generated so far."""
+        return len(self.prompt) + len(self.generated)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Context tokens [start, end), without building the whole context (a prefill chunk's)."""
+        n = len(self.prompt)
+        return (self.prompt[start:end] if start < n else []) + self.generated[max(0, start - n):max(0, end - n)]
 
 
 class Engine:
     def __init__(self, model: PagedLlama, tokenizer: Any, config: ContinuousConfig, eos: set[int],
-                 metrics: GenerationMetrics, name: str = "llm") -> None:
+                 metrics: GenerationMetrics, name: str = "llm", outbox: Outbox | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -76,7 +82,7 @@ class Engine:
         self._closed = False
         self._order = itertools.count()
         self.last_iteration = time.monotonic()  # the watchdog's sign of life (workers/backends/llm.py)
-        self.outbox: Outbox | None = None  # where streamed responses go (set by workers/backends/llm.py)
+        self.outbox = outbox  # where the backend sends streamed responses (workers/generation/outbox.py)
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -138,8 +144,9 @@ class Engine:
             cancel, self._cancel = self._cancel, set()
         for gen in new:
             self._admit(gen)
-        sched.cancel(cancel & self._gens.keys())
-        self.metrics.cancelled_requests(len(cancel & self._gens.keys()))
+        cancel &= self._gens.keys()  # callers of other engines' requests are told every slot of the model
+        sched.cancel(cancel)
+        self.metrics.cancelled_requests(len(cancel))
         it = sched.step(time.perf_counter_ns() // 1000)
         for key in it.preempted:
             self.model.kv.release(key)
@@ -150,9 +157,10 @@ class Engine:
             sched.report()
             self._observe()
             return True
-        segments = [Segment(k, [self._gens[k].context[-1]], len(self._gens[k].context) - 1, True) for k in it.decode]
-        for c in it.prefill:
-            segments.append(Segment(c.request_id, self._gens[c.request_id].context[c.start:c.end], c.start, c.last))
+        gens = self._gens
+        segments = [Segment(k, gens[k].generated[-1:], gens[k].length - 1, True) for k in it.decode]
+        segments += [Segment(c.request_id, gens[c.request_id].tokens(c.start, c.end), c.start, c.last)
+                     for c in it.prefill]
         for s in segments:
             self.model.kv.ensure(s.key, s.start + len(s.tokens))
         started = time.perf_counter_ns()
@@ -186,7 +194,8 @@ class Engine:
 
     def _token(self, gen: Generation, row: torch.Tensor, now: int) -> bool:
         """Takes the sequence's next token; whether it ended the generation (EOS or a stop string)."""
-        token = next_token(row, gen.params, gen.context, gen._rng)
+        history = gen.tokens(0, gen.length) if gen.params.repetition_penalty != 1.0 else []
+        token = next_token(row, gen.params, history, gen._rng)
         if not gen.generated:
             gen.first_ns = now
             self.metrics.first_token(now - gen.submitted_ns)

@@ -96,7 +96,7 @@ class PagedLlama:
         positions = torch.tensor([s.start + i for s in segments for i in range(len(s.tokens))], dtype=torch.long)
         write = torch.cat([kv.slots(s.key, s.start, s.start + len(s.tokens)) for s in segments])
         decodes = [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.start > 0]
-        others = [i for i, s in enumerate(segments) if i not in set(decodes)]
+        others = [i for i, s in enumerate(segments) if not (len(s.tokens) == 1 and s.start > 0)]
         offsets = [0]
         for s in segments:
             offsets.append(offsets[-1] + len(s.tokens))
