@@ -1,5 +1,5 @@
-"""The child processes of a process, read from /proc (no psutil): how bench/overload.py finds the gateway,
-worker and Redis that `fleet up` started, and how the e2e tests find their PIDs to signal."""
+"""Processes read from /proc (no psutil): the children of a process (how bench/overload.py finds the gateway,
+worker and Redis that `fleet up` started, and how the e2e tests find their PIDs to signal), CPU time and RSS."""
 
 from __future__ import annotations
 
@@ -19,3 +19,23 @@ def children(parent_pid: int) -> list[tuple[int, list[bytes]]]:
             continue  # gone meanwhile
         found.append((int(stat.parent.name), argv))
     return found
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (os.sysconf("SC_CLK_TCK") a second); 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size (VmRSS) of a process in MiB; 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

@@ -6,6 +6,7 @@
     fleet jobs-worker  an RQ worker running bulk jobs (compose runs this)
     fleet dead-letters MODEL [--replay]  what could not be answered, and putting it back
     fleet submit | jobs | job | cancel   bulk jobs through a gateway's /v2/jobs (fleet/job_client.py)
+    fleet analyze MODEL   Model Analyzer: sweep instances and batching against a running fleet (fleet/analyzer)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet import grpc_flags, job_client
+from fleet.analyzer import run as analyzer
 from fleet.settings import Settings
 
 
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--replay", action="store_true", help="queue every readable dead letter again")
 
     job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
+    analyzer.add_subcommand(sub)  # analyze: an HTTP client of a gateway too
     return parser
 
 
@@ -128,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in job_client.COMMANDS:
         return job_client.run(args)
+    if args.command == "analyze":
+        return analyzer.run(args)
     settings = settings_from_args(args)
     if args.command == "up":
         from fleet.launcher import run_up

@@ -25,6 +25,8 @@ BACKENDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "python": ("", "model.py"),
     # fleet's generative backend (workers/backends/llm.py): a Hugging Face checkpoint, or a GGUF file.
     "llm": ("", "model.safetensors"),
+    # fleet's timing model (workers/backends/sleep_backend.py): no file, execution is a configured delay.
+    "sleep": ("", ""),
 })
 PLATFORMS: Mapping[str, str] = MappingProxyType({p: b for b, (p, _) in BACKENDS.items() if p})
 # Triton's SetDefaultInstanceCount: a CPU group without a count gets 2 instances for these backends.

@@ -19,7 +19,7 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from tests.support.model_repo import TRITON_EXAMPLES
-from tests.support.processes import Cluster, http_status
+from tests.support.processes import Cluster, explicit_cluster
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,23 +77,8 @@ def build_repository(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("control")
-    env = {"FLEET_KEY_PREFIX": PREFIX, "FLEET_BLOCK_MS": "200", "FLEET_CONTROL_API": "true",
-           "FLEET_MODEL_CONTROL_MODE": "explicit", "FLEET_LOAD_MODELS": '["doubler"]',
-           "FLEET_HEARTBEAT_INTERVAL_S": "0.3", "FLEET_MODEL_LOAD_TIMEOUT_S": "60", "FLEET_UNLOAD_GRACE_S": "1",
-           "FLEET_MODEL_LOAD_DIR": str(tmp / "loads")}
-    c = Cluster(tmp, build_repository(tmp), env)
-    c.start_redis()
-    c.start_gateway()
-    c.start_worker()
-    try:
-        deadline = time.monotonic() + 60
-        while http_status(f"{c.base_url}/v2/models/doubler/ready") != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"doubler not ready:\n{c.logs()}")
-            time.sleep(0.1)
+    with explicit_cluster(tmp, build_repository(tmp), PREFIX, "doubler") as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,3 +144,26 @@ class Cluster:
                 proc.wait()
         if self.redis is not None:
             self.redis.stop()
+
+
+@contextmanager
+def explicit_cluster(tmp: Path, repository: Path, prefix: str, startup_model: str) -> Iterator[Cluster]:
+    """Redis, a gateway and a worker in explicit model-control mode with the control API on, `startup_model`
+    loaded and ready (the model-control and `fleet analyze` tests)."""
+    env = {"FLEET_KEY_PREFIX": prefix, "FLEET_BLOCK_MS": "200", "FLEET_CONTROL_API": "true",
+           "FLEET_MODEL_CONTROL_MODE": "explicit", "FLEET_LOAD_MODELS": json.dumps([startup_model]),
+           "FLEET_HEARTBEAT_INTERVAL_S": "0.3", "FLEET_MODEL_LOAD_TIMEOUT_S": "60", "FLEET_UNLOAD_GRACE_S": "1",
+           "FLEET_MODEL_LOAD_DIR": str(tmp / "loads")}
+    c = Cluster(tmp, repository, env)
+    c.start_redis()
+    c.start_gateway()
+    c.start_worker()
+    try:
+        deadline = time.monotonic() + 60
+        while http_status(f"{c.base_url}/v2/models/{startup_model}/ready") != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{startup_model} not ready:\n{c.logs()}")
+            time.sleep(0.1)
+        yield c
+    finally:
+        c.stop()

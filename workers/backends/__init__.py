@@ -21,6 +21,10 @@ def load_backend(ctx: LoadContext) -> Backend:
         from workers.backends.onnx_backend import OnnxBackend
 
         return OnnxBackend(ctx)
+    if kind == "sleep":
+        from workers.backends.sleep_backend import SleepBackend
+
+        return SleepBackend(ctx)
     if kind == "llm":
         from workers.backends.llm import LlmSlot
 
