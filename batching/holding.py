@@ -40,6 +40,18 @@ class Holding:
             if rows is not None:
                 self._rows[message[0]] -= rows
 
+    def answered(self, messages: Iterable[MessageId]) -> None:
+        """Their replies are written: their rows stop counting against the read-ahead, though they stay
+        held (kept alive, recognised if delivered again) until released once acknowledged. The
+        acknowledgement rides on the next reply write, one batch later: rows counted until then would
+        keep the next batch from being read while this one computes (measured: a bulk job's instance
+        idle a third of the time, 0.58x direct, with two batches of room)."""
+        for message in messages:
+            rows = self._rows_of.get(message)
+            if rows:
+                self._rows[message[0]] -= rows
+                self._rows_of[message] = 0
+
     def rows(self) -> int:
         return sum(self._rows)
 

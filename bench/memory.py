@@ -17,15 +17,14 @@ contacted; each level is bounded by perf_analyzer's --max-trials and a 300 s kil
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from native import NativeTriton  # bench/native.py
 from procs import children, rss_mib  # bench/procs.py
-from served import ANCHOR, DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
+from served import DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 MODELS = ["double", "mlp"]
@@ -102,15 +101,15 @@ def measure(system: str, port: int, conc: int, interval_ms: int, out: Path) -> t
         def stop() -> None:
             fleet.stop(30.0)
     else:
-        env = {"ANCHOR_VENV": str(ROOT / "bench" / ".anchor-triton")} | os.environ | {"ANCHOR_RUN": str(out / "run")}
-        subprocess.run([str(ANCHOR / "start_native.sh"), str(port)], check=True, env=env, timeout=300)
-        pgid = int((out / "run" / "server.pid").read_text())
+        triton = NativeTriton(port, out)
+        triton.start()
+        pgid = triton.pgid
+        assert pgid is not None
 
         def find() -> list[tuple[int, list[bytes]]]:
             return group_members(pgid)
 
-        def stop() -> None:
-            subprocess.run([str(ANCHOR / "stop_server.sh")], env=env, timeout=120, check=False)
+        stop = triton.stop
     try:
         time.sleep(3)
         idle = {pid: (role(argv), rss_mib(pid)) for pid, argv in find()}

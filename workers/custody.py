@@ -176,6 +176,8 @@ class Custody:
                                          functools.partial(self.consumer.dead_letter, a.message, a.park, a.payload))
             handed = acks + [a.message for a in replied if a.park is None]
             self._acknowledge(handed)
+            self.holding.answered(handed)  # room for the next reads now, not once acknowledged
+            self._released()
         finally:
             if written is not None and not written.done():
                 written.set_result(None)

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
     try:
         original = server.config(args.model)
         batching = int(original.get("max_batch_size", 0) or 0) > 0
-        delays = args.delays if args.delays is not None else ([0, 100, 1000] if batching else [])
+        delays = args.delays if args.delays is not None else ([0, 100, 1000] if sweep.sweeps_batching(original) else [])
         points = sweep.plan(original, args.instances, delays, args.preferred, args.threads)
         request = http_request(server.host, server.port, args.model,
                                *request_body(server.metadata(args.model), batching, dict(args.shape)), headers)

@@ -78,14 +78,29 @@ def current_point(config: dict[str, Any]) -> Point:
     return Point(instances, delay, preferred, threads)
 
 
+def sweeps_batching(config: dict[str, Any]) -> bool:
+    """Whether the model has dynamic-batching settings to sweep (it batches, and not by sequence)."""
+    return int(config.get("max_batch_size", 0) or 0) > 0 and "sequence_batching" not in config
+
+
 def plan(config: dict[str, Any], instances: Sequence[int] = (), delays_us: Sequence[int] = (),
          preferred: Sequence[tuple[int, ...]] = (), threads: Sequence[int] = ()) -> list[Point]:
     """Every combination of the values given (an empty sequence keeps the current value), the current
     config's point first, no point twice. Raises SweepError where the model cannot take a value."""
+    name = config.get("name", "")
+    if config.get("platform") == "ensemble":
+        raise SweepError(f"'{name}' is an ensemble: it has no instances or batcher of its own; analyze the models "
+                         "it composes")
+    if backend_of(config) == "llm":
+        raise SweepError(f"'{name}' is a generative model: its engine batches by iteration (continuous batching), "
+                         "not by these settings; measure it with bench/llm.py")
     now = current_point(config)
     max_batch = int(config.get("max_batch_size", 0) or 0)
+    if (delays_us or preferred) and "sequence_batching" in config:
+        raise SweepError(f"'{name}' uses the sequence batcher: there are no dynamic-batching settings to sweep "
+                         "(sweep --instances only)")
     if (delays_us or preferred) and max_batch <= 0:
-        raise SweepError(f"model '{config.get('name')}' has max_batch_size 0: it cannot batch, so there are no "
+        raise SweepError(f"model '{name}' has max_batch_size 0: it cannot batch, so there are no "
                          "batching settings to sweep (sweep --instances only)")
     if threads and now.threads is None:
         raise SweepError(f"the {backend_of(config) or 'model'}'s backend has no intra-op thread setting to sweep")
@@ -102,7 +117,8 @@ def plan(config: dict[str, Any], instances: Sequence[int] = (), delays_us: Seque
         if t < 1:
             raise SweepError(f"a thread count must be at least 1, got {t}")
     # A model that batches gets dynamic batching at every point that sweeps it (Triton's analyzer does too).
-    default_delay = now.max_queue_delay_us if now.max_queue_delay_us is not None else (0 if max_batch > 0 else None)
+    default_delay = now.max_queue_delay_us if now.max_queue_delay_us is not None else (
+        0 if sweeps_batching(config) else None)
     axis_delays: list[int | None] = list(delays_us) or [default_delay]
     axis_threads: list[int | None] = list(threads) or [now.threads]
     points = [now]

@@ -55,6 +55,9 @@ def test_plan_is_the_product_with_the_current_point_first_and_no_repeats() -> No
     (MLP, {"instances": [0]}, "at least 1"),
     (MLP, {"preferred": [(128,)]}, r"1..max_batch_size \(64\)"),
     (MLP, {"delays_us": [-5]}, "must not be negative"),
+    ({"name": "e", "platform": "ensemble", "max_batch_size": 8}, {}, "is an ensemble"),
+    ({"name": "g", "backend": "llm", "max_batch_size": 0}, {"instances": [2]}, "measure it with bench/llm.py"),
+    ({**MLP, "sequence_batching": {}}, {"delays_us": [0]}, "uses the sequence batcher"),
 ])
 def test_what_a_model_cannot_take_is_refused(config: dict[str, Any], kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(SweepError, match=message):

@@ -62,3 +62,18 @@ def test_orphans_may_take_a_saturated_holding_one_batch_past_its_bound() -> None
     for i in range(4):
         holding.hold((0, b"c%d-0" % i), 1)
     assert holding.claim_room() == 0 and holding.room(0) == -4  # nothing new is read until they are served
+
+
+def test_answered_rows_stop_counting_but_stay_held_until_released() -> None:
+    holding = Holding(lanes=2, per_batch=4, capacity=8)
+    holding.hold((1, b"1-0"), 4)
+    holding.hold((1, b"2-0"), 4)
+    assert holding.room(1) == 0  # two batches: executing and next
+    holding.answered([(1, b"1-0")])  # its replies are out, its acknowledgement not yet
+    assert holding.room(1) == 4 and (1, b"1-0") in holding
+    holding.hold((1, b"1-0"), 4)  # delivered again meanwhile: still recognised, not counted again
+    assert holding.rows() == 4
+    holding.release([(1, b"1-0")])
+    assert holding.rows() == 4 and (1, b"1-0") not in holding
+    holding.release([(1, b"2-0")])
+    assert holding.rows() == 0
