@@ -44,7 +44,7 @@ class TorchBackend(InProcessBackend):
             raise ConfigError(f"{spec.name}: model file {path} is missing (run `make models`?)")
         with warnings.catch_warnings():  # TorchScript is what Triton's pytorch backend loads: deprecated or not
             warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
-            module = torch.jit.load(str(path), map_location=self._device)  # type: ignore[no-untyped-call]
+            module = torch.jit.load(str(path), map_location=self._device)
         self._module = module.eval()
         self._spec = spec
         self._arg_names = [t.name for t in spec.inputs] + [b.target_name for b in spec.batch_inputs]

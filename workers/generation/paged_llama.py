@@ -87,7 +87,7 @@ class PagedLlama:
         self._inner = model.model
         self._heads = self.config.num_attention_heads
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # type: ignore[untyped-decorator]  # torch is not followed (pyproject)
     def forward(self, segments: list[Segment]) -> dict[str, torch.Tensor]:
         """Runs one pass; writes every segment's K/V into its blocks (ensure() them first). Returns the
         last token's logits (float32, [vocab]) of each segment that asked for them."""
