@@ -20,6 +20,7 @@ import argparse
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from native import NativeTriton  # bench/native.py
@@ -64,7 +65,7 @@ def role(argv: list[bytes]) -> str:
 class Sampler(threading.Thread):
     """The peak RSS of each process found by `find`, sampled until stopped."""
 
-    def __init__(self, find: object) -> None:
+    def __init__(self, find: Callable[[], list[tuple[int, list[bytes]]]]) -> None:
         super().__init__(daemon=True)
         self.find = find
         self.peak: dict[int, tuple[str, float]] = {}
@@ -72,7 +73,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            for pid, argv in self.find():  # type: ignore[operator]
+            for pid, argv in self.find():
                 old = self.peak.get(pid, ("", 0.0))[1]
                 self.peak[pid] = (role(argv), max(old, rss_mib(pid)))
             self.stopping.wait(0.25)

@@ -144,7 +144,6 @@ def measure(stack: Stack, conc: int, interval_ms: int, pa: str, out: Path) -> di
                "--measurement-interval", str(interval_ms), "--stability-percentage", "20", "--max-trials", "8",
                "-f", str(base.with_suffix(".csv")), "--verbose-csv"]
         runs.append((base, subprocess.Popen(cmd, stdout=base.with_suffix(".txt").open("w"), stderr=subprocess.STDOUT)))
-    rss = {name: rss_mib(pid) for name, pid in pids.items()}  # under load (taken once they all run)
     for _, proc in runs:
         try:
             proc.wait(300)
@@ -152,6 +151,7 @@ def measure(stack: Stack, conc: int, interval_ms: int, pa: str, out: Path) -> di
             proc.kill()
             proc.wait()
     wall = time.monotonic() - t0
+    rss = {name: rss_mib(pid) for name, pid in pids.items()}  # right after the load (bench/memory.py: peaks)
     after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     after_counts = counts(ports[0], MODEL)
     cpu = {name: (cpu_ticks(pid) - before_cpu[name]) / TICK / wall * 100 for name, pid in pids.items()}

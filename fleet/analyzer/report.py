@@ -9,17 +9,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from fleet.analyzer.sweep import Measurement, Point, score
+from fleet.analyzer.sweep import Measurement, points_of, scores
 
 BAR_WIDTH = 40
-
-
-def points_of(measurements: Sequence[Measurement]) -> list[Point]:
-    order: list[Point] = []
-    for m in measurements:
-        if m.point not in order:
-            order.append(m.point)
-    return order
 
 
 def table(measurements: Sequence[Measurement], chosen: Measurement | None, budget_ms: float | None) -> Table:
@@ -38,12 +30,11 @@ def table(measurements: Sequence[Measurement], chosen: Measurement | None, budge
 
 def chart(measurements: Sequence[Measurement], budget_ms: float | None) -> Group:
     """One bar per point: its best throughput within the budget (none: no bar)."""
-    order = points_of(measurements)
-    tops = [score([m for m in measurements if m.point == p], budget_ms) for p in order]
-    peak = max((t.infer_s for t in tops if t is not None), default=0.0) or 1.0
+    tops = scores(measurements, budget_ms)
+    peak = max((t.infer_s for _, t in tops if t is not None), default=0.0) or 1.0
     within = f"p99 <= {budget_ms:g} ms" if budget_ms is not None else "no latency budget"
     lines = [Text(f"best infer/s per config ({within})", style="bold")]
-    for i, (point, top) in enumerate(zip(order, tops, strict=True), 1):
+    for i, (point, top) in enumerate(tops, 1):
         line = Text(f"{i:>3} ")
         if top is None:
             line.append("(nothing within the budget)", style="dim")

@@ -30,8 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fleet.analyzer import sweep
 from fleet.analyzer.load import LoadError, http_request, measure, request_body
 from fleet.analyzer.report import chart, svg, table
+from fleet.job_client import DEFAULT_URL, resolve_url
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 LOAD_ESTIMATE_S = 3.0  # a model load with a config override, as measured for small models here
 
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
     key = args.api_key or environ.get("FLEET_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        server = Server(args.url or environ.get("FLEET_URL") or DEFAULT_URL, headers)
+        server = Server(resolve_url(args.url, environ), headers)
     except ValueError as exc:
         err.print(f"error: {exc}")
         return EXIT_USAGE
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> in
                 "--model-control-mode explicit and the control API on)") if "load" in str(exc).lower() else ""
         err.print(f"error: {exc.message() if hasattr(exc, 'message') else exc}{hint}")
         return EXIT_USAGE
-    except (OSError, ConnectionError) as exc:
+    except OSError as exc:
         err.print(f"error: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt:

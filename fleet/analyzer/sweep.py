@@ -161,15 +161,21 @@ def score(rows: Sequence[Measurement], budget_ms: float | None) -> Measurement |
     return max(ok, key=lambda m: (m.infer_s, -m.p99_ms), default=None)
 
 
+def points_of(measurements: Sequence[Measurement]) -> list[Point]:
+    """The points measured, in the order they were first measured (the current config first)."""
+    return list(dict.fromkeys(m.point for m in measurements))
+
+
+def scores(measurements: Sequence[Measurement], budget_ms: float | None) -> list[tuple[Point, Measurement | None]]:
+    """Each point (points_of's order) with its score (None: nothing within the budget)."""
+    return [(p, score([m for m in measurements if m.point == p], budget_ms)) for p in points_of(measurements)]
+
+
 def best(measurements: Sequence[Measurement], budget_ms: float | None, min_gain: float = 0.0) -> Measurement | None:
     """The best point's best measurement; None when no measurement meets the budget. The first point
     measured is the current config: another replaces it only with a score above (1 + min_gain) times its
     own, so that noise between equal configs does not change a working config."""
-    order: list[Point] = []
-    for m in measurements:
-        if m.point not in order:
-            order.append(m.point)
-    tops = [score([m for m in measurements if m.point == p], budget_ms) for p in order]
+    tops = [top for _, top in scores(measurements, budget_ms)]
     chosen: Measurement | None = None
     for top in tops:
         if top is not None and (chosen is None or (top.infer_s, -top.p99_ms) > (chosen.infer_s, -chosen.p99_ms)):
