@@ -2,7 +2,7 @@
 
     runner.py    the RQ job function: one run of a job under its lease (JobOptions, JobRunner)
     feed.py      the send / collect / write loop: window, lost-reply resends, progress, cancel
-    formats.py   readers, packing and writers (inputs.py, packing.py, outputs.py)
+    formats.py   readers, packing and writers (inputs.py, jsonl_input.py, items.py, packing.py, outputs.py)
     records.py   job records in Redis (JobStore): state, progress, error samples
     rq_setup.py  every RQ Queue/Worker/fetch, JSON serializer only
     recovery.py  queueing runs, and re-queueing jobs whose runner died (the janitor)

@@ -7,7 +7,9 @@ in `inputs` (JSONL/.npy/.npz readers), `packing` (multi-row requests and reply s
 
 from __future__ import annotations
 
-from fleet.jobs.inputs import InputItem, JobInput, JsonlInput, NpyInput, NpzInput, count_lines, open_input
+from fleet.jobs.inputs import JobInput, NpyInput, NpzInput, open_input
+from fleet.jobs.items import InputItem
+from fleet.jobs.jsonl_input import JsonlInput, count_lines
 from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output, remove_output
 from fleet.jobs.packing import explode, group_items, pack, unpack
 

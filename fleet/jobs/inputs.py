@@ -2,7 +2,7 @@
 
 Every reader yields `InputItem`s in file order from a resume cursor (the index and offset of the next
 unread item), so an interrupted job restarts where it stopped without rereading what it sent. Nothing
-here loads a whole file: JSONL is read line by line, .npy is memory-mapped, and .npz members are read
+here loads a whole file: JSONL is read line by line (jsonl_input.py), .npy is memory-mapped, and .npz members are read
 row by row from the zip stream. A line that cannot be sent becomes an item with `error` set, so the
 runner records it as failed in order; a file that cannot be read at all raises InvalidInput at open.
 A JSONL line longer than the job's line limit is such an item too: it is skipped in bounded chunks,
@@ -15,42 +15,24 @@ import logging
 import zipfile
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 import numpy as np
 
 from fleet import tensors
 from fleet.envelope import WireTensor
-from fleet.errors import InvalidInput, ServingError
-from fleet.jobs.lines import parse_generation_line, parse_infer_line
-from fleet.llm_spec import is_llm
+from fleet.errors import InvalidInput
+from fleet.jobs.items import InputItem
+from fleet.jobs.jsonl_input import DEFAULT_MAX_LINE_BYTES, JsonlInput
 from fleet.model_config import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # count(), the resume line count and skipping a too-long line read this much at a time
-DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # Settings.max_job_line_bytes' default
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 ARRAY_SUFFIXES = frozenset({".npy", ".npz"})
-
-
-@dataclass(slots=True)
-class InputItem:
-    """One inference request of a job, or the reason it cannot be sent (`error`)."""
-
-    index: int  # 0-based item counter (blank lines not counted)
-    line: int  # JSONL: 1-based line number in the file; arrays: 0-based row number
-    end_offset: int  # resume cursor just past this item: JSONL byte offset after its line; arrays: row + 1
-    inputs: list[WireTensor] | None  # validated tensors, None when error is set
-    outputs: list[str] | None = None  # requested output names, None = all
-    client_id: str = ""  # the request "id" field (JSONL)
-    parameters: dict[str, Any] = field(default_factory=dict)  # ParsedInfer.parameters (passthrough)
-    error: str | None = None  # why this item cannot be sent; recorded as failed
-    rows: int = 1  # rows along the batch axis (1 for a non-batching model)
-    count: int = 1  # input items it stands for: a block of array rows is `rows` items (read(block_rows=))
 
 
 class JobInput(Protocol):
@@ -84,111 +66,6 @@ def open_input(path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LI
     if suffix == ".npz":
         return NpzInput(path, spec)
     return JsonlInput(path, spec, max_line_bytes)
-
-
-# ---------------------------------------------------------------- JSONL
-
-
-def count_lines(path: Path) -> int:
-    """Non-blank lines, counted in CHUNK_BYTES pieces so a huge file never sits in memory."""
-    total, pending = 0, False  # pending: the unfinished line so far has non-blank content
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            pieces = chunk.split(b"\n")
-            for piece in pieces[:-1]:
-                if pending or piece.strip():
-                    total += 1
-                pending = False
-            pending = pending or bool(pieces[-1].strip())
-    return total + (1 if pending else 0)
-
-
-def _newlines_before(f: IO[bytes], offset: int) -> int:
-    """Line breaks in the first `offset` bytes: the line number a resumed read continues from."""
-    f.seek(0)
-    seen, left = 0, offset
-    while left > 0 and (chunk := f.read(min(CHUNK_BYTES, left))):
-        seen += chunk.count(b"\n")
-        left -= len(chunk)
-    return seen
-
-
-class JsonlInput:
-    """One KServe v2 infer request body per non-blank line, parsed exactly as POST /infer does. For a
-    generative model (`backend: "llm"`) a line without "inputs" is a /generate body instead, its prompt
-    under `text_input` (or `prompt`) and its sampling beside it: `{"prompt": "...", "max_tokens": 64}`."""
-
-    kind = "jsonl"
-
-    def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
-        self.path = path
-        self._spec = spec
-        # A line is exactly an /infer body (or, for a generative model, a /generate one).
-        self._parse = parse_generation_line if is_llm(spec) else parse_infer_line
-        self._max_line_bytes = max_line_bytes
-
-    def count(self) -> int:
-        return count_lines(self.path)
-
-    def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
-        limit = self._max_line_bytes
-        with self.path.open("rb") as f:
-            line = _newlines_before(f, start_offset)
-            if start_offset > 0:
-                f.seek(start_offset - 1)
-                if f.read(1) != b"\n":
-                    raise InvalidInput(f"resume offset {start_offset} is not at a line start of '{self.path.name}'")
-            f.seek(start_offset)
-            index, offset = start_index, start_offset
-            # readline(limit + 1) never buffers more than the limit: a longer line comes back cut short,
-            # without its newline, and the rest of it is skipped in bounded chunks.
-            while raw := f.readline(limit + 1):
-                line += 1
-                if len(raw) > limit and raw[-1:] != b"\n":
-                    size, ended, blank = _skip_line(f, raw)
-                    offset += size
-                    if not blank:  # count_lines() skips a blank line however long: so does the index
-                        error = f"line {line} is {size - ended} bytes, over the limit of {limit} bytes per line"
-                        yield InputItem(index, line, offset, None, error=error)
-                        index += 1
-                    continue
-                offset += len(raw)
-                body = raw.strip()
-                if body:
-                    yield self._item(index, line, offset, body)
-                    index += 1
-
-    def close(self) -> None:
-        """Nothing held open: each read() owns its file handle."""
-
-    def _item(self, index: int, line: int, end_offset: int, body: bytes) -> InputItem:
-        try:
-            parsed = self._parse(body, self._spec)
-        except ServingError as exc:
-            return InputItem(index, line, end_offset, None, error=exc.message)
-        except RecursionError:
-            return InputItem(index, line, end_offset, None, error="failed to parse the request JSON: nested too deeply")
-        except Exception:  # a parser bug must cost one line, and its message (Python internals) stays in the log
-            log.exception("job input %s line %d: unexpected parser failure", self.path.name, line)
-            return InputItem(index, line, end_offset, None,
-                             error="the line could not be read as a KServe v2 infer request body")
-        first = parsed.inputs[0].shape
-        rows = max(1, first[0]) if self._spec.max_batch_size > 0 and first else 1
-        return InputItem(
-            index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters, rows=rows
-        )
-
-
-def _skip_line(f: IO[bytes], head: bytes) -> tuple[int, int, bool]:
-    """Read past the rest of a too-long line, CHUNK_BYTES at a time: (its bytes with the newline, 1 if a
-    newline ended it, whether it is blank)."""
-    size, blank = len(head), not head.strip()
-    while chunk := f.readline(CHUNK_BYTES):
-        size += len(chunk)
-        blank = blank and not chunk.strip()
-        if chunk[-1:] == b"\n":
-            return size, 1, blank
-    return size, 0, blank
 
 
 # ---------------------------------------------------------------- arrays

@@ -25,7 +25,7 @@ import orjson
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.inputs import InputItem
+from fleet.jobs.items import InputItem
 from fleet.model_config import ModelSpec, TensorSpec
 from fleet.tensor_json import json_array
 

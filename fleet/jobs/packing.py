@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.inputs import InputItem
+from fleet.jobs.items import InputItem
 
 _LEN = struct.Struct("<I")
 

@@ -31,7 +31,7 @@ import redis
 from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.feed import STOP, Feed
 from fleet.jobs.formats import open_input, open_output, remove_output
-from fleet.jobs.inputs import DEFAULT_MAX_LINE_BYTES
+from fleet.jobs.jsonl_input import DEFAULT_MAX_LINE_BYTES
 from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
 from fleet.keys import Keys
 from fleet.model_config import ModelSpec

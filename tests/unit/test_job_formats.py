@@ -16,7 +16,7 @@ from fleet import tensors
 from fleet.datatypes import BY_NAME
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs import inputs as inputs_module
+from fleet.jobs import jsonl_input as jsonl_module
 from fleet.jobs.formats import (
     InputItem,
     explode,
@@ -135,7 +135,7 @@ def padded(size: int) -> str:
 
 def test_jsonl_lines_over_the_limit_are_their_own_errors(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inputs_module, "CHUNK_BYTES", 64)  # skipping reads many chunks, never the whole line
+    monkeypatch.setattr(jsonl_module, "CHUNK_BYTES", 64)  # skipping reads many chunks, never the whole line
     limit = 300
     lines = [padded(limit), padded(limit + 1), " " * 5000, "x" * 5000, padded(100), "y" * 700]
     path = tmp_path / "long.jsonl"
@@ -166,10 +166,10 @@ def test_a_json_array_line_says_what_is_wrong(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text", ["", "\n\n", "a", "a\n", "\na\n\n b \n\n", "x\r\n  \ny", "ab\ncd\n" * 9])
 def test_count_lines_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
-    monkeypatch.setattr(inputs_module, "CHUNK_BYTES", 3)
+    monkeypatch.setattr(jsonl_module, "CHUNK_BYTES", 3)
     path = tmp_path / "c.jsonl"
     path.write_text(text)
-    assert inputs_module.count_lines(path) == sum(1 for line in text.split("\n") if line.strip())
+    assert jsonl_module.count_lines(path) == sum(1 for line in text.split("\n") if line.strip())
 
 
 def test_open_input_rejects_unknown_or_missing(tmp_path: Path) -> None:

@@ -1,0 +1,35 @@
+"""What a bulk job's readers yield: an item (a request, or why it cannot be sent) and a JSONL line not
+parsed yet. Plain data, shared by the readers, the line parsers, packing and the writers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.envelope import WireTensor
+
+
+@dataclass(slots=True)
+class InputItem:
+    """One inference request of a job, or the reason it cannot be sent (`error`)."""
+
+    index: int  # 0-based item counter (blank lines not counted)
+    line: int  # JSONL: 1-based line number in the file; arrays: 0-based row number
+    end_offset: int  # resume cursor just past this item: JSONL byte offset after its line; arrays: row + 1
+    inputs: list[WireTensor] | None  # validated tensors, None when error is set
+    outputs: list[str] | None = None  # requested output names, None = all
+    client_id: str = ""  # the request "id" field (JSONL)
+    parameters: dict[str, Any] = field(default_factory=dict)  # ParsedInfer.parameters (passthrough)
+    error: str | None = None  # why this item cannot be sent; recorded as failed
+    rows: int = 1  # rows along the batch axis (1 for a non-batching model)
+    count: int = 1  # input items it stands for: a block of array rows is `rows` items (read(block_rows=))
+
+
+@dataclass(frozen=True, slots=True)
+class RawLine:
+    """A non-blank JSONL line within the limit, read but not parsed: where it is and its bytes."""
+
+    index: int
+    line: int
+    end_offset: int
+    body: bytes
