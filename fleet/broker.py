@@ -2,9 +2,10 @@
 A gateway's data plane uses it, and so does a worker whose Python models call other models (BLS,
 workers/bls.py); "gateway" below stands for either caller, its id for the worker's id in a worker.
 
-Enqueues issued in the same event-loop turn go out as one pipeline (one round trip for many
-requests); each command's own result decides its request's fate, so one refused XADD fails only its
-own caller (the others were enqueued and will be answered). Replies come back on this gateway's own
+Enqueues go out as one batch per round trip (many requests in one), one round trip at a time on a
+connection of the broker's own (fleet/redis_link.py): those issued while one is in flight go in the next,
+in order; each command's own result decides its request's fate, so one refused XADD fails only its own
+caller (the others were enqueued and will be answered). Replies come back on this gateway's own
 stream, read by a single task that resolves the waiting futures by request id: no per-request
 subscription, no polling. Request ids carry a nonce drawn at each start, so a gateway restarted with
 the same FLEET_GATEWAY_ID never takes an old reply for a new request; its reader starts after a marker
@@ -31,6 +32,7 @@ from fleet.envelope import ReplyEnvelope, decode_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import unrecoverable
+from fleet.redis_link import Command, RedisLink, raise_first
 from fleet.redis_time import RedisClock
 from fleet.stats import BatchSample, increments
 from fleet.supervision import Supervisor
@@ -105,6 +107,10 @@ class Broker:
                  on_give_up: Callable[[str, BaseException], None] | None = None) -> None:
         self._client = client
         self._reader_client = reader_client
+        # The request path's two round trips, each on a connection of its own: enqueue and reply read.
+        self._enqueue = RedisLink(client)
+        self._replies = RedisLink(reader_client)
+        self._enqueue_lock = asyncio.Lock()
         self.keys = keys
         self.gateway_id = gateway_id
         self.reply_key = keys.reply(gateway_id)
@@ -165,6 +171,8 @@ class Broker:
             await self._client.delete(self.reply_key)
         except RedisError:
             pass
+        await self._enqueue.aclose()
+        await self._replies.aclose()
         await self._client.aclose()
         await self._reader_client.aclose()
 
@@ -271,27 +279,27 @@ class Broker:
         task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        try:
-            await self._flush_batch(batch)
-        finally:
-            if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
-                for rid, *_ in batch:
-                    done = self._on_enqueued.pop(rid, None)
-                    if done is not None:
-                        done()
+        # The batch is taken once the previous round trip is back: what came meanwhile goes in one.
+        async with self._enqueue_lock:
+            batch, self._outbox = self._outbox, []
+            if not batch:
+                return
+            try:
+                await self._flush_batch(batch)
+            finally:
+                if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
+                    for rid, *_ in batch:
+                        done = self._on_enqueued.pop(rid, None)
+                        if done is not None:
+                            done()
 
     async def _flush_batch(self, batch: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]]) -> None:
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for _, stream, payload, bound, _ in batch:
-                if bound > 0:
-                    # EVAL, not EVALSHA: a pipeline with registered scripts costs a SCRIPT EXISTS
-                    # round trip per execute; the server caches the compiled body anyway.
-                    pipe.eval(_BOUNDED_XADD, 1, stream, bound, payload)
-                else:
-                    pipe.xadd(stream, {b"d": payload})
-            results = await pipe.execute(raise_on_error=False)
+            # EVAL, not EVALSHA: the server caches the compiled body, and a script it lost (a restart) would
+            # cost a NOSCRIPT round trip.
+            results = await self._enqueue.execute([
+                ("EVAL", _BOUNDED_XADD, 1, stream, bound, payload) if bound > 0 else ("XADD", stream, "*", "d", payload)
+                for _, stream, payload, bound, _ in batch])
         except (RedisError, OSError) as exc:
             err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")
             for *_, fut in batch:
@@ -328,12 +336,12 @@ class Broker:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             try:
-                pipe = self._reader_client.pipeline(transaction=False)
+                commands: list[Command] = []
                 if last_id != b"0-0":
                     # Drop what was consumed, piggybacked on the next read: no extra round trip.
-                    pipe.xtrim(self.reply_key, minid=last_id, approximate=False)
-                pipe.xread({self.reply_key: last_id}, count=1024, block=self._block_ms)
-                result = (await pipe.execute())[-1]
+                    commands.append(("XTRIM", self.reply_key, "MINID", last_id))
+                commands.append(("XREAD", "COUNT", 1024, "BLOCK", self._block_ms, "STREAMS", self.reply_key, last_id))
+                *_, result = raise_first(await self._replies.execute(commands, block_ms=self._block_ms))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -356,9 +364,9 @@ class Broker:
             for _, entries in result or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    for name, payload in fields.items():  # a worker batches replies: d0, d1, ...
-                        if name[:1] == b"d":
-                            self._deliver(payload)
+                    for i in range(0, len(fields or ()) - 1, 2):  # a worker batches replies: d0, d1, ...
+                        if fields[i][:1] == b"d":
+                            self._deliver(fields[i + 1])
             if time.monotonic() > next_touch:
                 await self._touch_reply_stream()
                 next_touch = time.monotonic() + REPLY_TTL_S / 4

@@ -22,6 +22,7 @@ from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import unrecoverable
+from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
 from fleet.stats import BatchSample, field, increments
 from fleet.trace_points import REPLY_WRITE
@@ -108,6 +109,10 @@ class StreamConsumer:
         """`streams`: the lanes' stream keys when not the model's own (a sequence model's online lane is
         this worker's sequence stream, fleet/keys.py)."""
         self._client = client
+        # The request path's round trips on connections of their own (fleet/redis_link.py): each lane's
+        # blocking read, and the writes (replies, statistics, acknowledgements).
+        self._readers = [RedisLink(client) for _ in range(lanes)]
+        self._writer = RedisLink(client)
         self._redis_clock = redis_clock or RedisClock()  # stamps traced replies (REPLY_WRITE)
         self._keys = keys
         self.model = model
@@ -144,8 +149,9 @@ class StreamConsumer:
     async def read(self, lane: int, count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
         """Up to `count` new messages of `lane` as ((lane, entry id), payload)."""
         try:
-            result: Any = await self._client.xreadgroup(
-                GROUP, self.consumer, {self.streams[lane]: ">"}, count=count, block=block_ms)
+            (result,) = raise_first(await self._readers[lane].execute(
+                [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, "BLOCK", block_ms,
+                  "STREAMS", self.streams[lane], ">")], block_ms=block_ms))
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -154,7 +160,7 @@ class StreamConsumer:
         out: list[tuple[MessageId, bytes | None]] = []
         for _, entries in result or []:
             for entry_id, fields in entries:
-                out.append(((lane, entry_id), fields.get(b"d") if fields else None))
+                out.append(((lane, entry_id), entry_field(fields, b"d")))
         return out
 
     async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample],
@@ -163,40 +169,38 @@ class StreamConsumer:
         statistics and acknowledge `acks` (messages whose replies an earlier write got through), in one
         round trip; each command's own result is checked, so a reply Redis refused (out of memory, a
         wrong-type key) is reported as not written while the others are."""
-        pipe = self._client.pipeline(transaction=False)
+        commands: list[Command] = []
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):
             by_stream.setdefault(reply_to, []).append(index)
         now = time.monotonic()
-        ttl_cmds = 0
-        xadds: list[int] = []  # positions of the XADDs among the pipeline's commands
+        xadds: list[int] = []  # positions of the XADDs among the commands
         for reply_to, indices in by_stream.items():
-            fields: dict[bytes, bytes] = {}
+            xadd: list[bytes | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
             for n, i in enumerate(indices):
                 reply = replies[i][1]
                 if reply.trace is not None:
                     reply.trace[REPLY_WRITE] = self._redis_clock.now_ns()
-                fields[b"d%d" % n] = encode_reply(reply)
-            xadds.append(len(xadds) + ttl_cmds)
-            pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                xadd += [b"d%d" % n, encode_reply(reply)]
+            xadds.append(len(commands))
+            commands.append(xadd)
             if now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:
                 # Only a stream this XADD recreated (its reader gone) lacks a TTL: once a minute is plenty.
-                pipe.expire(reply_to, ORPHAN_REPLY_TTL_S, nx=True)
+                commands.append(("EXPIRE", reply_to, ORPHAN_REPLY_TTL_S, "NX"))
                 self._ttl_set[reply_to] = now
-                ttl_cmds += 1
         if len(self._ttl_set) > 1000:
             self._ttl_set = {k: t for k, t in self._ttl_set.items() if now - t < TTL_REFRESH_S}
-        first_sample = len(xadds) + ttl_cmds
+        first_sample = len(commands)
         for sample in samples:
             # One server-side script call instead of ~17 HINCRBYs (all on the model's one hash key).
             args: list[bytes | str | int] = []
             for name, delta in increments(sample).items():
                 args += [name, delta]
             last = field(sample.version, "last_inference") if sample.requests_ok else ""
-            pipe.eval(_COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args)
-        first_ack = first_sample + len(samples)
-        self._queue_acks(pipe, acks)
-        results = await pipe.execute(raise_on_error=False)
+            commands.append(("EVAL", _COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args))
+        first_ack = len(commands)
+        commands += self._ack_commands(acks)
+        results = await self._writer.execute(commands)
         written: set[int] = set()
         errors: list[BaseException] = []
         for position, indices in zip(xadds, by_stream.values(), strict=True):
@@ -214,17 +218,17 @@ class StreamConsumer:
         """Acknowledge and delete: only for messages whose reply is written (or that need none)."""
         if not messages:
             return
-        pipe = self._client.pipeline(transaction=False)
-        self._queue_acks(pipe, messages)
-        await pipe.execute()
+        raise_first(await self._writer.execute(self._ack_commands(messages)))
 
-    def _queue_acks(self, pipe: Any, messages: Sequence[MessageId]) -> None:
+    def _ack_commands(self, messages: Sequence[MessageId]) -> list[Command]:
         by_lane: dict[int, list[bytes]] = {}
         for lane, entry_id in messages:
             by_lane.setdefault(lane, []).append(entry_id)
+        commands: list[Command] = []
         for lane, ids in by_lane.items():
-            pipe.xack(self.streams[lane], GROUP, *ids)
-            pipe.xdel(self.streams[lane], *ids)
+            commands.append(("XACK", self.streams[lane], GROUP, *ids))
+            commands.append(("XDEL", self.streams[lane], *ids))
+        return commands
 
     async def keep(self, held: dict[int, list[bytes]]) -> list[MessageId]:
         """Restart the idle time of the messages this consumer holds and still owns; returns the held
@@ -308,6 +312,8 @@ class StreamConsumer:
         await pipe.execute()
 
     async def close(self) -> None:
+        for link in (*self._readers, self._writer):
+            await link.aclose()
         await self._client.aclose()
 
 

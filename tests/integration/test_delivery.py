@@ -278,7 +278,9 @@ def test_pending_count_is_queued_requests_once_per_version(redis_server: LocalSe
                         for line in text.splitlines() if line.startswith("nv_inference_pending_request_count{")}
 
             async def three_waiting() -> bool:
-                return sum((await pending()).values()) == 3
+                # Read-ahead requests count from the worker's next heartbeat on (until then they are in
+                # neither count): wait for it, or a moment before the read would pass and one after fail.
+                return sum((await pending()).values()) == 3 and any(s.state.catalog.queued.values())
 
             # One executes (800 ms); three wait, whether still in Redis or read ahead by the worker.
             await until(three_waiting, 3, "three pending requests")

@@ -1,0 +1,105 @@
+"""fleet/redis_link.py against a real server: replies in order with error replies in place, a blocking read
+within its deadline, a cancelled round trip leaving nothing behind, a Redis restarted or frozen."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fleet.redis_clients import async_client
+from fleet.redis_link import RedisLink, entry_field, raise_first
+from fleet.redis_server import LocalServer, start_server
+
+
+def test_replies_come_in_order_with_error_replies_in_place(redis_server: LocalServer, key_prefix: str) -> None:
+    async def main() -> None:
+        client = async_client(redis_server.url)
+        link = RedisLink(client)
+        key = f"{key_prefix}:s"
+        try:
+            entry_id, bad, length, echoed = await link.execute(
+                [("XADD", key, "*", "d", b"\x00payload"), ("HGET", key, "x"), ("XLEN", key), ("ECHO", b"\xff")])
+            assert isinstance(entry_id, bytes) and b"-" in entry_id
+            assert isinstance(bad, ResponseError) and "WRONGTYPE" in str(bad)
+            assert (length, echoed) == (1, b"\xff")
+            with pytest.raises(ResponseError, match="WRONGTYPE"):
+                raise_first([entry_id, bad])
+            (read,) = await link.execute([("XREAD", "COUNT", 10, "STREAMS", key, "0-0")])
+            [[stream, [[got_id, fields]]]] = read
+            assert (stream, got_id, entry_field(fields, b"d"), entry_field(fields, b"e")) == \
+                (key.encode(), entry_id, b"\x00payload", None)
+        finally:
+            await link.aclose()
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_blocking_read_waits_its_block_and_a_cancelled_one_leaves_nothing_behind(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    async def main() -> None:
+        client = async_client(redis_server.url)
+        link = RedisLink(client, timeout_s=0.5)
+        key = f"{key_prefix}:blocked"
+        try:
+            started = time.monotonic()
+            # The block (800 ms) is longer than the link's timeout (500 ms): the deadline is both.
+            assert await link.execute([("XREAD", "BLOCK", 800, "STREAMS", key, "$")], block_ms=800) == [None]
+            assert 0.7 < time.monotonic() - started < 1.3
+            read = asyncio.ensure_future(link.execute([("XREAD", "BLOCK", 5000, "STREAMS", key, "$")], block_ms=5000))
+            await asyncio.sleep(0.1)
+            read.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await read
+            await client.xadd(key, {b"d": b"late"})  # what the cancelled read would have got
+            assert await link.execute([("PING",)]) == [b"PONG"]  # its own reply, not the stale one
+        finally:
+            await link.aclose()
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_redis_is_reached_again_and_a_frozen_one_times_out(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "valkey", appendonly=False)
+
+    async def main() -> None:
+        client = async_client(server.url)
+        link = RedisLink(client, timeout_s=0.5)
+        try:
+            assert await link.execute([("PING",)]) == [b"PONG"]
+            server.stop()
+            with pytest.raises(RedisConnectionError):
+                await link.execute([("PING",)])  # away: an error at once, not a hang
+            server.restart()
+            assert await link.execute([("PING",)]) == [b"PONG"]
+            server.stop()
+            server.restart()  # closed while idle: the link finds out and reconnects, no error
+            assert await link.execute([("SET", "k", "v"), ("GET", "k")]) == [b"OK", b"v"]
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(RedisTimeoutError):
+                    await link.execute([("PING",)])
+                assert time.monotonic() - started < 2.0
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert await link.execute([("GET", "k")]) == [b"v"]
+        finally:
+            await link.aclose()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
