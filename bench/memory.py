@@ -29,6 +29,7 @@ from served import DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 MODELS = ["double", "mlp"]
+Find = Callable[[], list[tuple[int, list[bytes]]]]
 
 
 def descendants(pid: int) -> list[tuple[int, list[bytes]]]:
@@ -87,30 +88,30 @@ def by_role(samples: dict[int, tuple[str, float]]) -> dict[str, tuple[int, float
     return {name: (len(v), sum(v)) for name, v in out.items()}
 
 
-def measure(system: str, port: int, conc: int, interval_ms: int, out: Path) -> tuple[dict[str, tuple[int, float]],
-                                                                                     dict[str, tuple[int, float]]]:
-    out.mkdir(parents=True, exist_ok=True)
+def start(system: str, port: int, out: Path, models: list[str], root: Path = ROOT) -> tuple[Find, Callable[[], None]]:
+    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`): how to find its
+    processes, and how to stop it."""
     if system == "fleet":
-        fleet = Fleet(port, out, 180.0, MODELS)
+        fleet = Fleet(port, out, 180.0, models, root=root)
         fleet.start()
         assert fleet.proc is not None
         root_pid = fleet.proc.pid
 
-        def find() -> list[tuple[int, list[bytes]]]:
+        def find_fleet() -> list[tuple[int, list[bytes]]]:
             return [(root_pid, Path(f"/proc/{root_pid}/cmdline").read_bytes().split(b"\0")), *descendants(root_pid)]
 
-        def stop() -> None:
-            fleet.stop(30.0)
-    else:
-        triton = NativeTriton(port, out)
-        triton.start()
-        pgid = triton.pgid
-        assert pgid is not None
+        return find_fleet, lambda: fleet.stop(30.0)
+    triton = NativeTriton(port, out)
+    triton.start()
+    pgid = triton.pgid
+    assert pgid is not None
+    return lambda: group_members(pgid), triton.stop
 
-        def find() -> list[tuple[int, list[bytes]]]:
-            return group_members(pgid)
 
-        stop = triton.stop
+def measure(system: str, port: int, conc: int, interval_ms: int, out: Path) -> tuple[dict[str, tuple[int, float]],
+                                                                                     dict[str, tuple[int, float]]]:
+    out.mkdir(parents=True, exist_ok=True)
+    find, stop = start(system, port, out, MODELS)
     try:
         time.sleep(3)
         idle = {pid: (role(argv), rss_mib(pid)) for pid, argv in find()}

@@ -1,0 +1,126 @@
+"""Syscalls, context switches and CPU time per request, per process: fleet against native Triton.
+
+    .venv/bin/python bench/syscalls.py [--port 18000] [--conc "1 32"] [--models "mlp double"]
+                                       [--seconds 5] [--systems "fleet triton-native"] [--out DIR]
+                                       [--base-root CHECKOUT]   (then "fleet-base" is a system: before/after)
+
+For each system, one at a time on the same port (as bench/memory.py starts and finds them: fleet's processes
+are `fleet up`'s descendants, native Triton's are tritonserver's process group), for each model and
+concurrency: perf_analyzer runs (bench_pa.sh's command, batch 1) and, after a warm-up, for `--seconds`
+`perf stat -e raw_syscalls:sys_enter,context-switches` counts each process's syscalls and context switches
+(voluntary and involuntary) while /proc gives its CPU time; the requests served in that window come from
+the model's statistics extension (inference_count; batch 1, so one per request). Printed per request and
+process role. perf_analyzer itself is not counted (it is the same client for both). perf (linux-perf) must
+be installed and allowed to trace (root, or kernel.perf_event_paranoid <= 1 for other users' processes).
+Only 127.0.0.1 is contacted; every load is bounded (perf_analyzer's --max-trials, then it is stopped by PID).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+from memory import Find, role, start  # bench/memory.py
+from procs import cpu_ticks  # bench/procs.py
+from served import DEFAULT_PA, ROOT  # bench/served.py
+from summary import print_table  # bench/summary.py
+
+WARMUP_S = 4.0
+EVENTS = "raw_syscalls:sys_enter,context-switches"
+
+def inferences(port: int, model: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=10) as r:
+        return int(json.loads(r.read())["model_stats"][0]["inference_count"])
+
+
+def perf_counts(pids: list[int], seconds: float) -> dict[int, tuple[int, int]]:
+    """(syscalls, context switches) of each pid over `seconds`, one `perf stat` per process, all at once."""
+    runs = {pid: subprocess.Popen(["perf", "stat", "-x", ",", "-e", EVENTS, "-p", str(pid), "sleep", f"{seconds}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for pid in pids}
+    out = {}
+    for pid, run in runs.items():
+        _, err = run.communicate(timeout=seconds + 30)
+        counts = {}
+        for line in err.splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[0].strip().isdigit():
+                counts[fields[2]] = int(fields[0])
+        out[pid] = (counts.get("raw_syscalls:sys_enter", 0), counts.get("context-switches", 0))
+    return out
+
+
+def measure_level(find: Find, port: int, model: str, conc: int, seconds: float,
+                  out: Path) -> tuple[float, dict[str, list[float]]]:
+    """(requests/s, role -> [syscalls, context switches, CPU µs] per request) at one level."""
+    pa = subprocess.Popen([str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"127.0.0.1:{port}", "-b", "1",
+                           "--concurrency-range", str(conc), "--measurement-interval", "3000",
+                           "--stability-percentage", "50", "--max-trials", "8"],
+                          stdout=(out / f"{model}_c{conc}.pa.txt").open("w"), stderr=subprocess.STDOUT)
+    try:
+        time.sleep(WARMUP_S)
+        procs = {pid: role(argv) for pid, argv in find()}
+        before_n, before_cpu, t0 = inferences(port, model), {pid: cpu_ticks(pid) for pid in procs}, time.monotonic()
+        counts = perf_counts(list(procs), seconds)
+        after_n, after_cpu, t1 = inferences(port, model), {pid: cpu_ticks(pid) for pid in procs}, time.monotonic()
+    finally:
+        pa.terminate()
+        try:
+            pa.wait(30)
+        except subprocess.TimeoutExpired:
+            pa.kill()
+            pa.wait()
+    requests = max(1, after_n - before_n)
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
+    per_role: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for pid, name in procs.items():
+        syscalls, switches = counts.get(pid, (0, 0))
+        row = per_role[name]
+        row[0] += syscalls / requests
+        row[1] += switches / requests
+        row[2] += (after_cpu[pid] - before_cpu[pid]) * tick_us / requests
+    return requests / (t1 - t0), dict(per_role)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="syscalls, context switches and CPU per request, fleet vs native Triton")
+    p.add_argument("--port", type=int, default=18000)
+    p.add_argument("--conc", default="1 32")
+    p.add_argument("--models", default="mlp double")
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--systems", default="fleet triton-native")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--base-root", type=Path, help='another checkout, measured as the system "fleet-base"')
+    a = p.parse_args()
+    out = (a.out or ROOT / "bench" / "out" / time.strftime("syscalls-%Y%m%d-%H%M%S")).resolve()
+    models = a.models.split()
+    rows = []
+    for system in a.systems.split():
+        (out / system).mkdir(parents=True, exist_ok=True)
+        if system == "fleet-base" and a.base_root is None:
+            raise SystemExit("--systems fleet-base needs --base-root CHECKOUT")
+        find, stop = start("fleet" if system == "fleet-base" else system, a.port, out / system, ["double", "mlp"],
+                           root=a.base_root if system == "fleet-base" else ROOT)
+        try:
+            for model in models:
+                for conc in (int(c) for c in a.conc.split()):
+                    rate, per_role = measure_level(find, a.port, model, conc, a.seconds, out / system)
+                    total = [sum(v[i] for v in per_role.values()) for i in range(3)]
+                    for name, (sc, cs, cpu) in sorted(per_role.items()) + [("all", total)]:
+                        if name != "all" and sc == 0 and cpu == 0:
+                            continue  # idle during the load (fleet up, the job worker, the other model's stub)
+                        rows.append([system, model, str(conc), f"{rate:,.0f}", name, f"{sc:.1f}", f"{cs:.1f}",
+                                     f"{cpu:,.0f}"])
+        finally:
+            stop()
+    print_table(f"Per request, per process role, during {a.seconds:g} s of perf_analyzer load ({out})",
+                ["system", "model", "C", "infer/s", "process", "syscalls", "ctx switches", "CPU µs"], rows)
+
+
+if __name__ == "__main__":
+    main()
