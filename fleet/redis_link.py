@@ -54,6 +54,8 @@ class RedisLink:
     async def execute(self, commands: Sequence[Command], block_ms: int = 0) -> list[Any]:
         """Each command's reply in order (a ResponseError for an error reply). `block_ms`: the longest BLOCK
         among them, added to the deadline."""
+        if not commands:
+            return []
         conn = self._conn
         deadline_s = self.timeout_s + block_ms / 1000
         # hiredis's packer (C): the same bytes as redis-py's, at a seventh of its cost.

@@ -32,6 +32,7 @@ def test_replies_come_in_order_with_error_replies_in_place(redis_server: LocalSe
             assert (length, echoed) == (1, b"\xff")
             with pytest.raises(ResponseError, match="WRONGTYPE"):
                 raise_first([entry_id, bad])
+            assert await link.execute([]) == []
             (read,) = await link.execute([("XREAD", "COUNT", 10, "STREAMS", key, "0-0")])
             [[stream, [[got_id, fields]]]] = read
             assert (stream, got_id, entry_field(fields, b"d"), entry_field(fields, b"e")) == \
