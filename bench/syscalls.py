@@ -18,25 +18,25 @@ Only 127.0.0.1 is contacted; every load is bounded (perf_analyzer's --max-trials
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 from memory import Find, role, start  # bench/memory.py
 from procs import cpu_ticks  # bench/procs.py
-from served import DEFAULT_PA, ROOT  # bench/served.py
+from served import DEFAULT_PA, ROOT, counts  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 WARMUP_S = 4.0
 EVENTS = "raw_syscalls:sys_enter,context-switches"
 
 def inferences(port: int, model: str) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=10) as r:
-        return int(json.loads(r.read())["model_stats"][0]["inference_count"])
+    found = counts(port, model)
+    if found is None:
+        raise SystemExit(f"no statistics for '{model}' on port {port}")
+    return found[0]
 
 
 def perf_counts(pids: list[int], seconds: float) -> dict[int, tuple[int, int]]:

@@ -30,7 +30,8 @@ from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.envelope import ReplyEnvelope, decode_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
-from fleet.keys import GROUP, Keys
+from fleet.keys import Keys
+from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, raise_first
 from fleet.redis_time import RedisClock
@@ -44,47 +45,6 @@ REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after t
 SWEEP_S = 0.25  # how often waiters past their timeout are failed
 CLOCK_SAMPLE_EVERY = 8  # sweeps between two samples of Redis's clock (2 s)
 
-# A bounded lane (max_queue_size): enqueue only while fewer than ARGV[1] requests wait for a worker, in
-# the same round trip as the other XADDs. "Waiting" = entries not yet delivered to a worker (the stream
-# length less the group's pending count): what a worker has read ahead or is executing is bounded by
-# the worker itself, as Triton's queue size excludes executing requests. Returns nil when full.
-_BOUNDED_XADD = f"""
-local waiting = redis.call('XLEN', KEYS[1])
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], '{GROUP}')
-if ok then waiting = waiting - pending[1] end
-if waiting >= tonumber(ARGV[1]) then return false end
-return redis.call('XADD', KEYS[1], '*', 'd', ARGV[2])
-"""
-
-
-# REJECT for a request no worker has read: at its queue deadline, the gateway deletes it from its lane
-# if it is still undelivered (its id is past the group's last-delivered id) and counts it as rejected in
-# the model's statistics, atomically: a worker that read it first rejects (or runs) it instead. Without
-# this, a request waiting in Redis behind a full worker would be answered only once a worker has room.
-# KEYS[1] = lane stream, KEYS[2] = the model's stats hash (same hash tag); ARGV[1] = entry id, then
-# field/delta pairs. Returns 1 if it was deleted (the caller answers the timeout), else 0.
-_REJECT_UNREAD = f"""
-local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local last = '0-0'
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if not ok then return 0 end
-for _, g in ipairs(groups) do
-  local info = {{}}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  if info['name'] == '{GROUP}' then last = info['last-delivered-id'] end
-end
-local ms, seq = parse(ARGV[1])
-local lms, lseq = parse(last)
-if ms < lms or (ms == lms and seq <= lseq) then return 0 end
-if redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])[1] == nil then return 0 end
--- Counted first: under maxmemory HINCRBY may be refused, and then nothing has changed.
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('XDEL', KEYS[1], ARGV[1])
-return 1
-"""
 REJECT_RETRY_S = 0.005  # the request's XADD has not come back yet: look again this soon
 
 
@@ -232,7 +192,7 @@ class Broker:
         for name, delta in increments(sample).items():
             args += [name, delta]
         try:
-            deleted = await self._client.eval(_REJECT_UNREAD, 2, stream, self.keys.stats(waiter.model), *args)
+            deleted = await self._client.eval(REJECT_UNREAD, 2, stream, self.keys.stats(waiter.model), *args)
         except (RedisError, OSError) as exc:
             log.debug("rejecting %s at its deadline failed: %s (a worker will)", request_id, exc)
             return
@@ -298,7 +258,7 @@ class Broker:
             # EVAL, not EVALSHA: the server caches the compiled body, and a script it lost (a restart) would
             # cost a NOSCRIPT round trip.
             results = await self._enqueue.execute([
-                ("EVAL", _BOUNDED_XADD, 1, stream, bound, payload) if bound > 0 else ("XADD", stream, "*", "d", payload)
+                ("EVAL", BOUNDED_XADD, 1, stream, bound, payload) if bound > 0 else ("XADD", stream, "*", "d", payload)
                 for _, stream, payload, bound, _ in batch])
         except (RedisError, OSError) as exc:
             err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")

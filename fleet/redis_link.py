@@ -56,40 +56,43 @@ class RedisLink:
         among them, added to the deadline."""
         if not commands:
             return []
-        conn = self._conn
         deadline_s = self.timeout_s + block_ms / 1000
         # hiredis's packer (C): the same bytes as redis-py's, at a seventh of its cost.
         # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
         packed = [hiredis.pack_command(c if isinstance(c, tuple) else tuple(c)) for c in commands]  # type: ignore[arg-type]
         async with self._lock:
-            for attempt in (1, 2):
-                reused = conn.is_connected
-                try:
-                    async with asyncio.timeout(deadline_s):
-                        await conn.send_packed_command(packed, check_health=False)
-                        replies: list[Any] = []
-                        for _ in commands:
-                            try:
-                                replies.append(await conn.read_response(disconnect_on_error=False))
-                            except ResponseError as exc:
-                                replies.append(exc)
-                        return replies
-                except TimeoutError:
-                    await conn.disconnect(nowait=True)
-                    raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
-                except RedisConnectionError:
-                    await conn.disconnect(nowait=True)
-                    # A connection Redis closed while it sat idle (Redis restarted): once more on a new one,
-                    # as redis-py's own retry does. Commands may then run twice if the first attempt reached
-                    # Redis before it went away, as with redis-py: a request enqueued twice is computed twice
-                    # and answered once (replies are by id), a batch's statistics may count twice.
-                    if attempt == 1 and reused:
-                        continue
+            reused = self._conn.is_connected
+            try:
+                return await self._round_trip(packed, len(commands), deadline_s)
+            except RedisConnectionError:
+                # A connection Redis closed while it sat idle (Redis restarted): once more on a new one,
+                # as redis-py's own retry does. Commands may then run twice if the first attempt reached
+                # Redis before it went away, as with redis-py: a request enqueued twice is computed twice
+                # and answered once (replies are by id), a batch's statistics may count twice.
+                if not reused:
                     raise
-                except BaseException:
-                    await conn.disconnect(nowait=True)
-                    raise
-        raise AssertionError("unreachable")
+                return await self._round_trip(packed, len(commands), deadline_s)
+
+    async def _round_trip(self, packed: list[bytes], count: int, deadline_s: float) -> list[Any]:
+        """Write, then read `count` replies; on any failure the connection is closed (what is unread on it
+        would answer the next commands) and the error raised, a timeout as redis-py's TimeoutError."""
+        conn = self._conn
+        try:
+            async with asyncio.timeout(deadline_s):
+                await conn.send_packed_command(packed, check_health=False)
+                replies: list[Any] = []
+                for _ in range(count):
+                    try:
+                        replies.append(await conn.read_response(disconnect_on_error=False))
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+        except TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
 
     async def aclose(self) -> None:
         await self._conn.disconnect()

@@ -61,13 +61,13 @@ class JsonlInput:
         return count_lines(self.path)
 
     def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
-        for entry in self.lines(start_index, start_offset):
+        for entry in self._lines(start_index, start_offset):
             yield entry if isinstance(entry, InputItem) else parse_item(entry, self._spec, self._parse, self.path.name)
 
     def close(self) -> None:
         """Nothing held open: each read() owns its file handle."""
 
-    def lines(self, start_index: int = 0, start_offset: int = 0) -> Iterator[InputItem | RawLine]:
+    def _lines(self, start_index: int, start_offset: int) -> Iterator[InputItem | RawLine]:
         """The lines from a resume cursor, in order, not parsed: a line over the limit is already its
         error item."""
         limit = self._max_line_bytes

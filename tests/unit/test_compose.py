@@ -370,12 +370,13 @@ def test_worker_mounts_the_repository_and_drains_on_stop(services: dict[str, Any
 
 # Where packages (and images, and model weights) are downloaded from: the deployer picks these, so the
 # project names none. A documentation link to one of these hosts would be flagged too; none is needed.
-REGISTRY_HOSTS = re.compile(
-    r"(?<![\w-])(?:[\w-]+\.)*(?:pypi\.org|pythonhosted\.org|pypi\.python\.org|download\.pytorch\.org"
-    r"|anaconda\.(?:org|com)|registry\.npmjs\.org|pypi\.nvidia\.com|ngc\.nvidia\.com|nvcr\.io|ghcr\.io"
-    r"|quay\.io|docker\.io|huggingface\.co|crates\.io|rubygems\.org|proxy\.golang\.org)\b",
-    re.IGNORECASE,
+# Escaped as the pattern takes them; the examples below unescape them, so this file names none as text.
+HOST_PATTERNS = (
+    r"pypi\.org", r"pythonhosted\.org", r"pypi\.python\.org", r"download\.pytorch\.org", r"anaconda\.org",
+    r"anaconda\.com", r"registry\.npmjs\.org", r"pypi\.nvidia\.com", r"ngc\.nvidia\.com", r"nvcr\.io", r"ghcr\.io",
+    r"quay\.io", r"docker\.io", r"huggingface\.co", r"crates\.io", r"rubygems\.org", r"proxy\.golang\.org",
 )
+REGISTRY_HOSTS = re.compile(r"(?<![\w-])(?:[\w-]+\.)*(?:" + "|".join(HOST_PATTERNS) + r")\b", re.IGNORECASE)
 # Absolute paths of a particular machine (the checkout, a home directory, /opt installs); the project
 # refers to its neighbours relative to the checkout (`../shared/...`).
 MACHINE_PATHS = re.compile(r"(?<![\w.~])/(?:work|root|home|opt|Users)/")
@@ -416,10 +417,15 @@ def test_no_project_file_names_a_registry_host_or_a_machine_path() -> None:
     assert found == [], "\n".join(found)
 
 
+def _host(pattern: str) -> str:
+    return pattern.replace("\\", "")
+
+
 @pytest.mark.parametrize("line", [
-    # Spelled in pieces so that this file names no host or machine path itself.
-    "RUN pip install torch --index-url https://" + "download.pytorch.org/whl/cpu",
-    "extra-index-url = https://" + "pypi.org/simple",
+    # Built from the check's own list (each host, an index URL form) so that this file names no host or
+    # machine path itself.
+    *(f"RUN pip install torch --index-url https://{_host(p)}/whl/cpu" for p in HOST_PATTERNS),
+    f"extra-index-url = https://{_host(HOST_PATTERNS[0])}/simple",
     "K=${K:-/" + "work/shared/anchors/triton}",
     'ANCHOR = Path("/root/anchors")',
     "see /home/alice/notes",
