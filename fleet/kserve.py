@@ -11,9 +11,7 @@ JSON `data` is packed once with numpy. `render_infer` does the reverse for the r
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +22,7 @@ from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
 from fleet.tensor_regions import Regions, RegionSlice, input_from_region, output_to_region
@@ -71,59 +70,6 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
         raise Unsupported("raw binary requests (Inference-Header-Content-Length: 0) are not supported")
     view = memoryview(body)
     return bytes(view[:n]), view[n:]
-
-
-class _NotJson(ValueError):
-    """A token Python's json module takes but JSON has not (NaN, Infinity)."""
-
-
-def _no_constants(name: str) -> Any:
-    # NaN and Infinity are not JSON; Triton's parser refuses them too.
-    raise _NotJson(f"{name} is not valid JSON")
-
-
-# Byte order marks, longest first (UTF-32 LE starts like UTF-16 LE).
-_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
-         (b"\xfe\xff", "UTF-16"))
-
-
-def check_json_encoding(header: bytes) -> None:
-    """JSON on the wire is UTF-8 (RFC 8259). json.loads on bytes would guess UTF-16/32 from the first
-    bytes, and skip a UTF-8 BOM, where Triton's rapidjson refuses both: so do we, saying why."""
-    if header.startswith(b"\xef\xbb\xbf"):
-        raise InvalidInput("failed to parse the request JSON buffer: it starts with a UTF-8 byte order mark; "
-                           "send UTF-8 JSON without one")
-    for bom, name in _BOMS:
-        if header.startswith(bom):
-            raise InvalidInput(f"failed to parse the request JSON buffer: it is {name} text (byte order mark); "
-                               f"send it as UTF-8")
-    if b"\x00" in header[:4]:  # JSON text starts with ASCII; a NUL among its first bytes means UTF-16/32
-        raise InvalidInput("failed to parse the request JSON buffer: it looks like UTF-16 or UTF-32 text "
-                           "(NUL bytes); send it as UTF-8")
-
-
-def _load_json(header: bytes) -> dict[str, Any]:
-    check_json_encoding(header)
-    try:
-        text = header.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: it is not UTF-8 text (byte {exc.start} "
-                           f"is 0x{header[exc.start]:02x})") from None
-    try:
-        doc = json.loads(text, parse_constant=_no_constants)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: {exc.msg} at offset {exc.pos}") from None
-    except _NotJson as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: {exc}") from None
-    except ValueError:
-        # The one other ValueError json.loads raises: an integer literal longer than Python converts.
-        raise InvalidInput(f"failed to parse the request JSON buffer: an integer has more than "
-                           f"{sys.get_int_max_str_digits()} digits") from None
-    except RecursionError:
-        raise InvalidInput("failed to parse the request JSON buffer: nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("the request JSON must be an object")
-    return doc
 
 
 def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int]) -> None:
@@ -371,7 +317,15 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
     """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported. `regions`: the
     gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
     header, binary = split_body(body, header_length)
-    return parse_infer_doc(_load_json(header), spec, binary, regions)
+    doc, fast = load_json(header)
+    try:
+        return parse_infer_doc(doc, spec, binary, regions)
+    except InvalidInput:
+        if not fast:
+            raise
+    # Read by orjson and refused: read again as json does, for json's words (a number past 64 bits reads
+    # as a float in orjson, an integer in json).
+    return parse_infer_doc(load_exact(header), spec, binary, regions)
 
 
 def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
@@ -423,7 +377,7 @@ def render_infer(
     try:
         # allow_nan=False: outputs were checked by json_data; what is left is the model's own response
         # parameters, and NaN there must not turn the whole body into invalid JSON either.
-        header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        header = dump_json(doc, checked=not parameters)
     except ValueError:
         raise InferenceFailed(f"model '{model}' set a response parameter to NaN or infinity, which JSON "
                               f"cannot represent") from None

@@ -22,9 +22,10 @@ import orjson
 from fleet.errors import InvalidInput, ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.jobs.items import InputItem, RawLine
-from fleet.kserve import ParsedInfer, check_json_encoding, parse_infer, parse_infer_doc
+from fleet.kserve import ParsedInfer, parse_infer, parse_infer_doc
 from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec
+from fleet.request_json import check_json_encoding, huge_float_parameter
 
 __all__ = ["LineParser", "line_parser", "parse_generation_line", "parse_infer_line", "parse_item"]
 
@@ -44,19 +45,8 @@ def _load(line: bytes) -> dict[str, Any]:
     return doc
 
 
-def _huge_float_parameter(doc: dict[str, Any]) -> bool:
-    """Whether a parameter (the request's, an input's or an output's) is a float beyond int64."""
-    groups = [doc.get("parameters")]
-    for key in ("inputs", "outputs"):
-        entries = doc.get(key)
-        if isinstance(entries, list):
-            groups += [e.get("parameters") for e in entries if isinstance(e, dict)]
-    return any(isinstance(v, float) and abs(v) >= 2**63
-               for g in groups if isinstance(g, dict) for v in g.values())
-
-
 def _infer(line: bytes, doc: dict[str, Any], spec: ModelSpec) -> ParsedInfer:
-    if _huge_float_parameter(doc):
+    if huge_float_parameter(doc):
         return parse_infer(line, None, spec)
     return parse_infer_doc(doc, spec, memoryview(b""), None)
 

@@ -104,3 +104,40 @@ def test_a_restarted_redis_is_reached_again_and_a_frozen_one_times_out(tmp_path:
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_a_busy_links_deadline_follows_its_round_trips_and_a_large_write_goes_whole(tmp_path: Path) -> None:
+    """The deadline's one timer, re-armed by the round trips that outlive it, still ends the one Redis leaves
+    unanswered on time; a write larger than the socket takes at once goes out whole (the rest queued)."""
+    server = start_server(tmp_path / "valkey", appendonly=False)
+
+    async def main() -> None:
+        client = async_client(server.url)
+        link = RedisLink(client, timeout_s=0.3)
+        try:
+            big = os.urandom(8 << 20)
+            assert await link.execute([("SET", "big", big), ("STRLEN", "big")]) == [b"OK", len(big)]
+            assert await link.execute([("GET", "big")]) == [big]
+            ended = time.monotonic() + 1.0  # past three timeouts: the timer fires early and re-arms
+            while time.monotonic() < ended:
+                assert await link.execute([("PING",)]) == [b"PONG"]
+                await asyncio.sleep(0.01)
+            # A long blocking read, then a short command: its earlier deadline moves the timer back.
+            assert await link.execute([("XREAD", "BLOCK", 400, "STREAMS", "s", "$")], block_ms=400) == [None]
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(RedisTimeoutError):
+                    await link.execute([("PING",)])
+                assert 0.25 < time.monotonic() - started < 1.0
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert await link.execute([("STRLEN", "big")]) == [len(big)]
+        finally:
+            await link.aclose()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
