@@ -10,8 +10,9 @@ gateway and the workers run, times one small XADD (a 5-byte field) answered befo
   ... socket_timeout=None   the same with no socket timeout: redis-py 8 defaults it to 5 s, and then wraps
                        every send in `asyncio.wait_for` (a task and a timer on Python 3.11) and every read in
                        `asyncio.timeout`
-  fleet RedisLink      fleet/redis_link.py, what the request path uses: the commands written and read on one
-                       redis-py connection of its own, one deadline per round trip
+  fleet RedisLink      fleet/redis_link.py, what the request path uses: the commands written and the replies
+                       parsed (hiredis) on the streams of a redis-py connection of its own, one deadline
+                       timer per link
   bare                 the RESP bytes written on an asyncio stream, the reply parsed by hiredis: the floor
 Printed: CPU µs per command (process time, median of the passes; the server's time is not in it).
 """

@@ -1,32 +1,34 @@
 """A Redis connection of its own for the request path: a batch of commands written at once and their
-replies read in order, straight on one redis-py connection.
+replies read in order, on a connection redis-py opens and the link then reads and writes itself.
 
-A round trip through redis-py's pipeline cost the client ~125 µs of CPU here, against ~55 µs for the same
+A round trip through redis-py's pipeline cost the client ~125 µs of CPU here, against ~35 µs for the same
 commands through a link, and ~25 µs for a bare exchange (bench/redis_client.py).
 The difference is the pipeline object, the pool's get and release, the retry wrapper, the observability
-hooks, the response callbacks, and the 5 s `socket_timeout` redis-py 8 sets by default, which puts every
-send through `asyncio.wait_for` (a task and a timer on Python 3.11). The gateway's enqueue and reply read
-and the worker's read and reply write are one round trip each per batch, so they go through links.
+hooks, the response callbacks, per-reply reads, and the 5 s `socket_timeout` redis-py 8 sets by default,
+which puts every send through `asyncio.wait_for` (a task and a timer on Python 3.11). The gateway's enqueue
+and reply read and the worker's read and reply write are one round trip each per batch, so they go through
+links.
 
 - Commands are packed by hiredis (C), their arguments bytes, str, int or float, as redis-py takes them.
-- The connection is made with the client's pool settings (the URL's AUTH/ACL user, TLS, unix socket) but is
-  not in the pool: it is the link's alone, opened on first use.
+- The connection is made by redis-py with the client's pool settings (the URL's AUTH/ACL user, TLS, unix
+  socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
+  then writes the commands on its stream and parses the replies with a hiredis reader of its own.
 - One round trip at a time (callers that batch gather while one is in flight). A round trip has one
   deadline, `timeout_s` plus the BLOCK of a blocking read, in place of redis-py's per-send and per-read
-  socket timeout. Past it, on a connection error, or when the caller is cancelled, the connection is closed
-  (its unread replies would otherwise answer the next commands) and the next round trip opens another. A
-  connection found closed (Redis restarted while it sat idle) is replaced and the round trip tried once
-  more, as redis-py's retry does. The error raised is redis-py's (ConnectionError, TimeoutError: both
-  RedisError), as every caller handles already.
+  socket timeout (`_Deadline`). Past it, on a connection error, or when the caller is cancelled, the
+  connection is closed (its unread replies would otherwise answer the next commands) and the next round
+  trip opens another. A connection found closed (Redis restarted while it sat idle) is replaced and the
+  round trip tried once more, as redis-py's retry does. The error raised is redis-py's (ConnectionError,
+  TimeoutError: both RedisError), as every caller handles already.
 - Replies are Redis's own (RESP2, bytes), without redis-py's response callbacks: an XREAD entry is
-  `[id, [field, value, ...]]` (`entry_field` reads one field). An error reply is that command's result, a
-  ResponseError, as redis-py's `execute(raise_on_error=False)` gives it.
+  `[id, [field, value, ...]]` (`entry_field` reads one field). An error reply is that command's result, as
+  redis-py's parser makes it (a ResponseError, as `execute(raise_on_error=False)` gives it), except the
+  ones that say Redis is not serving (LOADING: a ConnectionError), which are raised, as redis-py does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +60,6 @@ class RedisLink:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._parser = hiredis.Reader()
-        self._fd = -1
         self._deadline = _Deadline()
 
     async def execute(self, commands: Sequence[Command], block_ms: int = 0) -> list[Any]:
@@ -97,7 +98,7 @@ class RedisLink:
             assert writer is not None, "opened above"
             deadline.start(deadline_s, writer.transport)
             try:
-                self._write(writer, b"".join(packed) if len(packed) > 1 else packed[0])
+                writer.write(b"".join(packed) if len(packed) > 1 else packed[0])
                 return await self._read(count)
             finally:
                 deadline.stop()
@@ -121,23 +122,6 @@ class RedisLink:
         assert writer is not None, "connected"
         # redis-py's own mapping of error replies to its exceptions (what its hiredis parser passes too).
         self._parser = hiredis.Reader(replyError=BaseParser.parse_error)
-        sock = writer.get_extra_info("socket")
-        plain = writer.get_extra_info("sslcontext") is None and sock is not None
-        self._fd = sock.fileno() if plain else -1
-
-    def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        # os.write releases the GIL for the syscall, where the event loop's transport.write holds it: a
-        # worker's loop thread preempted in a send no longer keeps its instance thread from running. Only
-        # with nothing queued on the transport (the order of bytes), and never on TLS.
-        if self._fd >= 0 and not writer.transport.get_write_buffer_size():
-            try:
-                sent = os.write(self._fd, data)
-            except BlockingIOError:
-                sent = 0
-            if sent == len(data):
-                return
-            data = data[sent:]
-        writer.write(data)  # the rest when the socket is writable; replies are awaited after it anyway
 
     async def _read(self, count: int) -> list[Any]:
         parser, reader = self._parser, self._reader
@@ -149,7 +133,7 @@ class RedisLink:
                 data = await reader.read(_READ_BYTES)
                 if not data:
                     if self._deadline.expired:  # it closed the connection: that is the timeout
-                        raise RedisTimeoutError("Redis did not answer in time")
+                        raise TimeoutError
                     raise RedisConnectionError("Connection closed by server.")
                 parser.feed(data)
                 continue
@@ -165,7 +149,7 @@ class RedisLink:
 class _Deadline:
     """The deadline of a link's round trip, on one timer that outlives round trips.
 
-    A timer per round trip (asyncio.timeout, a libuv timer armed and closed) cost ~15 µs of a round trip's
+    A timer per round trip (asyncio.timeout, a libuv timer armed and closed) cost ~10 µs of a round trip's
     ~45 here. This one fires at the deadline it was armed for; finding the round trip then in flight due
     later (a later one), it re-arms for that: a busy link re-arms about once per timeout, an idle one not
     at all. Past the deadline it aborts the connection, so the read waiting on it ends (as end of stream)
