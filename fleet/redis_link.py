@@ -156,9 +156,10 @@ class _Deadline:
     and the link reports a timeout.
     """
 
-    __slots__ = ("_timer", "_timer_at", "_at", "_transport", "expired")
+    __slots__ = ("_loop", "_timer", "_timer_at", "_at", "_transport", "expired")
 
     def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None  # the timer's (a link outlives no loop, but a test's may)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._at = 0.0
@@ -170,7 +171,8 @@ class _Deadline:
         self._at = at = loop.time() + seconds
         self._transport = transport
         self.expired = False
-        if self._timer is None or self._timer_at > at:  # none armed, or armed for later than this
+        if self._timer is None or self._timer_at > at or self._loop is not loop:
+            # None armed, one armed for later than this, or one on another loop (which will never fire).
             if self._timer is not None:
                 self._timer.cancel()
             self._arm(loop, at)
@@ -179,6 +181,7 @@ class _Deadline:
         self._transport = None
 
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        self._loop = loop
         self._timer_at = at
         self._timer = loop.call_at(at, self._fire, loop)
 
