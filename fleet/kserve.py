@@ -375,8 +375,9 @@ def render_infer(
         doc["parameters"] = parameters
     doc["outputs"] = rendered
     try:
-        # allow_nan=False: outputs were checked by json_data; what is left is the model's own response
-        # parameters, and NaN there must not turn the whole body into invalid JSON either.
+        # Outputs were checked by json_data (finite, or refused); what is left is the model's own response
+        # parameters: with any, the body is written by json, which refuses a NaN (it must not turn the
+        # whole body into invalid JSON) where orjson would write null.
         header = dump_json(doc, checked=not parameters)
     except ValueError:
         raise InferenceFailed(f"model '{model}' set a response parameter to NaN or infinity, which JSON "
