@@ -52,7 +52,7 @@ def bench_mlp(repo: Path, batches: list[int], seconds: float, threads: int) -> l
     with torch.inference_mode():
         for bs in batches:
             x = torch.randn(bs, 256)
-            n, el = measure(lambda: model(x), seconds)
+            n, el = measure(lambda x=x: model(x), seconds)
             rows.append((bs, n, el))
     return rows
 
@@ -64,7 +64,7 @@ def bench_double(batches: list[int], seconds: float) -> list[tuple[int, int, flo
     rows = []
     for bs in batches:
         x = rng.standard_normal((bs, 16), dtype=np.float32)
-        n, el = measure(lambda: x * 2, seconds, warmup=100)
+        n, el = measure(lambda x=x: x * 2, seconds, warmup=100)
         rows.append((bs, n, el))
     return rows
 

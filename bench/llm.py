@@ -50,7 +50,8 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-def summary(name: str, streams: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> dict[str, Any]:
+def summary(name: str, streams: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]
+            ) -> dict[str, Any]:
     return {"system": name, "streams": streams, "tokens": tokens, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "ttft_p50_ms": round(pct(ttft, 50) * 1000, 1),
             "ttft_p99_ms": round(pct(ttft, 99) * 1000, 1), "itl_p50_ms": round(pct(itl, 50) * 1000, 1),
@@ -146,7 +147,8 @@ class Local:
         batch = self.tok(prompts, return_tensors="pt", padding=True)
         with self.torch.no_grad():
             out = self.model.generate(**batch, max_new_tokens=tokens, do_sample=False,
-                                      pad_token_id=self.tok.pad_token_id, logits_processor=LogitsProcessorList([Step()]))
+                                      pad_token_id=self.tok.pad_token_id,
+                                      logits_processor=LogitsProcessorList([Step()]))
         return [[int(t) for t in row] for row in out[:, batch["input_ids"].shape[1]:]]
 
     def margin(self, prompt: str, prefix: list[int]) -> float:
@@ -197,7 +199,8 @@ def static_level(local: Local, plan: Plan) -> dict[str, Any]:
             batch, queue[:] = queue[:size], queue[size:]
         steps: list[float] = []
         longest = max(n for *_, n in batch)
-        local.generate([PROMPTS[p] for _, p, _, _ in batch], longest, on_step=lambda: steps.append(time.perf_counter()))
+        local.generate([PROMPTS[p] for _, p, _, _ in batch], longest,
+                       on_step=lambda steps=steps: steps.append(time.perf_counter()))
         steps.append(time.perf_counter())
         # The processor runs before each token is chosen: token i is ready at steps[i + 1].
         for arrived, _, done, tokens in batch:
@@ -248,7 +251,8 @@ def main() -> None:
             refs[prompt] = ref
             ref = ref[:len(ids)]  # greedy: a shorter generation is a prefix of the longest
             if ids != ref:
-                at = next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), min(len(ids), len(ref)))
+                at = next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b),
+                          min(len(ids), len(ref)))
                 mismatches.append({"streams": streams, "prompt": prompt, "first_difference_at": at,
                                    "alone_margin": round(local.margin(PROMPTS[prompt], ref[:at]), 4)})
         row = static_level(local, plan)
@@ -264,8 +268,8 @@ def main() -> None:
           + (f": {mismatches}" if mismatches else ""))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows, "mismatches": mismatches, "args": vars(args) | {"out": str(args.out)}},
-                                       indent=1))
+        doc = {"rows": rows, "mismatches": mismatches, "args": vars(args) | {"out": str(args.out)}}
+        args.out.write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

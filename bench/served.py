@@ -9,7 +9,8 @@
        PY -m fleet up --model-repository <temp dir linking the measured models> --http-port P --metrics-port P+2
            [--grpc-port P+1] --data-dir <fresh temp dir>
    (PY: --python, else CHECKOUT/.venv/bin/python if there is one, else this checkout's; the models are always
-   this checkout's, from model_repository and bench/model_repository, so both measure the same models), in its own session (PID and log in
+   this checkout's, from model_repository and bench/model_repository, so both measure the same models), in its
+   own session (PID and log in
    OUT/fleet.pid, OUT/fleet.log), and waits (at most --start-timeout s) until GET /v2/health/ready and
    GET /v2/models/M/ready answer 200 for every model measured.
    With --check N: the anchor kit's check_models.py PORT N first (N simultaneous 1-item requests per model, each

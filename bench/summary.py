@@ -96,7 +96,8 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print(title)
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
         for r in [header, *rows]:
-            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            cells = enumerate(zip(r, widths, strict=False))
+            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
         return
     table = Table(title=title)
     for i, h in enumerate(header):
