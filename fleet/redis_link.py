@@ -36,7 +36,7 @@ import hiredis
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
@@ -120,8 +120,9 @@ class RedisLink:
         self._reader = self._conn._reader
         self._writer = writer = self._conn._writer
         assert writer is not None, "connected"
-        # redis-py's own mapping of error replies to its exceptions (what its hiredis parser passes too).
-        self._parser = hiredis.Reader(replyError=BaseParser.parse_error)
+        # redis-py's own mapping of error replies to its exceptions, and its error for a garbled stream (what
+        # its hiredis parser passes too): callers handle RedisError.
+        self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)
 
     async def _read(self, count: int) -> list[Any]:
         parser, reader = self._parser, self._reader
