@@ -28,7 +28,7 @@ from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_
 from fleet.tensor_regions import Regions, RegionSlice, input_from_region, output_to_region
 
 __all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", "json_data", "parse_infer",
-           "render_infer", "sequence_flags", "split_body"]
+           "parse_infer_read", "render_infer", "sequence_flags", "split_body"]
 
 # Request-level parameters with a meaning to the server; the rest pass through to the model.
 RESERVED_PARAMETERS = frozenset(
@@ -317,7 +317,13 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
     """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported. `regions`: the
     gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
     header, binary = split_body(body, header_length)
-    doc, fast = load_json(header)
+    return parse_infer_read(header, load_json(header), spec, binary, regions)
+
+
+def parse_infer_read(header: bytes, read: tuple[dict[str, Any], bool], spec: ModelSpec, binary: memoryview,
+                     regions: Regions | None = None) -> ParsedInfer:
+    """parse_infer_doc on load_json's reading of `header` ((document, read by orjson))."""
+    doc, fast = read
     try:
         return parse_infer_doc(doc, spec, binary, regions)
     except InvalidInput:

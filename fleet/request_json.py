@@ -21,7 +21,7 @@ import orjson
 
 from fleet.errors import InvalidInput
 
-__all__ = ["check_json_encoding", "dump_json", "huge_float_parameter", "load_exact", "load_json"]
+__all__ = ["check_json_encoding", "dump_json", "load_exact", "load_json"]
 
 # Byte order marks, longest first (UTF-32 LE starts like UTF-16 LE).
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
@@ -52,7 +52,7 @@ def check_json_encoding(header: bytes) -> None:
                            "(NUL bytes); send it as UTF-8")
 
 
-def huge_float_parameter(doc: dict[str, Any]) -> bool:
+def _huge_float_parameter(doc: dict[str, Any]) -> bool:
     """Whether a parameter (the request's, an input's or an output's) is a float beyond int64: what orjson
     makes of an integer literal json would keep exact."""
     groups = [doc.get("parameters")]
@@ -99,7 +99,7 @@ def load_json(header: bytes) -> tuple[dict[str, Any], bool]:
         return load_exact(header), False
     if not isinstance(doc, dict):
         raise InvalidInput("the request JSON must be an object")
-    if huge_float_parameter(doc):
+    if _huge_float_parameter(doc):
         return load_exact(header), False
     return doc, True
 

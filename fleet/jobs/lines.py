@@ -1,31 +1,24 @@
-"""A bulk job's JSONL line as a request, read with orjson (about 10x json's speed: the job worker's
-parsing bounds a JSONL job) and checked exactly as the online routes check theirs.
+"""A bulk job's JSONL line as a request, read exactly as the online routes read and check theirs (with
+orjson, keeping json's behaviour: fleet/request_json.py; the job worker's parsing bounds a JSONL job).
 
-- `parse_infer_line`: an /infer body (fleet/kserve.py's checks; only the words of a syntax error differ).
+- `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`).
 - `parse_generation_line`, for a generative model: an /infer body when it has "inputs", else a /generate
   body (fleet/generate_body.py) with its prompt under `text_input` or `prompt`.
 - `parse_item`: a read line as the job's item, or the line's error (a parse failure costs one line).
-
-orjson reads an integer beyond 64 bits as a float, which would pass as a parameter where /infer refuses
-the integer by its range: a line with a parameter that large is parsed again exactly as /infer parses it
-(rare; in tensor data a float where an integer is due is refused anyway).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
-import orjson
-
-from fleet.errors import InvalidInput, ServingError
+from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.jobs.items import InputItem, RawLine
-from fleet.kserve import ParsedInfer, parse_infer, parse_infer_doc
+from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec
-from fleet.request_json import check_json_encoding, huge_float_parameter
+from fleet.request_json import load_json
 
 __all__ = ["LineParser", "line_parser", "parse_generation_line", "parse_infer_line", "parse_item"]
 
@@ -34,31 +27,15 @@ log = logging.getLogger(__name__)
 LineParser = Callable[[bytes, ModelSpec], ParsedInfer]
 
 
-def _load(line: bytes) -> dict[str, Any]:
-    check_json_encoding(line)
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"failed to parse the request JSON buffer: {exc.msg} at offset {exc.pos}") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("the request JSON must be an object")
-    return doc
-
-
-def _infer(line: bytes, doc: dict[str, Any], spec: ModelSpec) -> ParsedInfer:
-    if huge_float_parameter(doc):
-        return parse_infer(line, None, spec)
-    return parse_infer_doc(doc, spec, memoryview(b""), None)
-
-
 def parse_infer_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
-    return _infer(line, _load(line), spec)
+    return parse_infer(line, None, spec)
 
 
 def parse_generation_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
-    doc = _load(line)
+    read = load_json(line)
+    doc = read[0]
     if "inputs" in doc:
-        return _infer(line, doc, spec)
+        return parse_infer_read(line, read, spec, memoryview(b""))
     if "prompt" in doc and spec.input("prompt") is None:
         doc["text_input"] = doc.pop("prompt")
     return parse_generate_doc(doc, spec)
