@@ -55,10 +55,8 @@ class RedisLink:
         self._conn.socket_timeout = None  # the round trip's one deadline instead
         self._lock = asyncio.Lock()
         self.timeout_s = timeout_s
-        # The connection's streams, taken when it opens (_open_streams): the link writes and reads them
-        # itself, past redis-py's per-command layers.
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        # The link writes and reads the connection's streams itself, past redis-py's per-command layers,
+        # parsing with a reader of its own, new with each connection.
         self._parser = hiredis.Reader()
         self._deadline = _Deadline()
 
@@ -93,13 +91,15 @@ class RedisLink:
             if not conn.is_connected:
                 async with asyncio.timeout(deadline_s):  # rare: the first round trip, or after a failure
                     await conn.connect_check_health(check_health=False)  # AUTH, SELECT, TLS: redis-py's
-                self._open_streams()
-            writer = self._writer
-            assert writer is not None, "opened above"
+                # redis-py's own mapping of error replies to its exceptions, and its error for a garbled
+                # stream (what its hiredis parser passes too): callers handle RedisError.
+                self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)
+            reader, writer = conn._reader, conn._writer
+            assert reader is not None and writer is not None, "connected above"
             deadline.start(deadline_s, writer.transport)
             try:
                 writer.write(b"".join(packed) if len(packed) > 1 else packed[0])
-                return await self._read(count)
+                return await self._read(reader, count)
             finally:
                 deadline.stop()
         except TimeoutError:
@@ -114,19 +114,8 @@ class RedisLink:
             await conn.disconnect(nowait=True)
             raise
 
-    def _open_streams(self) -> None:
-        """Take the streams of the connection redis-py just made (and its handshake ran on): replies are
-        parsed here by hiredis, with redis-py's own error classes."""
-        self._reader = self._conn._reader
-        self._writer = writer = self._conn._writer
-        assert writer is not None, "connected"
-        # redis-py's own mapping of error replies to its exceptions, and its error for a garbled stream (what
-        # its hiredis parser passes too): callers handle RedisError.
-        self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)
-
-    async def _read(self, count: int) -> list[Any]:
-        parser, reader = self._parser, self._reader
-        assert reader is not None, "opened by _round_trip"
+    async def _read(self, reader: asyncio.StreamReader, count: int) -> list[Any]:
+        parser = self._parser
         replies: list[Any] = []
         while len(replies) < count:
             reply = parser.gets()
@@ -157,12 +146,11 @@ class _Deadline:
     and the link reports a timeout.
     """
 
-    __slots__ = ("_loop", "_timer", "_timer_at", "_at", "_transport", "expired")
+    __slots__ = ("_loop", "_timer", "_at", "_transport", "expired")
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None  # the timer's (a link outlives no loop, but a test's may)
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
         self._at = 0.0
         self._transport: asyncio.WriteTransport | None = None  # of the round trip in flight
         self.expired = False
@@ -172,7 +160,7 @@ class _Deadline:
         self._at = at = loop.time() + seconds
         self._transport = transport
         self.expired = False
-        if self._timer is None or self._timer_at > at or self._loop is not loop:
+        if self._timer is None or self._timer.when() > at or self._loop is not loop:
             # None armed, one armed for later than this, or one on another loop (which will never fire).
             if self._timer is not None:
                 self._timer.cancel()
@@ -183,7 +171,6 @@ class _Deadline:
 
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         self._loop = loop
-        self._timer_at = at
         self._timer = loop.call_at(at, self._fire, loop)
 
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
