@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -71,31 +72,16 @@ def test_a_blocking_read_waits_its_block_and_a_cancelled_one_leaves_nothing_behi
     asyncio.run(main())
 
 
-def test_a_restarted_redis_is_reached_again_and_a_frozen_one_times_out(tmp_path: Path) -> None:
+def _on_own_server(tmp_path: Path, timeout_s: float,
+                   body: Callable[[LocalServer, RedisLink], Awaitable[None]]) -> None:
+    """`body` with a link (timeout `timeout_s`) to a Valkey of its own, which it may stop, restart or freeze."""
     server = start_server(tmp_path / "valkey", appendonly=False)
 
     async def main() -> None:
         client = async_client(server.url)
-        link = RedisLink(client, timeout_s=0.5)
+        link = RedisLink(client, timeout_s=timeout_s)
         try:
-            assert await link.execute([("PING",)]) == [b"PONG"]
-            server.stop()
-            with pytest.raises(RedisConnectionError):
-                await link.execute([("PING",)])  # away: an error at once, not a hang
-            server.restart()
-            assert await link.execute([("PING",)]) == [b"PONG"]
-            server.stop()
-            server.restart()  # closed while idle: the link finds out and reconnects, no error
-            assert await link.execute([("SET", "k", "v"), ("GET", "k")]) == [b"OK", b"v"]
-            os.kill(server.process.pid, signal.SIGSTOP)
-            try:
-                started = time.monotonic()
-                with pytest.raises(RedisTimeoutError):
-                    await link.execute([("PING",)])
-                assert time.monotonic() - started < 2.0
-            finally:
-                os.kill(server.process.pid, signal.SIGCONT)
-            assert await link.execute([("GET", "k")]) == [b"v"]
+            await body(server, link)
         finally:
             await link.aclose()
             await client.aclose()
@@ -104,40 +90,51 @@ def test_a_restarted_redis_is_reached_again_and_a_frozen_one_times_out(tmp_path:
         asyncio.run(main())
     finally:
         server.stop()
+
+
+async def _times_out_while_frozen(server: LocalServer, link: RedisLink) -> float:
+    """A PING sent to a Redis frozen with SIGSTOP fails with redis-py's TimeoutError: after how long."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RedisTimeoutError):
+            await link.execute([("PING",)])
+        return time.monotonic() - started
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+def test_a_restarted_redis_is_reached_again_and_a_frozen_one_times_out(tmp_path: Path) -> None:
+    async def body(server: LocalServer, link: RedisLink) -> None:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        server.stop()
+        with pytest.raises(RedisConnectionError):
+            await link.execute([("PING",)])  # away: an error at once, not a hang
+        server.restart()
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        server.stop()
+        server.restart()  # closed while idle: the link finds out and reconnects, no error
+        assert await link.execute([("SET", "k", "v"), ("GET", "k")]) == [b"OK", b"v"]
+        assert await _times_out_while_frozen(server, link) < 2.0
+        assert await link.execute([("GET", "k")]) == [b"v"]
+
+    _on_own_server(tmp_path, 0.5, body)
 
 
 def test_a_busy_links_deadline_follows_its_round_trips_and_a_large_write_goes_whole(tmp_path: Path) -> None:
     """The deadline's one timer, re-armed by the round trips that outlive it, still ends the one Redis leaves
     unanswered on time; a write larger than the socket takes at once goes out whole (the rest queued)."""
-    server = start_server(tmp_path / "valkey", appendonly=False)
+    async def body(server: LocalServer, link: RedisLink) -> None:
+        big = os.urandom(8 << 20)
+        assert await link.execute([("SET", "big", big), ("STRLEN", "big")]) == [b"OK", len(big)]
+        assert await link.execute([("GET", "big")]) == [big]
+        ended = time.monotonic() + 1.0  # past three timeouts: the timer fires early and re-arms
+        while time.monotonic() < ended:
+            assert await link.execute([("PING",)]) == [b"PONG"]
+            await asyncio.sleep(0.01)
+        # A long blocking read, then a short command: its earlier deadline moves the timer back.
+        assert await link.execute([("XREAD", "BLOCK", 400, "STREAMS", "s", "$")], block_ms=400) == [None]
+        assert 0.25 < await _times_out_while_frozen(server, link) < 1.0
+        assert await link.execute([("STRLEN", "big")]) == [len(big)]
 
-    async def main() -> None:
-        client = async_client(server.url)
-        link = RedisLink(client, timeout_s=0.3)
-        try:
-            big = os.urandom(8 << 20)
-            assert await link.execute([("SET", "big", big), ("STRLEN", "big")]) == [b"OK", len(big)]
-            assert await link.execute([("GET", "big")]) == [big]
-            ended = time.monotonic() + 1.0  # past three timeouts: the timer fires early and re-arms
-            while time.monotonic() < ended:
-                assert await link.execute([("PING",)]) == [b"PONG"]
-                await asyncio.sleep(0.01)
-            # A long blocking read, then a short command: its earlier deadline moves the timer back.
-            assert await link.execute([("XREAD", "BLOCK", 400, "STREAMS", "s", "$")], block_ms=400) == [None]
-            os.kill(server.process.pid, signal.SIGSTOP)
-            try:
-                started = time.monotonic()
-                with pytest.raises(RedisTimeoutError):
-                    await link.execute([("PING",)])
-                assert 0.25 < time.monotonic() - started < 1.0
-            finally:
-                os.kill(server.process.pid, signal.SIGCONT)
-            assert await link.execute([("STRLEN", "big")]) == [len(big)]
-        finally:
-            await link.aclose()
-            await client.aclose()
-
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop()
+    _on_own_server(tmp_path, 0.3, body)
