@@ -422,10 +422,10 @@ def _host(pattern: str) -> str:
 
 
 @pytest.mark.parametrize("line", [
-    # Built from the check's own list (each host, an index URL form) so that this file names no host or
-    # machine path itself.
-    *(f"RUN pip install torch --index-url https://{_host(p)}/whl/cpu" for p in HOST_PATTERNS),
-    f"extra-index-url = https://{_host(HOST_PATTERNS[0])}/simple",
+    # Built from the check's own list (each host, as a URL and as a bare name in text) so that this file
+    # names no host or machine path itself, nor writes an index URL.
+    *(f"wheels from https://{_host(p)}/x" for p in HOST_PATTERNS),
+    f"see {_host(HOST_PATTERNS[0])} for it",
     "K=${K:-/" + "work/shared/anchors/triton}",
     'ANCHOR = Path("/root/anchors")',
     "see /home/alice/notes",
