@@ -71,7 +71,7 @@ class JsonlInput:
         """The lines from a resume cursor, in order, not parsed: a line over the limit is already its
         error item."""
         limit = self._max_line_bytes
-        with self.path.open("rb") as f:
+        with self.path.open("rb", buffering=1 << 20) as f:
             line = _newlines_before(f, start_offset)
             if start_offset > 0:
                 f.seek(start_offset - 1)

@@ -92,9 +92,9 @@ class JsonlOutput:
             if size < resume_offset:
                 raise InvalidInput(f"cannot resume '{path.name}' at byte {resume_offset}: the file has {size} bytes")
             os.truncate(path, resume_offset)  # drop what was written after the last flush
-            self._file: IO[bytes] = path.open("ab")
+            self._file: IO[bytes] = path.open("ab", buffering=1 << 20)
         else:
-            self._file = path.open("wb")
+            self._file = path.open("wb", buffering=1 << 20)
         self._offset = resume_offset
 
     def write(
