@@ -59,7 +59,8 @@ from workers.consumer import StreamConsumer
 from workers.custody import LiveWorkers
 from workers.instance import Instance
 from workers.loading import close_instances, load_version
-from workers.loop import LoopConfig, ModelLoop
+from workers.loop import ModelLoop
+from workers.loop_config import LoopConfig
 from workers.rate_limiter import RateLimiter
 from workers.reconcile import Load, Unit, UnitState, reconcile
 from workers.sequence_tensors import SequenceTensors

@@ -33,3 +33,11 @@ def maybe_restore(now_us: int) -> None:
     if _short and now_us - _bulk_seen_us > IDLE_AFTER_US:
         sys.setswitchinterval(_default)
         _short = False
+
+
+def batch_started(bulk: bool, now_us: int) -> None:
+    """A batch is handed to an instance: a bulk one shortens the interval, an online one may restore it."""
+    if bulk:
+        bulk_batch_started(now_us)
+    else:
+        maybe_restore(now_us)

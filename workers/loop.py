@@ -8,8 +8,7 @@ unadvertised meanwhile, the worker exits for its supervisor if one keeps dying):
 the driver, keepalive, claims, the watchdog. The driver itself never waits on Redis: replies are
 written by custody in the background, so a Redis error can never stop scheduling.
 
-Times: the envelope's times are in Redis's clock (fleet/redis_time.py); they are converted to this
-process's clock once, on admission. A request's queue delay counts from when the gateway enqueued it.
+The requests it holds, and how their times (in Redis's clock) become the scheduler's: workers/held.py.
 """
 
 from __future__ import annotations
@@ -17,100 +16,59 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
-from batching.policy import BatchPolicy, Pending
-from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, SchedulerConfig, Stage, Unstage
-from batching.sequences import Admit, Refuse, SequenceGate, Verdict, no_correlation_id
+from batching.policy import Pending
+from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, Stage, Unstage
+from batching.sequences import Admit, Refuse, Verdict
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.clock import Clock
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, decode_request, encode_request
-from fleet.errors import InvalidInput, RequestTimeout
-from fleet.llm_spec import is_llm, llm_settings
+from fleet.envelope import decode_request, encode_request
+from fleet.errors import InvalidInput, ModelNotReady, RequestTimeout
+from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
 from fleet.trace_points import (
     BATCH_FORMED,
-    COMPUTE_END,
-    COMPUTE_INPUT_END,
-    COMPUTE_OUTPUT_START,
-    COMPUTE_START,
     WORKER_READ,
 )
 from workers import gil
 from workers.consumer import StreamConsumer
-from workers.custody import Answer, Custody, CustodyConfig, LiveWorkers
+from workers.custody import Answer, Custody, LiveWorkers
 from workers.execute import BatchOutcome, run_batch
+from workers.held import (
+    HeldRequest,
+    HeldRequests,
+    arrival_order,
+    enqueue_times,
+    error_reply,
+    pending_for,
+    stamp,
+    stamp_replies,
+)
 from workers.instance import Callbacks, Instance, Job
+from workers.loop_config import DEFAULT_LOOP_CONFIG, LoopConfig, policy_for, preserves_ordering, scheduler_config
 from workers.samples import batch_sample, rejected_samples
+from workers.sequence_driver import Sequences
 from workers.sequence_tensors import SequenceTensors
+from workers.wakeup import Wakeup
 from workers.watchdog import HungHandler, Watchdog
 
 log = logging.getLogger(__name__)
-
-# Waiting out a queue delay precisely. uvloop's timers have millisecond resolution (a 0.1 ms timer fires
-# at once, a 0.8 ms one after ~1.1 ms), and Triton's delays are µs. So a loop timer aimed a millisecond
-# early for long waits, and below TIMER_RESOLUTION_S a helper thread's time.sleep, which wakes the loop
-# ~150 µs late (measured here; THREAD_WAKE_S is taken off). Never a spin on the loop: besides burning a
-# core the gateway needs, it keeps the GIL from an instance thread whose TorchScript forward wants it
-# back (measured: mlp's batches computed ~13% slower, C=32 throughput 0.8x).
-TIMER_RESOLUTION_S = 0.002
-THREAD_WAKE_S = 0.00015
-
-
-def policy_for(spec: ModelSpec, aging_us: int = 0) -> BatchPolicy:
-    db = spec.dynamic_batching
-    bulk = bulk_lane(spec)
-    seq = spec.sequence
-    if seq is not None:  # the sequence batcher's strategy batches each instance's sequences
-        return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=seq.preferred_batch_sizes,
-                           max_queue_delay_us=seq.max_queue_delay_us, dynamic=spec.max_batch_size > 0,
-                           aging_us=aging_us, bulk_lane=bulk)
-    if db is None or spec.max_batch_size == 0:
-        return BatchPolicy(max_batch_size=spec.max_batch_size, dynamic=False, aging_us=aging_us, bulk_lane=bulk)
-    return BatchPolicy(max_batch_size=spec.max_batch_size, preferred_batch_sizes=db.preferred_batch_sizes,
-                       max_queue_delay_us=db.max_queue_delay_us, aging_us=aging_us, bulk_lane=bulk)
-
-
-@dataclass(frozen=True, slots=True)
-class LoopConfig:
-    block_ms: int = 1000
-    read_ahead_batches: int = 2
-    aging_us: int = 0
-    bulk_share: float = 1.0
-    watchdog_s: float = 120.0
-    custody: CustodyConfig = CustodyConfig()
-
-
-@dataclass(slots=True)
-class _Held:
-    """A request this worker holds, as the driver knows it."""
-
-    message: MessageId
-    env: RequestEnvelope
-    version: int
-    pending: Pending
-
-
-def _order(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
 
 
 class ModelLoop:
     """One model's driver on this worker; `instances` maps each loaded version to its instances."""
 
     def __init__(self, spec: ModelSpec, instances: dict[int, list[Instance]], consumer: StreamConsumer,
-                 clock: Clock, redis_clock: RedisClock, config: LoopConfig = LoopConfig(), *,
+                 clock: Clock, redis_clock: RedisClock, config: LoopConfig = DEFAULT_LOOP_CONFIG, *,
                  on_hung: HungHandler | None = None, on_health: Callable[[], None] | None = None,
                  on_give_up: Callable[[str, BaseException], None] | None = None,
                  live_workers: LiveWorkers | None = None, sequence_tensors: SequenceTensors | None = None) -> None:
@@ -122,26 +80,9 @@ class ModelLoop:
         self.bulk_lane = bulk_lane(spec)
         assert len(consumer.streams) == lane_count(spec), "consumer built for another lane count"
         policy = policy_for(spec, config.aging_us)
-        preserve = spec.dynamic_batching is not None and spec.dynamic_batching.preserve_ordering
-        seq = spec.sequence
-        # A generation engine's slots (workers/backends/llm.py): never staged, and bulk requests hold at most
-        # max_running of them, so online ones always find a slot and preempt bulk inside the engine.
-        llm = llm_settings(spec) if is_llm(spec) else None
-        # bulk_share's pauses would hold every bulk request for seconds after each generation: the engine's
-        # lane preemption already puts online first.
-        share = config.bulk_share if llm is None else 1.0
-        self.schedulers = {v: Scheduler(SchedulerConfig(policy, len(insts), self.bulk_lane, share,
-                                                        preserve_ordering=preserve, pinned=seq is not None,
-                                                        stage=llm is None,
-                                                        bulk_instances=llm.continuous.max_running if llm else 0))
+        self.schedulers = {v: Scheduler(scheduler_config(spec, policy, len(insts), config))
                            for v, insts in instances.items()}
-        # Sequence batching (batching/sequences.py): each version's live sequences, one request of each at a
-        # time, pinned to the sequence's instance; and the control and state tensors its requests get.
-        self._gates = {} if seq is None else {
-            v: SequenceGate(spec.name, len(insts), seq.max_sequence_idle_us) for v, insts in instances.items()}
-        self._sequence_tensors = sequence_tensors
-        if seq is not None and sequence_tensors is None:
-            self._sequence_tensors = SequenceTensors(seq, spec.max_batch_size > 0)
+        self._sequences = Sequences(spec, {v: len(insts) for v, insts in instances.items()}, sequence_tensors)
         n_instances = sum(len(i) for i in instances.values())
         per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
         self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
@@ -151,18 +92,14 @@ class ModelLoop:
                                  on_hung=on_hung, on_health=on_health)
         self.supervisor = Supervisor(f"model '{spec.name}'", on_give_up=on_give_up)
         self._on_health = on_health or (lambda: None)
-        self._preserve_ordering = preserve
+        self._preserve_ordering = preserves_ordering(spec)
         self._lane_aware = is_llm(spec)  # a generation engine admits by (lane, arrival) among its requests
         self._delay_lanes = frozenset(lane for lane in range(self.bulk_lane)
                                       if lane_policy(spec, lane).delay_on_timeout)
-        self._held: dict[str, _Held] = {}  # by Pending.request_id
+        self._held = HeldRequests()
         self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
         self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
-        self._lost_ids: set[str] = set()  # claimed by another worker: never acknowledged by this one
-        # Held requests that are traced (the trace extension): while 0, tracing costs a batch one check.
-        self._traced = 0
-        self._wake = asyncio.Event()
-        self._timer = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-timer")
+        self._wake = Wakeup(spec.name)
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
@@ -207,7 +144,7 @@ class ModelLoop:
             await background[0]  # keepalive: ends once nothing is held
         finally:
             await cancel_and_wait([*background, *readers, driver], f"model '{self.spec.name}'")
-            self._timer.shutdown(wait=False)
+            self._wake.close()
 
     def retire(self, why: str) -> None:
         """From now on, answer what is read with UNAVAILABLE `why` (the version is unloaded and no other
@@ -270,34 +207,21 @@ class ModelLoop:
         self.holding.hold(message, rows)
         scheduler = self.schedulers.get(env.version)
         if scheduler is None or self._retired is not None:
-            reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code="UNAVAILABLE",
-                                  error_message=self._retired or
-                                  f"model '{env.model}' version {env.version} is not loaded here")
+            reply = error_reply(env, ModelNotReady(self._retired or
+                                                   f"model '{env.model}' version {env.version} is not loaded here"))
             self.custody.finish([Answer(message, env.reply_to, reply)])
             return
-        lane, entry_id = message
-        to_local = self.redis_clock.to_local
-        deadline = None if env.deadline_us is None else to_local(env.deadline_us)
-        delay = lane in self._delay_lanes
-        if env.expires_us is not None and (deadline is None or to_local(env.expires_us) < deadline):
-            # The caller stops waiting before the queue policy would act: drop it then (never DELAY).
-            deadline, delay = to_local(env.expires_us), False
         now = self.clock.now_us()
-        pending = Pending(request_id=f"{lane}/{entry_id.decode()}", lane=lane,
-                          enqueued_at_us=min(now, to_local(env.enqueued_at_us)), deadline_us=deadline, rows=rows,
-                          shape_key=self.spec.batch_key(env.inputs), delay_on_timeout=delay, aging_from_us=now)
-        self._held[pending.request_id] = _Held(message, env, env.version, pending)
+        pending = pending_for(message, env, rows, self.spec.batch_key(env.inputs), message[0] in self._delay_lanes,
+                              self.redis_clock.to_local, now)
         if env.trace is not None:
             env.trace[WORKER_READ] = self.redis_clock.now_ns()
-            self._traced += 1
-        gate = self._gates.get(env.version)
-        if gate is not None:
-            flags = env.sequence
-            verdict: Verdict = Refuse(pending.request_id, no_correlation_id(env.model)) if flags is None else \
-                gate.arrive(pending.request_id, flags.id, flags.start, flags.end, now)
+        self._held.add(HeldRequest(message, env, env.version, pending))
+        verdict = self._sequences.arrive(env.version, pending.request_id, env, now)
+        if verdict is not None:
             self._sequence_verdicts(env.version, [verdict], now)
         else:
-            scheduler.arrive(pending, _order(entry_id), now)
+            scheduler.arrive(pending, arrival_order(message[1]), now)
         self._wake.set()
 
     def _sequence_verdicts(self, version: int, verdicts: list[Verdict], now: int) -> None:
@@ -306,45 +230,32 @@ class ModelLoop:
             held = self._held[verdict.request_id]
             if isinstance(verdict, Admit):
                 held.pending = replace(held.pending, instance=verdict.instance)
-                self.schedulers[version].arrive(held.pending, _order(held.message[1]), now)
+                self.schedulers[version].arrive(held.pending, arrival_order(held.message[1]), now)
             elif isinstance(verdict, Refuse):
-                self._forget((held.pending,))
-                err = InvalidInput(verdict.message)
-                reply = ReplyEnvelope(id=held.env.id, model_version=held.env.version, error_code=err.code.value,
-                                      error_message=err.message)
+                self._held.forget((held.pending,))
+                reply = error_reply(held.env, InvalidInput(verdict.message))
                 self.custody.finish([Answer(held.message, held.env.reply_to, reply)], ordered=True)
 
-    def _sequences_done(self, held: list[_Held], states: list[object] | None, now: int) -> None:
+    def _sequences_done(self, held: list[HeldRequest], states: list[object] | None, now: int) -> None:
         """These requests are answered: their sequences keep the state they left and move on."""
         for i, h in enumerate(held):
-            gate = self._gates.get(h.version)
-            if gate is None:
-                continue
-            if states is not None and states[i] is not None:
-                gate.set_state(h.pending.request_id, states[i])
-            self._sequence_verdicts(h.version, gate.finished(h.pending.request_id, now), now)
+            state = None if states is None else states[i]
+            self._sequence_verdicts(h.version, self._sequences.finished(h.version, h.pending.request_id, state, now),
+                                    now)
 
     def cancel(self, request_ids: set[str]) -> None:
         """Callers went away (disconnected, or the gateway gave up): drop their requests if not started."""
-        by_version: dict[int, set[str]] = {}
-        for held in self._held.values():
-            if held.env.id in request_ids:
-                by_version.setdefault(held.version, set()).add(held.pending.request_id)
+        self._cancel(self._held.of_callers(request_ids))
+
+    def _lost(self, messages: list[MessageId]) -> None:
+        """Another worker claimed these (this one stalled): drop those not started, never ack them."""
+        self._cancel(self._held.mark_lost(messages))
+
+    def _cancel(self, by_version: dict[int, set[str]]) -> None:
         for version, ids in by_version.items():
             self.schedulers[version].cancel(ids)
         if by_version:
             self._wake.set()
-
-    def _lost(self, messages: list[MessageId]) -> None:
-        """Another worker claimed these (this one stalled): drop those not started, never ack them."""
-        ids = {f"{lane}/{entry_id.decode()}" for lane, entry_id in messages}
-        by_version: dict[int, set[str]] = {}
-        for rid in ids & self._held.keys():
-            self._lost_ids.add(rid)
-            by_version.setdefault(self._held[rid].version, set()).add(rid)
-        for version, group in by_version.items():
-            self.schedulers[version].cancel(group)
-        self._wake.set()
 
     # ------------------------------------------------------------------ the driver
 
@@ -356,7 +267,7 @@ class ModelLoop:
                 self.custody.verify_soon()
                 if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                     return
-                await self._nap(None)
+                await self._wake.wait(None)
                 continue
             now = self.clock.now_us()
             acted = False
@@ -369,35 +280,14 @@ class ModelLoop:
                         self._apply(version, scheduler, action, now)
                 if plan.wake_at_us is not None:
                     wake = plan.wake_at_us if wake is None else min(wake, plan.wake_at_us)
-            for gate in self._gates.values():
-                for gone in gate.release_idle(now):
-                    log.info("%s: sequence %s released after %d µs idle", self.spec.name, gone, gate.idle_us)
-                idle_at = gate.next_idle_us()
-                if idle_at is not None:
-                    wake = idle_at if wake is None else min(wake, idle_at)
+            idle_at = self._sequences.release_idle(now)
+            if idle_at is not None:
+                wake = idle_at if wake is None else min(wake, idle_at)
             if acted:
                 continue
             if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                 return
-            await self._nap(None if wake is None else (wake - now) / 1e6)
-
-    async def _nap(self, timeout_s: float | None) -> None:
-        """Until an event (arrival, finished batch, idle instance) or `timeout_s`."""
-        self._wake.clear()
-        if timeout_s is None:
-            await self._wake.wait()
-        elif timeout_s >= TIMER_RESOLUTION_S:
-            # Aimed a millisecond early: the rest is timed precisely below. (wait_for, whose 3.11 race can
-            # lose a cancellation: run() stops the driver with cancel_and_wait, which cancels again.)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout_s - TIMER_RESOLUTION_S / 2)
-            except TimeoutError:
-                pass
-        elif timeout_s > 0:
-            timer = asyncio.get_running_loop().run_in_executor(
-                self._timer, time.sleep, max(0.0, timeout_s - THREAD_WAKE_S))
-            timer.add_done_callback(lambda _: self._wake.set())  # a late one only costs an extra step
-            await self._wake.wait()
+            await self._wake.wait(None if wake is None else (wake - now) / 1e6)
 
     def _apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
         if isinstance(action, Run):
@@ -421,26 +311,15 @@ class ModelLoop:
                 self._release(version, batch_id)
 
     def _job(self, version: int, index: int, batch: Batch) -> Job:
-        envs = [self._held[p.request_id].env for p in batch.items]
-        state_of = None
-        if self._sequence_tensors is not None:
-            gate = self._gates[version]
-            seq = self._sequence_tensors
-            envs = [seq.request(env, gate.state(p.request_id)) for env, p in zip(envs, batch.items, strict=True)]
-            state_of = seq.state_of if seq.capture else None
-        if self._traced:
-            formed = self.redis_clock.now_ns()
-            for env in envs:
-                if env.trace is not None:
-                    env.trace[BATCH_FORMED] = formed
+        envs, state_of = self._sequences.requests(version, [self._held[p.request_id].env for p in batch.items],
+                                                  batch.items)
+        if self._held.traced:
+            stamp(envs, BATCH_FORMED, self.redis_clock.now_ns())
         backend = self.instances[version][index].backend
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
         job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of, lanes))
         self._jobs[(version, batch.id)] = job
-        if any(p.lane == self.bulk_lane for p in batch.items):
-            gil.bulk_batch_started(self.clock.now_us())
-        else:
-            gil.maybe_restore(self.clock.now_us())
+        gil.batch_started(any(p.lane == self.bulk_lane for p in batch.items), self.clock.now_us())
         return job
 
     def _start(self, version: int, index: int, batch: Batch, now: int) -> None:
@@ -473,69 +352,45 @@ class ModelLoop:
 
     # ------------------------------------------------------------------ answering
 
-    def _forget(self, items: tuple[Pending, ...]) -> list[_Held]:
-        held = [self._held.pop(p.request_id) for p in items]
-        if self._traced:
-            self._traced -= sum(1 for h in held if h.env.trace is not None)
-        return held
-
-    def _traced_replies(self, held: list[_Held], replies: list[ReplyEnvelope], outcome: BatchOutcome | None) -> None:
-        """Traced requests' replies carry their timestamps back, with the batch's compute times (the
-        instance measured them on perf_counter: converted here to Redis's clock, ns)."""
-        stamps: dict[str, int] = {}
-        if outcome is not None:
-            start = outcome.started_ns + self.redis_clock.now_ns() - time.perf_counter_ns()
-            stamps = {COMPUTE_START: start, COMPUTE_INPUT_END: start + outcome.compute_input_ns,
-                      COMPUTE_OUTPUT_START: start + outcome.compute_input_ns + outcome.compute_infer_ns,
-                      COMPUTE_END: start + outcome.compute_input_ns + outcome.compute_infer_ns
-                      + outcome.compute_output_ns}
-        for h, reply in zip(held, replies, strict=True):
-            if h.env.trace is not None:
-                reply.trace = h.env.trace | stamps
-
     def _expire(self, items: tuple[Pending, ...], now: int) -> None:
-        traced = self._traced
-        held = self._forget(items)
-        err = RequestTimeout()
-        replies = [ReplyEnvelope(id=h.env.id, model_version=h.env.version, error_code=err.code.value,
-                                 error_message=err.message) for h in held]
+        traced = self._held.traced
+        held = self._held.forget(items)
+        replies = [error_reply(h.env, RequestTimeout()) for h in held]
         if traced:
-            self._traced_replies(held, replies, None)
+            stamp_replies(held, replies, None, self.redis_clock.now_ns())
         answers = [Answer(h.message, h.env.reply_to, reply) for h, reply in zip(held, replies, strict=True)]
-        self.custody.finish(answers, rejected_samples([h.env for h in held], self._envelope_times(held), now),
-                            ordered=bool(self._gates))
-        if self._gates:
+        samples = rejected_samples([h.env for h in held], enqueue_times(held, self.redis_clock.to_local), now)
+        self.custody.finish(answers, samples, ordered=self._sequences.active)
+        if self._sequences.active:
             self._sequences_done(held, None, now)
 
     def _drop(self, items: tuple[Pending, ...]) -> None:
-        held = self._forget(items)
-        lost = [h.message for h in held if h.pending.request_id in self._lost_ids]
-        self._lost_ids -= {h.pending.request_id for h in held}
+        held = self._held.forget(items)
+        lost = [h.message for h in held if h.lost]
         self.custody.release(lost)  # another worker owns these now: released, never acknowledged
         self.custody.finish([], [], [h.message for h in held if h.message not in lost])
-        if self._gates:
+        if self._sequences.active:
             self._sequences_done(held, None, self.clock.now_us())
 
     def _release(self, version: int, batch_id: int) -> None:
         job = self._jobs.pop((version, batch_id))
         result, started_us = self._outcomes.pop((version, batch_id))
         batch: Batch = job.batch
-        traced = self._traced
-        held = self._forget(batch.items)
-        self._lost_ids -= {h.pending.request_id for h in held}
+        traced = self._held.traced
+        held = self._held.forget(batch.items)
         if isinstance(result, BaseException):
             # run_batch never raises; an error here is a bug in the instance plumbing. The messages stay
             # pending (released, not acknowledged) and are claimed and computed again.
             log.error("%s: batch of %d failed outside the model: %r", self.spec.name, len(held), result)
             self.custody.release([h.message for h in held])
-            if self._gates:
+            if self._sequences.active:
                 self._sequences_done(held, None, self.clock.now_us())
             return
         envs = [h.env for h in held]
         sample = batch_sample(version, self.spec.max_batch_size > 0, envs, result,
-                              self._envelope_times(held), started_us, self.clock.now_us())
+                              enqueue_times(held, self.redis_clock.to_local), started_us, self.clock.now_us())
         if traced:
-            self._traced_replies(held, result.replies, result)
+            stamp_replies(held, result.replies, result, self.redis_clock.now_ns())
         poisoned = set(result.poisoned)
         answers = [Answer(h.message, h.env.reply_to, reply,
                           park=reply.error_message if i in poisoned else None,
@@ -543,13 +398,8 @@ class ModelLoop:
                    for i, (h, reply) in enumerate(zip(held, result.replies, strict=True))]
         # A sequence's replies must reach its caller in the order its requests ran (a gRPC stream answers
         # in the order replies arrive): its next request may finish while this write is still in flight.
-        self.custody.finish(answers, [sample], ordered=self._preserve_ordering or bool(self._gates))
-        if self._gates:
+        self.custody.finish(answers, [sample], ordered=self._preserve_ordering or self._sequences.active)
+        if self._sequences.active:
             states = [None if not reply.ok else state
                       for reply, state in zip(result.replies, result.states or [None] * len(held), strict=True)]
             self._sequences_done(held, states, self.clock.now_us())
-
-    def _envelope_times(self, held: list[_Held]) -> list[int]:
-        """When each request was enqueued, on this process's clock."""
-        return [self.redis_clock.to_local(h.env.enqueued_at_us) for h in held]
-

@@ -28,7 +28,7 @@ from workers.control import HostContext, ModelHost
 from workers.custody import CustodyConfig
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
-from workers.loop import LoopConfig
+from workers.loop_config import LoopConfig
 from workers.rate_limiter import RateLimiter, parse_resource_flags
 from workers.replies import ReplyWriter
 from workers.sequence_reaper import SequenceReaper
