@@ -5,7 +5,7 @@ around them (how many are traced, which another worker has claimed)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from batching.holding import MessageId
@@ -31,7 +31,7 @@ def arrival_order(entry_id: bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def pending_for(message: MessageId, env: RequestEnvelope, rows: int, shape_key: object, delay_on_timeout: bool,
+def pending_for(message: MessageId, env: RequestEnvelope, rows: int, shape_key: Hashable, delay_on_timeout: bool,
                 to_local: Callable[[int], int], now: int) -> Pending:
     """The scheduler's entry for a request read `now`. Its times are in Redis's clock: `to_local` converts
     them to this process's, once. Its queue delay counts from when the gateway enqueued it."""
