@@ -8,6 +8,11 @@ from typing import Any
 
 from fleet.envelope import WireTensor
 
+# The buffer of a JSONL job's input and output files. A line of 256 floats is ~3.3 KB: with Python's 8 KiB
+# default the job worker's one thread made a read and a write syscall every two or three lines, and
+# that thread bounds a JSONL job (bench/RESULTS.md: 0.55-0.57x direct before, 0.60-0.62x with 1 MiB).
+JSONL_BUFFER_BYTES = 1 << 20
+
 
 @dataclass(slots=True)
 class InputItem:

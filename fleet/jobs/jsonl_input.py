@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from fleet.errors import InvalidInput
-from fleet.jobs.items import InputItem, RawLine
+from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem, RawLine
 from fleet.jobs.lines import line_parser, parse_item
 from fleet.model_config import ModelSpec
 
@@ -71,7 +71,7 @@ class JsonlInput:
         """The lines from a resume cursor, in order, not parsed: a line over the limit is already its
         error item."""
         limit = self._max_line_bytes
-        with self.path.open("rb", buffering=1 << 20) as f:
+        with self.path.open("rb", buffering=JSONL_BUFFER_BYTES) as f:
             line = _newlines_before(f, start_offset)
             if start_offset > 0:
                 f.seek(start_offset - 1)

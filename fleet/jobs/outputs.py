@@ -25,7 +25,7 @@ import orjson
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.items import InputItem
+from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem
 from fleet.model_config import ModelSpec, TensorSpec
 from fleet.tensor_json import json_array
 
@@ -92,9 +92,9 @@ class JsonlOutput:
             if size < resume_offset:
                 raise InvalidInput(f"cannot resume '{path.name}' at byte {resume_offset}: the file has {size} bytes")
             os.truncate(path, resume_offset)  # drop what was written after the last flush
-            self._file: IO[bytes] = path.open("ab", buffering=1 << 20)
+            self._file: IO[bytes] = path.open("ab", buffering=JSONL_BUFFER_BYTES)
         else:
-            self._file = path.open("wb", buffering=1 << 20)
+            self._file = path.open("wb", buffering=JSONL_BUFFER_BYTES)
         self._offset = resume_offset
 
     def write(
