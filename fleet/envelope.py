@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from fleet.errors import InvalidInput
+from fleet.errors import InvalidInput, ServingError
 
 
 @dataclass(slots=True)
@@ -85,6 +85,11 @@ class ReplyEnvelope:
     @property
     def ok(self) -> bool:
         return not self.error_code
+
+
+def error_reply(env: RequestEnvelope, err: ServingError) -> ReplyEnvelope:
+    """The reply that answers `env` with `err` (its code and the words its caller sees)."""
+    return ReplyEnvelope(id=env.id, model_version=env.version, error_code=err.code.value, error_message=err.message)
 
 
 def _pack_tensors(tensors: list[WireTensor]) -> list[list[Any]]:

@@ -13,7 +13,7 @@ import numpy as np
 from fleet import tensors
 from fleet.config_checks import WILDCARD_DIM
 from fleet.datatypes import Datatype
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
 from fleet.errors import InferenceFailed, PoisonRequest, ServingError
 from fleet.model_config import ModelSpec, TensorSpec
 from fleet.reshape import client_shape, model_shape
@@ -103,8 +103,7 @@ def _encode(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyE
 
 def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -> ReplyEnvelope:
     if result.error is not None:
-        return ReplyEnvelope(id=env.id, model_version=env.version, error_code=result.error.code.value,
-                             error_message=result.error.message)
+        return error_reply(env, result.error)
     if result.empty:
         return ReplyEnvelope(id=env.id, model_version=env.version, outputs=[], empty=True)
     produced = result.outputs or {}
@@ -167,8 +166,7 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
             if lanes is not None:
                 items[-1].lane = lanes[i]
         except ServingError as exc:
-            early[i] = ReplyEnvelope(id=env.id, model_version=env.version, error_code=exc.code.value,
-                                     error_message=exc.message)
+            early[i] = error_reply(env, exc)
     runnable = [env for i, env in enumerate(envs) if i not in early]
     t1 = time.perf_counter_ns()
     try:

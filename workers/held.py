@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from batching.holding import MessageId
 from batching.policy import Pending
 from fleet.envelope import ReplyEnvelope, RequestEnvelope
-from fleet.errors import ServingError
 from fleet.trace_points import COMPUTE_END, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_START
 from workers.execute import BatchOutcome
 
@@ -89,10 +88,6 @@ class HeldRequests:
                 held.lost = True
                 by_version.setdefault(held.version, set()).add(held.pending.request_id)
         return by_version
-
-
-def error_reply(env: RequestEnvelope, err: ServingError) -> ReplyEnvelope:
-    return ReplyEnvelope(id=env.id, model_version=env.version, error_code=err.code.value, error_message=err.message)
 
 
 def enqueue_times(held: list[HeldRequest], to_local: Callable[[int], int]) -> list[int]:

@@ -29,7 +29,7 @@ from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.clock import Clock
-from fleet.envelope import decode_request, encode_request
+from fleet.envelope import decode_request, encode_request, error_reply
 from fleet.errors import InvalidInput, ModelNotReady, RequestTimeout
 from fleet.llm_spec import is_llm
 from fleet.model_config import ModelSpec
@@ -48,7 +48,6 @@ from workers.held import (
     HeldRequests,
     arrival_order,
     enqueue_times,
-    error_reply,
     pending_for,
     stamp,
     stamp_replies,

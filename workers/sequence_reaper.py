@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.cancellation import raise_if_cancelled
-from fleet.envelope import ReplyEnvelope, decode_request, encode_reply
+from fleet.envelope import decode_request, encode_reply, error_reply
 from fleet.errors import InvalidInput, SequenceLost
 from fleet.keys import Keys
 from workers.consumer import REPLY_MAXLEN
@@ -86,8 +86,7 @@ class SequenceReaper:
                 err = SequenceLost(f"sequence {flags.id if flags else '?'} of model '{model}' was held by worker "
                                    f"'{worker}', which died and took the sequence's state with it: start the "
                                    f"sequence again (sequence_start)")
-                reply = ReplyEnvelope(id=env.id, model_version=env.version, error_code=err.code.value,
-                                      error_message=err.message)
+                reply = error_reply(env, err)
                 pipe.xadd(env.reply_to, {b"d": encode_reply(reply)}, maxlen=REPLY_MAXLEN, approximate=True)
                 pipe.xdel(stream, entry_id)
                 answered += 1

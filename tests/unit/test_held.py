@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.envelope import RequestEnvelope
+from fleet.envelope import RequestEnvelope, error_reply
 from fleet.errors import RequestTimeout
 from fleet.trace_points import BATCH_FORMED, COMPUTE_END, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_START
 from workers.execute import BatchOutcome
@@ -10,7 +10,6 @@ from workers.held import (
     HeldRequest,
     HeldRequests,
     arrival_order,
-    error_reply,
     pending_for,
     stamp,
     stamp_replies,
