@@ -10,9 +10,16 @@ What lives here and nowhere else:
 - Triton's dynamic batching (``batching.policy.decide``) over every lane, strict priority between
   Triton's levels, and queue timeouts: REJECT answers an expired request at its deadline even while
   every instance is busy; DELAY keeps it behind the unexpired ones.
-- Staging: while an instance computes, the next *full* batch may wait on the instance itself, so its
-  thread starts it without a round trip through the event loop. A staged batch is taken back
-  (``Unstage``) when a higher-priority request arrives or one of its requests is cancelled.
+- Staging: while an instance computes, the next batch may wait on the instance itself, so its thread
+  starts it the moment it is free, without a round trip through the event loop. By default only a
+  *full* batch (the largest preferred size) is staged: a batch that could still grow is formed when
+  an instance frees up, and on a CPU instance the moment that takes is CPU the gateway and the loop
+  use while more requests arrive. With ``stage_partial`` (instances whose compute leaves the host's
+  CPU alone: a GPU, the sleep backend) any batch is staged and grows (``Grow``) with what arrives
+  until the thread takes it, as Triton's instance queue merges payloads no instance has taken yet;
+  there an idle gap between batches is device time lost. A staged batch is taken back (``Unstage``)
+  when a higher-priority request arrives, one of its requests is cancelled, or another instance is
+  free.
 - ``preserve_ordering``: replies are released in the order batches were dispatched, across instances
   (Triton assigns response slots in that order too).
 - fleet's bulk lane: it ages into the lowest online lane (``BatchPolicy.aging_us``), and on CPU
@@ -24,6 +31,8 @@ The driver protocol, per action:
 - ``Stage(instance, batch)``: hand it to the busy instance; if the instance refuses (it went idle in
   the meantime), report ``stage_refused``.
 - ``Unstage(instance, batch)``: try to take it back; report ``unstaged(instance, taken_back)``.
+- ``Grow(instance, batch, into)``: replace the staged ``batch`` with ``into`` (its requests and more) if
+  the thread has not taken it yet; report ``grown(instance, into.id, replaced)``.
 - ``Expire(items)``: answer with a timeout; ``Drop(items)``: cancelled, answer nothing.
 - ``Release(batches)``: write these finished batches' replies now, in this order.
 """
@@ -37,8 +46,8 @@ from typing import TypeAlias
 
 from batching.policy import BatchPolicy, Dispatch, Pending, Wait, decide, effective_lane
 
-__all__ = ["Action", "Batch", "Drop", "Expire", "Plan", "Release", "Run", "Scheduler", "SchedulerConfig", "Stage",
-           "Unstage"]
+__all__ = ["Action", "Batch", "Drop", "Expire", "Grow", "Plan", "Release", "Run", "Scheduler", "SchedulerConfig",
+           "Stage", "Unstage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,13 @@ class Unstage:
 
 
 @dataclass(frozen=True, slots=True)
+class Grow:
+    instance: int
+    batch: Batch
+    into: Batch
+
+
+@dataclass(frozen=True, slots=True)
 class Expire:
     items: tuple[Pending, ...]
 
@@ -84,7 +100,7 @@ class Release:
     batches: tuple[int, ...]
 
 
-Action: TypeAlias = Run | Stage | Unstage | Expire | Drop | Release
+Action: TypeAlias = Run | Stage | Unstage | Grow | Expire | Drop | Release
 Order: TypeAlias = tuple[int, int]  # a request's rank in arrival order: its stream entry id (ms, seq)
 
 
@@ -114,6 +130,8 @@ class SchedulerConfig:
     # Hand a batch to a busy instance (staging). Off for a generation engine's slots: a request staged behind
     # a generation would wait for all of it while other slots free up.
     stage: bool = True
+    # Stage batches that could still grow, and grow them until taken (see the module docstring).
+    stage_partial: bool = False
     # At most this many instances hold bulk batches at once (0: no cap). A generation engine's slots keep the
     # rest for online requests, which then preempt bulk generations inside the engine.
     bulk_instances: int = 0
@@ -132,7 +150,8 @@ class _Slot:
     assigned: deque[Batch] = field(default_factory=deque)
     thread_idle: bool = True  # its thread reported idle and nothing was given to it since
     no_stage: bool = False  # a stage was refused: the instance is finishing; wait for done/idle
-    staged_started: bool = False  # an unstage found the staged batch already taken by the thread
+    staged_started: bool = False  # an unstage or a growth found the staged batch already taken by the thread
+    grown_from: Batch | None = None  # the staged batch a Grow replaces, until the driver says it did
 
     @property
     def free(self) -> bool:
@@ -163,7 +182,7 @@ class Scheduler:
     def queued(self) -> int:
         """Requests waiting: queued here or staged on an instance (Triton's "pending": accepted, not
         yet executing)."""
-        staged = sum(len(s.assigned[1].items) for s in self._slots if len(s.assigned) == 2)
+        staged = sum(len(s.assigned[1].items) for s in self._slots if len(s.assigned) == 2 and not s.staged_started)
         return len(self._queue) + staged
 
     def busy(self) -> bool:
@@ -225,6 +244,23 @@ class Scheduler:
         else:
             slot.staged_started = True  # its thread runs it now; done() of the batch before says so
 
+    def grown(self, instance: int, batch_id: int, replaced: bool) -> None:
+        """The driver tried to replace the staged batch with the grown one, `batch_id`: done, or too late
+        (the thread had taken the staged batch: it runs as it was, the newcomers go back to the queue)."""
+        slot = self._slots[instance]
+        into, before = slot.assigned[1], slot.grown_from
+        assert into.id == batch_id and before is not None, f"batch {batch_id} is not growing on instance {instance}"
+        slot.grown_from = None
+        if replaced:
+            return
+        slot.assigned[1] = before
+        slot.staged_started = True
+        self._dispatched[self._dispatched.index(batch_id)] = before.id
+        kept = {p.request_id for p in before.items}
+        for item in into.items:
+            if item.request_id not in kept:
+                self._insert_back(item)
+
     def _requeue(self, batch: Batch, batch_id: int) -> None:
         assert batch.id == batch_id, f"batch {batch_id} is not the staged one ({batch.id})"
         self._dispatched.remove(batch_id)
@@ -263,6 +299,9 @@ class Scheduler:
         unstage = self._unstage(now_us)
         if unstage:
             return Plan(tuple(actions + unstage), None)  # the queue changes once they are back
+        grow = self._grow(now_us) if self.config.stage_partial else []
+        if grow:
+            return Plan(tuple(actions + grow), None)  # the queue changes back if one comes too late
         wake = self._dispatch(now_us, actions)
         released = self._releasable()
         if released:
@@ -277,13 +316,42 @@ class Scheduler:
         if not any(len(s.assigned) == 2 for s in self._slots):
             return out
         best = min((effective_lane(self.policy, p, now_us) for _, p in self._queue), default=None)
+        # A batch staged behind a busy instance while another instance is free runs sooner there.
+        free = any(s.free for s in self._slots)
         for i, slot in enumerate(self._slots):
             if len(slot.assigned) != 2 or slot.staged_started:
                 continue
             staged = slot.assigned[1]
             outranked = best is not None and best < max(effective_lane(self.policy, p, now_us) for p in staged.items)
-            if outranked or any(p.request_id in self._cancelled for p in staged.items):
+            if free or outranked or any(p.request_id in self._cancelled for p in staged.items):
                 out.append(Unstage(i, staged))
+        return out
+
+    def _grow(self, now_us: int) -> list[Action]:
+        """Staged batches that what has arrived since can join: the batch Triton's rules would form now
+        from the staged requests and the queue, if it keeps all of the staged ones and adds some."""
+        out: list[Action] = []
+        for i, slot in enumerate(self._slots):
+            if not self._queue:
+                break
+            if len(slot.assigned) != 2 or slot.staged_started:
+                continue
+            staged = slot.assigned[1]
+            decision = decide(self.policy, [*staged.items, *(p for _, p in self._queue)], now_us)
+            if not isinstance(decision, Dispatch) or len(decision.items) <= len(staged.items):
+                continue
+            joined = {p.request_id for p in decision.items}
+            if any(p.request_id not in joined for p in staged.items) or not self._stageable(decision, now_us):
+                continue
+            kept = {p.request_id for p in staged.items}
+            newcomers = {p.request_id for p in decision.items if p.request_id not in kept}
+            self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in newcomers)
+            self._queue = [(k, p) for k, p in self._queue if p.request_id not in newcomers]
+            into = Batch(self._next_batch, decision.items)
+            self._next_batch += 1
+            self._dispatched[self._dispatched.index(staged.id)] = into.id
+            slot.assigned[1], slot.grown_from = into, staged
+            out.append(Grow(i, staged, into))
         return out
 
     def _dispatch(self, now_us: int, actions: list[Action]) -> int | None:
@@ -370,18 +438,20 @@ class Scheduler:
                 and all(p.lane == self.config.bulk_lane for p in decision.items))
 
     def _stageable(self, decision: Dispatch, now_us: int) -> bool:
-        """Whether a batch may wait behind a running one instead of in the queue: only if it is full
-        (the largest preferred size, or 1 without batching) - a batch that could still grow is formed
-        when an instance frees up, as Triton does - and none of it can time out before it runs."""
+        """Whether a batch may wait behind a running one instead of in the queue: only a full one (the
+        largest preferred size, or 1 without batching) unless `stage_partial`, not a bulk batch while
+        online requests come in, and none of it may time out before it runs."""
         policy = self.policy
         full = 1 if not policy.dynamic or policy.max_batch_size == 0 else \
             max(policy.preferred_batch_sizes, default=policy.max_batch_size)
+        if not self.config.stage_partial and sum(p.rows for p in decision.items) < full:
+            return False
         if any(p.lane == self.config.bulk_lane for p in decision.items) and self._online_active(now_us):
             # Online traffic is about: a bulk batch waits in the queue, where an online request that
             # arrives while the instance computes still goes first.
             return False
         margin = self.config.stage_margin_us
-        return sum(p.rows for p in decision.items) >= full and all(
+        return all(
             p.deadline_us is None or p.delay_on_timeout or p.deadline_us - now_us > margin for p in decision.items)
 
     def _releasable(self) -> tuple[int, ...]:

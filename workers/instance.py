@@ -1,11 +1,12 @@
 """A model instance: one backend on its own thread, fed by the worker loop, with room for one staged batch.
 
-An instance runs batches on a single-thread executor. When the loop has the next *full* batch ready
-while the instance is still computing, it stages it here; the instance thread takes it the moment the
-current batch is done, without a round trip through the event loop (which may be busy writing the
-previous batch's replies). That gap was a quarter of the instance's time on bulk jobs. A staged batch
-can be taken back (`unstage`) as long as the thread has not started it, so a higher-priority request
-that arrives in the meantime still goes first.
+An instance runs batches on a single-thread executor. When the loop has the next batch ready while the
+instance is still computing (a full one; any one where the compute leaves the host's CPU alone, see
+batching/scheduler.py), it stages it here; the instance thread takes it the moment the current batch is
+done, without a round trip through the event loop (which may be busy writing the previous batch's
+replies). That gap was a quarter of the instance's time on bulk jobs. A staged batch can be taken back
+(`unstage`) or replaced by a bigger one (`restage`) as long as the thread has not started it, so a
+higher-priority request that arrives in the meantime still goes first, and one that can join does.
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class Instance:
             if not self.busy or self._staged is not None:
                 return False
             self._staged = job
+            return True
+
+    def restage(self, old: Job, new: Job) -> bool:
+        """Replace the staged `old` with `new` (the same batch grown); False if the thread took `old`."""
+        with self._lock:
+            if self._staged is not old:
+                return False
+            self._staged = new
             return True
 
     def unstage(self) -> Job | None:

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
 from batching.policy import Pending
-from batching.scheduler import Batch, Drop, Expire, Release, Run, Scheduler, Stage, Unstage
+from batching.scheduler import Batch, Drop, Expire, Grow, Release, Run, Scheduler, Stage, Unstage
 from batching.sequences import Admit, Refuse, Verdict
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff
@@ -79,7 +79,8 @@ class ModelLoop:
         self.bulk_lane = bulk_lane(spec)
         assert len(consumer.streams) == lane_count(spec), "consumer built for another lane count"
         policy = policy_for(spec, config.aging_us)
-        self.schedulers = {v: Scheduler(scheduler_config(spec, policy, len(insts), config))
+        self.schedulers = {v: Scheduler(scheduler_config(spec, policy, len(insts), config,
+                                                         any(i.backend.host_bound for i in insts)))
                            for v, insts in instances.items()}
         self._sequences = Sequences(spec, {v: len(insts) for v, insts in instances.items()}, sequence_tensors)
         n_instances = sum(len(i) for i in instances.values())
@@ -296,6 +297,14 @@ class ModelLoop:
             if not self.instances[version][action.instance].stage(job):
                 self._jobs.pop((version, action.batch.id), None)
                 scheduler.stage_refused(action.instance, action.batch.id)
+        elif isinstance(action, Grow):
+            old = self._jobs.pop((version, action.batch.id))
+            job = self._job(version, action.instance, action.into)
+            replaced = self.instances[version][action.instance].restage(old, job)
+            if not replaced:  # the thread took the staged batch meanwhile: it runs as it was
+                self._jobs.pop((version, action.into.id))
+                self._jobs[(version, action.batch.id)] = old
+            scheduler.grown(action.instance, action.into.id, replaced)
         elif isinstance(action, Unstage):
             taken = self.instances[version][action.instance].unstage()
             if taken is not None:

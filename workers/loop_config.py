@@ -43,8 +43,10 @@ def preserves_ordering(spec: ModelSpec) -> bool:
     return spec.dynamic_batching is not None and spec.dynamic_batching.preserve_ordering
 
 
-def scheduler_config(spec: ModelSpec, policy: BatchPolicy, instances: int, config: LoopConfig) -> SchedulerConfig:
-    """The scheduler of one version of `spec` with `instances` instances."""
+def scheduler_config(spec: ModelSpec, policy: BatchPolicy, instances: int, config: LoopConfig,
+                     host_bound: bool = True) -> SchedulerConfig:
+    """The scheduler of one version of `spec` with `instances` instances; `host_bound`: some of them
+    compute on the host's CPU (batching.scheduler stages partial batches only where none does)."""
     # A generation engine's slots (workers/backends/llm.py): never staged, and bulk requests hold at most
     # max_running of them, so online ones always find a slot and preempt bulk inside the engine.
     llm = llm_settings(spec) if is_llm(spec) else None
@@ -52,5 +54,5 @@ def scheduler_config(spec: ModelSpec, policy: BatchPolicy, instances: int, confi
     # lane preemption already puts online first.
     share = config.bulk_share if llm is None else 1.0
     return SchedulerConfig(policy, instances, bulk_lane(spec), share, preserve_ordering=preserves_ordering(spec),
-                           pinned=spec.sequence is not None, stage=llm is None,
+                           pinned=spec.sequence is not None, stage=llm is None, stage_partial=not host_bound,
                            bulk_instances=llm.continuous.max_running if llm else 0)

@@ -18,6 +18,7 @@ from batching.scheduler import (
     Batch,
     Drop,
     Expire,
+    Grow,
     Plan,
     Release,
     Run,
@@ -42,10 +43,11 @@ def kinds(plan: Plan) -> list[str]:
 
 
 def make(max_batch: int = 4, instances: int = 1, *, delay_us: int = 0, preferred: tuple[int, ...] = (),
-         bulk_lane: int = 1, preserve: bool = False, bulk_share: float = 1.0) -> Scheduler:
+         bulk_lane: int = 1, preserve: bool = False, bulk_share: float = 1.0, partial: bool = False) -> Scheduler:
     policy = BatchPolicy(max_batch_size=max_batch, preferred_batch_sizes=preferred, max_queue_delay_us=delay_us,
                          bulk_lane=bulk_lane)
-    return Scheduler(SchedulerConfig(policy, instances, bulk_lane, bulk_share, preserve_ordering=preserve))
+    return Scheduler(SchedulerConfig(policy, instances, bulk_lane, bulk_share, preserve_ordering=preserve,
+                                     stage_partial=partial))
 
 
 # ---------------------------------------------------------------- worked examples
@@ -64,12 +66,76 @@ def test_a_free_instance_runs_what_is_queued_and_the_next_full_batch_is_staged()
     assert s.step(0).actions == ()  # r4 waits: a partial batch is formed when the instance frees up
 
 
-def test_a_partial_batch_is_never_staged() -> None:
+def test_a_partial_batch_is_never_staged_on_a_host_bound_instance() -> None:
     s = make(max_batch=4)
     s.arrive(req("a"), (1, 0), 0)
     assert kinds(s.step(0)) == ["Run"]
     s.arrive(req("b"), (1, 1), 0)
     assert s.step(0).actions == ()
+
+
+def test_a_staged_batch_grows_with_what_arrives_until_the_thread_takes_it() -> None:
+    s = make(max_batch=4, partial=True)
+    s.arrive(req("a"), (1, 0), 0)
+    (run,) = s.step(0).actions
+    s.arrive(req("b"), (1, 1), 0)
+    (stage,) = s.step(0).actions
+    assert isinstance(stage, Stage) and ids(stage.batch.items) == ["b"]
+    s.arrive(req("c"), (1, 2), 0)
+    s.arrive(req("d"), (1, 3), 0)
+    (grow,) = s.step(0).actions
+    assert isinstance(grow, Grow) and grow.batch == stage.batch and ids(grow.into.items) == ["b", "c", "d"]
+    s.grown(0, grow.into.id, replaced=True)
+    assert s.step(0).actions == () and s.queued() == 3
+    s.arrive(req("e"), (1, 4), 0)
+    s.arrive(req("f"), (1, 5), 0)
+    (grow,) = s.step(0).actions
+    assert isinstance(grow, Grow) and ids(grow.into.items) == ["b", "c", "d", "e"]  # max_batch_size: f waits
+    s.grown(0, grow.into.id, replaced=True)
+    assert s.step(0).actions == ()
+    assert isinstance(run, Run)
+    s.done(0, run.batch.id, 10, 0)  # the thread moved on to b..e
+    plan = s.step(10)
+    assert kinds(plan) == ["Stage", "Release"] and ids(plan.actions[0].batch.items) == ["f"]  # type: ignore[union-attr]
+
+
+def test_a_growth_that_comes_too_late_runs_the_batch_as_it_was_and_requeues_the_rest() -> None:
+    s = make(max_batch=4, partial=True)
+    s.arrive(req("a"), (1, 0), 0)
+    (run,) = s.step(0).actions
+    s.arrive(req("b"), (1, 1), 0)
+    s.step(0)
+    s.arrive(req("c"), (1, 2), 0)
+    (grow,) = s.step(0).actions
+    assert isinstance(grow, Grow)
+    s.grown(0, grow.into.id, replaced=False)  # the thread had taken "b" alone
+    assert s.step(0).actions == () and s.queued() == 1
+    assert isinstance(run, Run)
+    s.done(0, run.batch.id, 10, 0)
+    plan = s.step(10)
+    assert kinds(plan) == ["Stage", "Release"] and ids(plan.actions[0].batch.items) == ["c"]  # type: ignore[union-attr]
+    assert plan.actions[1] == Release((run.batch.id,))
+
+
+def test_a_batch_staged_behind_a_busy_instance_moves_to_one_that_frees_up() -> None:
+    s = make(max_batch=4, instances=2, partial=True)
+    s.arrive(req("a"), (1, 0), 0)
+    (first,) = s.step(0).actions
+    s.arrive(req("b"), (1, 1), 0)
+    (second,) = s.step(0).actions
+    assert isinstance(first, Run) and isinstance(second, Run) and first.instance != second.instance
+    s.arrive(req("c"), (1, 2), 0)
+    (stage,) = s.step(0).actions
+    assert isinstance(stage, Stage)
+    other = first if first.instance != stage.instance else second
+    s.done(other.instance, other.batch.id, 10, 0)
+    s.idle(other.instance)
+    plan = s.step(10)
+    assert kinds(plan) == ["Unstage"]
+    s.unstaged(stage.instance, stage.batch.id, taken_back=True)
+    plan = s.step(10)
+    runs = [a for a in plan.actions if isinstance(a, Run)]
+    assert [(r.instance, ids(r.batch.items)) for r in runs] == [(other.instance, ["c"])]
 
 
 def test_a_higher_priority_arrival_takes_back_a_staged_batch() -> None:
@@ -233,12 +299,15 @@ class _World:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(instances=st.integers(1, 3), max_batch=st.integers(1, 4), delay_us=st.sampled_from([0, 50, 400]),
-                preserve=st.booleans(), share=st.sampled_from([1.0, 0.5]), levels=st.integers(1, 2))
-    def setup(self, instances: int, max_batch: int, delay_us: int, preserve: bool, share: float, levels: int) -> None:
+                preserve=st.booleans(), share=st.sampled_from([1.0, 0.5]), levels=st.integers(1, 2),
+                partial=st.booleans())
+    def setup(self, instances: int, max_batch: int, delay_us: int, preserve: bool, share: float, levels: int,
+              partial: bool) -> None:
         self.bulk_lane = levels
         self.policy = BatchPolicy(max_batch_size=max_batch, max_queue_delay_us=delay_us, aging_us=1_000,
                                   bulk_lane=self.bulk_lane)
-        self.s = Scheduler(SchedulerConfig(self.policy, instances, self.bulk_lane, share, preserve_ordering=preserve))
+        self.s = Scheduler(SchedulerConfig(self.policy, instances, self.bulk_lane, share, preserve_ordering=preserve,
+                                           stage_partial=partial))
         self.world = _World([_Thread() for _ in range(instances)])
         self.preserve = preserve
         self.now = 0
@@ -326,6 +395,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 t.staged = action.batch
             self.dispatched.append(action.batch.id)
             self.batches[action.batch.id] = action.batch
+        elif isinstance(action, Grow):
+            self.check_batch(action.into)
+            assert {p.request_id for p in action.batch.items} < {p.request_id for p in action.into.items}
+            t = self.world.threads[action.instance]
+            replaced = t.staged is not None and t.staged.id == action.batch.id
+            if replaced:
+                t.staged = action.into
+                self.dispatched[self.dispatched.index(action.batch.id)] = action.into.id
+                self.batches[action.into.id] = action.into
+            self.s.grown(action.instance, action.into.id, replaced)
         elif isinstance(action, Unstage):
             t = self.world.threads[action.instance]
             taken = t.staged is not None and t.staged.id == action.batch.id

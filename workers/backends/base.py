@@ -100,12 +100,15 @@ class Backend(Protocol):
     * `alive`: False after a restart failed; the worker stops advertising the model until `revive()`.
     * `revive()`: start the instance again if it is not running (on its own thread); whether it runs.
     * `kill()`: interrupt a hung `execute()` (thread-safe; a no-op where not `interruptible`).
+    * `host_bound`: its compute runs on the host's CPU (False on a GPU, and for the sleep backend: the
+      instance's thread only waits). The scheduler stages partial batches only where it is False.
 
     `InProcessBackend` holds the defaults of a backend that runs in the worker process.
     """
 
     takes_wire: ClassVar[bool]
     interruptible: ClassVar[bool]
+    host_bound: bool
 
     @property
     def alive(self) -> bool: ...
@@ -125,6 +128,7 @@ class InProcessBackend:
 
     takes_wire: ClassVar[bool] = False
     interruptible: ClassVar[bool] = False
+    host_bound: bool = True
 
     @property
     def alive(self) -> bool:

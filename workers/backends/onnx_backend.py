@@ -36,6 +36,7 @@ class OnnxBackend(InProcessBackend):
         if ctx.device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
             providers.insert(0, "CUDAExecutionProvider")
         self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        self.host_bound = self._session.get_providers()[0] == "CPUExecutionProvider"
         model_inputs = {i.name for i in self._session.get_inputs()}
         missing = [t.name for t in spec.inputs if t.name not in model_inputs]
         missing += [b.target_name for b in spec.batch_inputs if b.target_name not in model_inputs]

@@ -68,6 +68,7 @@ class _CallFailed:
 class PythonBackend:
     takes_wire: ClassVar[bool] = True  # the stub gets the envelope's tensor bytes as they are
     interruptible: ClassVar[bool] = True  # kill() ends a hung execute(): the stub is a process
+    host_bound = True  # the stub computes on the host's CPU, unless its model moves work to a GPU (unknown here)
 
     def __init__(self, ctx: LoadContext) -> None:
         self._ctx = ctx

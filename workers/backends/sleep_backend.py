@@ -47,6 +47,7 @@ class SleepBackend(InProcessBackend):
                 raise ConfigError(f"{spec.name}: output '{o.name}' must have the datatype and dims of input "
                                   f"'{i.name}' (the sleep backend returns its input)")
         self._spec = spec
+        self.host_bound = False  # time.sleep: the thread waits, as on a GPU
         self._pairs = [(i.name, o.name) for i, o in zip(spec.inputs, spec.outputs, strict=True)]
         self._base_s = delay_parameter(spec, "execute_delay_us")
         self._per_item_s = delay_parameter(spec, "execute_delay_per_item_us")

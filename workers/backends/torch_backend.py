@@ -39,6 +39,7 @@ class TorchBackend(InProcessBackend):
         self._threads = max(1, int_parameter(spec, "INTRA_OP_THREAD_COUNT", 1))
         self._configured = threading.local()
         self._device = torch.device(ctx.device)
+        self.host_bound = self._device.type == "cpu"
         path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
         if not path.exists():
             raise ConfigError(f"{spec.name}: model file {path} is missing (run `make models`?)")
