@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from batching.scheduler import Batch
+from batching.plan import Batch
 from fleet.model_config import InstanceLimit
 from workers.backends.base import Backend
 from workers.execute import BatchOutcome

@@ -22,8 +22,9 @@ from dataclasses import replace
 from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
+from batching.plan import Batch, Drop, Expire, Grow, Release, Run, Stage, Unstage
 from batching.policy import Pending
-from batching.scheduler import Batch, Drop, Expire, Grow, Release, Run, Scheduler, Stage, Unstage
+from batching.scheduler import Scheduler
 from batching.sequences import Admit, Refuse, Verdict
 from fleet.admission import bulk_lane, lane_count, lane_policy
 from fleet.backoff import Backoff

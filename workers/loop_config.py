@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batching.plan import SchedulerConfig
 from batching.policy import BatchPolicy
-from batching.scheduler import SchedulerConfig
 from fleet.admission import bulk_lane
 from fleet.llm_spec import is_llm, llm_settings
 from fleet.model_config import ModelSpec

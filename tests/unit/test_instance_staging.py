@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from batching.scheduler import Batch
+from batching.plan import Batch
 from fleet.model_config import parse_config
 from tests.support.model_repo import TRITON_EXAMPLES
 from workers.backends import load_backend

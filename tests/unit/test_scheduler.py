@@ -12,8 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batching.policy import BatchPolicy, Pending, effective_lane
-from batching.scheduler import (
+from batching.plan import (
     Action,
     Batch,
     Drop,
@@ -22,11 +21,12 @@ from batching.scheduler import (
     Plan,
     Release,
     Run,
-    Scheduler,
     SchedulerConfig,
     Stage,
     Unstage,
 )
+from batching.policy import BatchPolicy, Pending, effective_lane
+from batching.scheduler import Scheduler
 
 
 def req(rid: str, at: int = 0, *, lane: int = 0, rows: int = 1, deadline: int | None = None,

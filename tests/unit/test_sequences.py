@@ -10,8 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from batching.plan import Run, SchedulerConfig
 from batching.policy import BatchPolicy, Pending
-from batching.scheduler import Run, Scheduler, SchedulerConfig
+from batching.scheduler import Scheduler
 from batching.sequences import Admit, Refuse, SequenceGate, Wait
 
 IDLE = 1_000
