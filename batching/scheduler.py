@@ -139,6 +139,8 @@ class Scheduler:
         self._completed.append(batch_id)
         for p in batch.items:
             self._orders.pop(p.request_id, None)
+        if self._cancelled:  # cancelled after its thread took it (the unstage came too late): it ran
+            self._cancelled -= {p.request_id for p in batch.items}
         share = self.config.bulk_share
         if share < 1 and all(p.lane == self.config.bulk_lane for p in batch.items):
             # While online requests come in, each bulk batch is followed by idle time in proportion.
@@ -256,6 +258,10 @@ class Scheduler:
             if len(slot.assigned) != 2 or slot.staged_started:
                 continue
             staged = slot.assigned[1]
+            if self.config.preserve_ordering and staged.id != self._dispatched[-1]:
+                # Replies go out in dispatch order: a newcomer that joined this batch would be answered
+                # before an earlier request in a batch dispatched after it.
+                continue
             decision = decide(self.policy, [*staged.items, *(p for _, p in self._queue)], now_us)
             if not isinstance(decision, Dispatch) or len(decision.items) <= len(staged.items):
                 continue

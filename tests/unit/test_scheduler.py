@@ -117,6 +117,43 @@ def test_a_growth_that_comes_too_late_runs_the_batch_as_it_was_and_requeues_the_
     assert plan.actions[1] == Release((run.batch.id,))
 
 
+def test_with_preserve_ordering_only_the_last_dispatched_batch_grows() -> None:
+    s = make(max_batch=4, instances=2, partial=True, preserve=True)
+
+    def arrive(rid: str, key: str, order: int) -> None:
+        s.arrive(Pending(rid, 0, 0, None, 1, key, False, 0), (1, order), 0)
+
+    arrive("x", "k", 0)
+    arrive("y", "j", 1)
+    assert kinds(s.step(0)) == ["Run", "Run"]
+    arrive("b", "k", 2)
+    (stage_b,) = s.step(0).actions
+    arrive("c", "j", 3)  # another shape: a batch of its own, staged on the other instance, dispatched after b's
+    (stage_c,) = s.step(0).actions
+    assert isinstance(stage_b, Stage) and isinstance(stage_c, Stage) and stage_b.instance != stage_c.instance
+    arrive("d", "j", 4)  # joins c's batch, the last dispatched
+    (grow,) = s.step(0).actions
+    assert isinstance(grow, Grow) and ids(grow.into.items) == ["c", "d"]
+    s.grown(grow.instance, grow.into.id, replaced=True)
+    arrive("n", "k", 5)  # could join b's batch, but would then be answered before c and d
+    assert s.step(0).actions == () and s.queued() == 4
+
+
+def test_a_cancel_that_comes_after_the_thread_took_the_batch_is_forgotten_when_it_is_done() -> None:
+    s = make(max_batch=1)
+    s.arrive(req("a"), (1, 0), 0)
+    s.arrive(req("b"), (1, 1), 0)
+    run, stage = s.step(0).actions
+    s.cancel({"b"})
+    (unstage,) = s.step(0).actions
+    assert isinstance(unstage, Unstage)
+    s.unstaged(0, unstage.batch.id, taken_back=False)  # the thread had taken "b": it runs
+    assert isinstance(run, Run) and isinstance(stage, Stage)
+    s.done(0, run.batch.id, 10, 0)
+    s.done(0, stage.batch.id, 20, 10)
+    assert s._cancelled == set()  # noqa: SLF001 - nothing left to drop: "b" ran
+
+
 def test_a_batch_staged_behind_a_busy_instance_moves_to_one_that_frees_up() -> None:
     s = make(max_batch=4, instances=2, partial=True)
     s.arrive(req("a"), (1, 0), 0)
