@@ -258,6 +258,8 @@ class Scheduler:
             if len(slot.assigned) != 2 or slot.staged_started:
                 continue
             staged = slot.assigned[1]
+            if staged.rows >= self._full_rows():
+                continue  # Triton's rules form nothing bigger
             if self.config.preserve_ordering and staged.id != self._dispatched[-1]:
                 # Replies go out in dispatch order: a newcomer that joined this batch would be answered
                 # before an earlier request in a batch dispatched after it.
@@ -268,13 +270,7 @@ class Scheduler:
             joined = {p.request_id for p in decision.items}
             if any(p.request_id not in joined for p in staged.items) or not self._stageable(decision, now_us):
                 continue
-            kept = {p.request_id for p in staged.items}
-            newcomers = {p.request_id for p in decision.items if p.request_id not in kept}
-            self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in newcomers)
-            self._queue = [(k, p) for k, p in self._queue if p.request_id not in newcomers]
-            into = Batch(self._next_batch, decision.items)
-            self._next_batch += 1
-            self._dispatched[self._dispatched.index(staged.id)] = into.id
+            into = self._take(decision.items, replacing=staged)
             slot.assigned[1], slot.grown_from = into, staged
             out.append(Grow(i, staged, into))
         return out
@@ -322,14 +318,18 @@ class Scheduler:
         holding = sum(1 for s in self._slots if any(all(p.lane == bulk for p in b.items) for b in s.assigned))
         return holding >= cap
 
-    def _take(self, items: tuple[Pending, ...]) -> Batch:
-        """A new batch of these queued requests, out of the queue (their order keys kept to requeue them)."""
+    def _take(self, items: tuple[Pending, ...], replacing: Batch | None = None) -> Batch:
+        """A new batch of these requests, the queued ones out of the queue (their order keys kept to requeue
+        them); dispatched last, or in the place of the staged batch it grows from (`replacing`)."""
         batch = Batch(self._next_batch, items)
         self._next_batch += 1
         chosen = {p.request_id for p in items}
         self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in chosen)
         self._queue = [(k, p) for k, p in self._queue if p.request_id not in chosen]
-        self._dispatched.append(batch.id)
+        if replacing is None:
+            self._dispatched.append(batch.id)
+        else:
+            self._dispatched[self._dispatched.index(replacing.id)] = batch.id
         return batch
 
     def _dispatch_pinned(self, now_us: int, actions: list[Action]) -> int | None:
@@ -362,14 +362,18 @@ class Scheduler:
         return (now_us < self._bulk_after_us and self._online_active(now_us)
                 and all(p.lane == self.config.bulk_lane for p in decision.items))
 
+    def _full_rows(self) -> int:
+        """The rows of a full batch: the largest preferred size, or 1 without batching."""
+        policy = self.policy
+        if not policy.dynamic or policy.max_batch_size == 0:
+            return 1
+        return max(policy.preferred_batch_sizes, default=policy.max_batch_size)
+
     def _stageable(self, decision: Dispatch, now_us: int) -> bool:
         """Whether a batch may wait behind a running one instead of in the queue: only a full one (the
         largest preferred size, or 1 without batching) unless `stage_partial`, not a bulk batch while
         online requests come in, and none of it may time out before it runs."""
-        policy = self.policy
-        full = 1 if not policy.dynamic or policy.max_batch_size == 0 else \
-            max(policy.preferred_batch_sizes, default=policy.max_batch_size)
-        if not self.config.stage_partial and sum(p.rows for p in decision.items) < full:
+        if not self.config.stage_partial and sum(p.rows for p in decision.items) < self._full_rows():
             return False
         if any(p.lane == self.config.bulk_lane for p in decision.items) and self._online_active(now_us):
             # Online traffic is about: a bulk batch waits in the queue, where an online request that
