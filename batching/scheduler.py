@@ -40,7 +40,7 @@ The driver protocol, per action:
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from batching.plan import (
@@ -101,8 +101,12 @@ class Scheduler:
     def queued(self) -> int:
         """Requests waiting: queued here or staged on an instance (Triton's "pending": accepted, not
         yet executing)."""
-        staged = sum(len(s.assigned[1].items) for s in self._slots if len(s.assigned) == 2 and not s.staged_started)
-        return len(self._queue) + staged
+        return sum(self.queued_by_lane().values())
+
+    def queued_by_lane(self) -> dict[int, int]:
+        """`queued()` per lane (lanes with none left out)."""
+        staged = [p for s in self._slots if len(s.assigned) == 2 and not s.staged_started for p in s.assigned[1].items]
+        return dict(Counter(p.lane for p in [*(p for _, p in self._queue), *staged]))
 
     def busy(self) -> bool:
         """Whether anything is queued, staged, running or awaiting release."""

@@ -7,6 +7,7 @@
     fleet dead-letters MODEL [--replay]  what could not be answered, and putting it back
     fleet submit | jobs | job | cancel   bulk jobs through a gateway's /v2/jobs (fleet/job_client.py)
     fleet analyze MODEL   Model Analyzer: sweep instances and batching against a running fleet (fleet/analyzer)
+    fleet status   live view of workers, models, queues, throughput and jobs (fleet/status_cli.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet import grpc_flags, job_client
+from fleet import grpc_flags, job_client, status_cli
 from fleet.analyzer import run as analyzer
 from fleet.settings import Settings
 
@@ -29,6 +30,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--redis-url", help="use this Redis instead of the default (env REDIS_URL)")
     p.add_argument("--log-verbose", type=int, default=None, help="verbose logging level (0 = off)")
+    p.add_argument("--log-format", choices=["text", "json"], default=None,
+                   help="text (default) or json: one object per line (env FLEET_LOG_FORMAT); Triton's "
+                        "default/ISO8601 timestamps are the logging extension's (/v2/logging)")
     p.add_argument("--key-prefix", help="prefix of every Redis key (default fleet)")
     p.add_argument("--jobs-dir", type=Path, help="bulk job uploads and outputs (default .fleet/jobs)")
     p.add_argument("--cache-config", default=None, metavar="local,size=BYTES",
@@ -86,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
     analyzer.add_subcommand(sub)  # analyze: an HTTP client of a gateway too
+    status_cli.add_subcommand(sub)  # status: polls a gateway's /v2/fleet/status
     return parser
 
 
@@ -98,6 +103,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         overrides["redis_url"] = args.redis_url
     if args.log_verbose is not None:
         overrides["log_verbose"] = args.log_verbose
+    if getattr(args, "log_format", None) is not None:
+        overrides["log_format"] = args.log_format
     if args.key_prefix:
         overrides["key_prefix"] = args.key_prefix
     if args.jobs_dir:
@@ -133,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return job_client.run(args)
     if args.command == "analyze":
         return analyzer.run(args)
+    if args.command == "status":
+        return status_cli.run(args)
     settings = settings_from_args(args)
     if args.command == "up":
         from fleet.launcher import run_up

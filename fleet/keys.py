@@ -46,6 +46,11 @@ class Keys:
     def stats(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:stats"
 
+    def custom_metrics(self, model: str) -> str:
+        """Hash: worker id -> that worker's part of the model's Python custom metrics (msgpack,
+        fleet/custom_metrics.py); gateways add the parts up (gateway/custom_metrics.py)."""
+        return f"{self.prefix}:{{{model}}}:custom_metrics"
+
     def reply(self, gateway_id: str) -> str:
         return f"{self.prefix}:reply:{gateway_id}"
 
@@ -78,6 +83,10 @@ class Keys:
     def jobs_unfinished(self) -> str:
         """Set: the ids of jobs not yet completed, failed or cancelled (what recovery looks at)."""
         return f"{self.prefix}:{{jobs}}:unfinished"
+
+    def job_states(self) -> str:
+        """Hash: state -> how many jobs are in it (kept by the record scripts, read by /metrics)."""
+        return f"{self.prefix}:{{jobs}}:states"
 
     def rq_queue(self) -> str:
         """The RQ queue name bulk jobs run on (RQ builds its own keys from it)."""

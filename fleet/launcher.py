@@ -40,6 +40,8 @@ import redis
 
 from fleet import grpc_flags
 from fleet.lifetime import DataDirInUse, dies_with_this_process, lock_data_dir
+from fleet.log_format import as_json_line
+from fleet.logs import configure_logging
 from fleet.redis_server import LocalServer, start_server
 from fleet.settings import Settings
 
@@ -73,17 +75,31 @@ def count_devices() -> list[str]:
     return ["cpu"]
 
 
-def _pump(name: str, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+def _pump(name: str, pid: int, json_lines: bool, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        # JSON lines name their process themselves (role, pid); text ones get the name in front.
+        text = as_json_line(line, name, pid, time.time()) if json_lines else f"{name:<9}| {line}"
         with lock:
-            out.write(f"{name:<9}| {line}\n")
+            out.write(text + "\n")
             out.flush()
+
+
+def _generate_models(repo: Path, json_lines: bool) -> None:
+    """The repository's generated models (workers/generate_models.py); its lines made JSON in JSON mode."""
+    piped = subprocess.PIPE if json_lines else None
+    proc = subprocess.Popen([sys.executable, "-m", "workers.generate_models", str(repo)], stdout=piped,
+                            stderr=subprocess.STDOUT if json_lines else None,
+                            preexec_fn=dies_with_this_process(CHILD_DEATH_SIGNAL))
+    out, _ = proc.communicate()
+    for line in (out or b"").decode(errors="replace").splitlines():
+        sys.stderr.write(as_json_line(line, "generate", proc.pid, time.time()) + "\n")
 
 
 def _common_args(settings: Settings) -> list[str]:
     args = ["--key-prefix", settings.key_prefix,
-            "--log-verbose", str(settings.log_verbose), "--jobs-dir", str(settings.jobs_dir)]
+            "--log-verbose", str(settings.log_verbose), "--log-format", settings.log_format,
+            "--jobs-dir", str(settings.jobs_dir)]
     for repo in settings.model_repositories:
         args += ["--model-repository", str(repo)]
     args += ["--model-control-mode", settings.model_control_mode,
@@ -133,7 +149,7 @@ class _EmbeddedRedis:
         now = time.monotonic()
         if self.down_since is None:
             self.down_since = now
-            log.warning("up       | embedded Redis (pid %d) exited with %s; restarting it on the same port "
+            log.warning("embedded Redis (pid %d) exited with %s; restarting it on the same port "
                         "and socket, replaying its AOF", self.server.process.pid, self.server.process.returncode)
         if now < self.next_try:
             return
@@ -144,10 +160,10 @@ class _EmbeddedRedis:
             self.failures += 1
             delay = min(REDIS_RETRY_MAX_S, RESTART_DELAY_S * 2 ** (self.failures - 1))
             self.next_try = time.monotonic() + delay
-            log.error("up       | embedded Redis did not restart (%s); trying again in %.0f s", exc, delay)
+            log.error("embedded Redis did not restart (%s); trying again in %.0f s", exc, delay)
             return
         self.back_at = time.monotonic()
-        log.warning("up       | embedded Redis is back (pid %d, answering %.2f s after its start)",
+        log.warning("embedded Redis is back (pid %d, answering %.2f s after its start)",
                     self.server.process.pid, self.back_at - started)
         self.down_since, self.failures, self.next_try = None, 0, 0.0
 
@@ -170,6 +186,7 @@ def _redis_reachable(url: str) -> bool:
 class _Children:
     commands: dict[str, list[str]]
     env: dict[str, str]
+    json_lines: bool = False
     out_lock: threading.Lock = field(default_factory=threading.Lock)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     exits: dict[str, list[float]] = field(default_factory=dict)
@@ -181,7 +198,8 @@ class _Children:
                                 start_new_session=True, env=self.env,
                                 preexec_fn=dies_with_this_process(CHILD_DEATH_SIGNAL))
         assert proc.stdout is not None
-        threading.Thread(target=_pump, args=(name, proc.stdout, sys.stdout, self.out_lock), daemon=True).start()
+        threading.Thread(target=_pump, args=(name, proc.pid, self.json_lines, proc.stdout, sys.stdout, self.out_lock),
+                         daemon=True).start()
         self.procs[name] = proc
 
     def crash_looping(self, name: str, excused: bool) -> bool:
@@ -214,23 +232,26 @@ def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: 
                 continue
             excused = (embedded is not None and embedded.excuses_exits()) or not _redis_reachable(redis_url)
             if children.crash_looping(name, excused):
-                log.error("up       | %s exited %d times within %.0f s (last status %s); stopping everything",
+                log.error("%s exited %d times within %.0f s (last status %s); stopping everything",
                           name, CRASH_LOOP_EXITS, CRASH_LOOP_WINDOW_S, proc.returncode)
                 stopping.set()
                 return
             if not stopping.wait(RESTART_DELAY_S):
-                log.warning("up       | %s exited with %s%s; restarting it", name, proc.returncode,
+                log.warning("%s exited with %s%s; restarting it", name, proc.returncode,
                             " (Redis unavailable: not counted as a crash)" if excused else "")
                 children.start(name)
         stopping.wait(0.5)
 
 
 def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if settings.log_format == "json":
+        configure_logging(settings, "up")
+    else:
+        logging.basicConfig(level=logging.INFO, format="up       | %(message)s")
     try:
         data_lock = lock_data_dir(data_dir)
     except DataDirInUse as exc:
-        log.error("up       | %s", exc)
+        log.error("%s", exc)
         return 1
     if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
         settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
@@ -248,19 +269,18 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
                               parent_death_signal=SERVER_DEATH_SIGNAL, pass_fds=(data_lock.fd,))
         embedded = _EmbeddedRedis(server)
         redis_url = server.local_url
-        log.info("up       | embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
+        log.info("embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
     for repo in settings.model_repositories:
-        subprocess.run([sys.executable, "-m", "workers.generate_models", str(repo)], check=False,
-                       preexec_fn=dies_with_this_process(CHILD_DEATH_SIGNAL))
+        _generate_models(repo, json_lines=settings.log_format == "json")
     # The URL may hold a password: children get it in their environment, not on a visible command line.
     child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
-    children = _Children(_child_commands(settings, workers), child_env)
+    children = _Children(_child_commands(settings, workers), child_env, json_lines=settings.log_format == "json")
     try:
         for name in children.commands:
             if not stopping.is_set():  # (Ctrl-C while the server started or models were generated)
                 children.start(name)
         grpc = f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else ""
-        log.info("up       | serving %s on http://%s:%d (metrics :%d%s); Ctrl-C stops",
+        log.info("serving %s on http://%s:%d (metrics :%d%s); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
                  settings.http_port, settings.metrics_port, grpc)
         _supervise(children, embedded, redis_url, stopping)

@@ -1,16 +1,21 @@
-"""configure_logging(settings): once per entrypoint; text to stderr (fleet up prefixes the process name).
+"""configure_logging(settings, role): once per entrypoint; to stderr, as text (fleet up prefixes the
+process name) or, with FLEET_LOG_FORMAT=json, one JSON object per line (fleet/log_format.py).
 apply_log_settings(...): the logging extension's settings (fleet/log_settings.py), at any time after."""
 
 from __future__ import annotations
 
 import logging
 import logging.config
-from datetime import UTC, datetime
+import sys
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING
 
+from fleet.log_format import TextFormatter, make_formatter
 from fleet.log_settings import LogSettings
-from fleet.settings import Settings
 
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+if TYPE_CHECKING:  # a Python model's stub configures its logging here without importing pydantic
+    from fleet.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +28,7 @@ class _Gate(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.settings = LogSettings()
+        self.log_format = "text"  # the process's, from its start (the extension's log_format is text's timestamps)
 
     def filter(self, record: logging.LogRecord) -> bool:
         s = self.settings
@@ -35,31 +41,52 @@ class _Gate(logging.Filter):
         return s.log_verbose_level > 0
 
 
-class _Iso8601(logging.Formatter):
-    """Triton's ISO8601 log format: UTC, `2024-05-03T17:06:05.123Z`."""
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
-        stamp = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
-        return stamp.replace("+00:00", "Z")
-
-
 # One per process, like the logging module's own state it filters for.
 _GATE = _Gate()
 
 
-def configure_logging(settings: Settings) -> None:
-    level = "DEBUG" if settings.log_verbose > 0 else "INFO"
+def configure_logging(settings: Settings, role: str) -> None:
+    """`role`: what this process is (gateway, worker, jobs, up, stub), named in each JSON line."""
+    configure_process_logging(settings.log_format, settings.log_verbose, role)
+
+
+def configure_process_logging(log_format: str, verbose: int, role: str) -> None:
+    """configure_logging for a process without Settings (a Python model's stub, told by its worker)."""
     logging.config.dictConfig({
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"text": {"format": TEXT_FORMAT}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "text"}},
-        "root": {"level": level, "handlers": ["stderr"]},
+        "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+        "root": {"level": "DEBUG" if verbose > 0 else "INFO", "handlers": ["stderr"]},
         "loggers": {"asyncio": {"level": "WARNING"}},
     })
-    _GATE.settings = LogSettings(log_verbose_level=settings.log_verbose)
+    _GATE.settings = LogSettings(log_verbose_level=verbose)
+    _GATE.log_format = log_format
+    formatter = make_formatter(log_format, role)
     for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
         handler.addFilter(_GATE)
+    if log_format == "json":
+        # A collector reads one object per line: what Python would print raw goes through logging.
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    log.critical("uncaught exception", exc_info=(kind, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as threading's own hook: a thread's sys.exit() is no error
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    log.critical("uncaught exception in thread %s", name,
+                 exc_info=(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback))
+
+
+def process_log_format() -> str:
+    """This process's log format ("text" or "json"), for the processes it starts (Python model stubs)."""
+    return _GATE.log_format
 
 
 def default_log_settings(settings: Settings) -> LogSettings:
@@ -79,8 +106,9 @@ def apply_log_settings(new: LogSettings) -> None:
     _GATE.settings = new
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if new.log_verbose_level > 0 else logging.INFO)
-    if new.log_format != old.log_format:
-        formatter = _Iso8601(TEXT_FORMAT) if new.log_format == "ISO8601" else logging.Formatter(TEXT_FORMAT)
+    # Triton's log_format picks text's timestamps; a JSON line's are always ISO 8601.
+    if new.log_format != old.log_format and _GATE.log_format == "text":
+        formatter = TextFormatter(iso8601=new.log_format == "ISO8601")
         for handler in root.handlers:
             handler.setFormatter(formatter)
     # Verbose only: shows that a change reached this process, without adding an INFO line per change.

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     # tritonserver's --grpc-infer-response-compression-level: none, low, med or high (gzip).
     grpc_response_compression_level: Literal["none", "low", "med", "high"] = "none"
     log_verbose: int = 0
+    # text: for a terminal (fleet up prefixes each line with its process); json: one object per line with
+    # role, pid and the request's model/version/id (fleet/log_format.py), what containers run with.
+    log_format: Literal["text", "json"] = "text"
     # Where this gateway process writes its traces (Triton's --trace-config triton,file=...; the trace
     # extension cannot change it). With log_frequency N: FILE.0, FILE.1, ... each N traces. Several
     # gateway processes on one host need one each.

@@ -6,6 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleet.latency_stats import bucket_deltas
+
+# Model-wide fields (no version prefix), counted by the workers' custody (workers/custody.py): messages
+# taken over from a dead or stalled consumer, those of them computed again, and messages dead-lettered.
+CLAIMED = "model:claimed"
+REDELIVERED = "model:redelivered"
+DEAD_LETTERED = "model:dead_lettered"
+
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
              "cache_hit", "cache_miss")
 
@@ -26,6 +34,10 @@ class BatchSample:
     compute_output_ns: int
     finished_ms: int
     requests_rejected: int = 0  # of requests_failed: timed out in the queue, never executed (REJECT)
+    # Each successful request's end-to-end and queue time (µs), for the latency buckets
+    # (fleet/latency_stats.py); empty: none counted.
+    request_us: tuple[int, ...] = ()
+    queue_us: tuple[int, ...] = ()
 
 
 def field(version: int, name: str) -> str:
@@ -56,12 +68,24 @@ def increments(s: BatchSample) -> dict[str, int]:
     if s.requests_rejected:
         d[field(v, "rejected:count")] = s.requests_rejected
     if ok:
+        d |= latency_increments(s)
         b = f"batch:{s.batch_size}"
         d[field(v, f"{b}:count")] = 1
         d[field(v, f"{b}:compute_input")] = s.compute_input_ns
         d[field(v, f"{b}:compute_infer")] = s.compute_infer_ns
         d[field(v, f"{b}:compute_output")] = s.compute_output_ns
     return {k: val for k, val in d.items() if val}
+
+
+def latency_increments(s: BatchSample) -> dict[str, int]:
+    """The latency-bucket deltas of a batch: one per request for the end-to-end and queue times, and
+    the batch's compute times once per successful request (as their sums count them)."""
+    v, ok = s.version, s.requests_ok
+    d = bucket_deltas("request", s.request_us) | bucket_deltas("queue", s.queue_us)
+    for dist, ns in (("compute_input", s.compute_input_ns), ("compute_infer", s.compute_infer_ns),
+                     ("compute_output", s.compute_output_ns)):
+        d |= bucket_deltas(dist, (ns // 1000,), ok)
+    return {field(v, name): delta for name, delta in d.items()}
 
 
 def render_model_stats(name: str, version: int, raw: dict[str, int]) -> dict[str, object]:

@@ -28,6 +28,7 @@ from gateway.routes import ROUTES
 from gateway.settings_routes import ROUTES as SETTINGS_ROUTES
 from gateway.shm_routes import ROUTES as SHM_ROUTES
 from gateway.state import GatewayState
+from gateway.status_routes import status_routes
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -75,7 +76,8 @@ def create_app(settings: Settings) -> FastAPI:
     document = json.loads((Path(__file__).parent / "openapi.json").read_text(encoding="utf-8"))
     app.openapi = lambda: document  # type: ignore[method-assign]
     app.state.fleet = state
-    app.router.routes.extend([*ROUTES, *OPENAI_ROUTES, *SHM_ROUTES, *SETTINGS_ROUTES, *JOB_ROUTES, metrics_route()])
+    app.router.routes.extend([*ROUTES, *OPENAI_ROUTES, *SHM_ROUTES, *SETTINGS_ROUTES, *JOB_ROUTES, metrics_route(),
+                              *status_routes()])
     app.add_exception_handler(ServingError, handle_serving_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

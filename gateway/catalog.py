@@ -24,6 +24,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.ensemble import EnsemblePlan, plan
 from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, VersionNotFound
+from fleet.gpu_metrics import GpuReading, decode_readings
 from fleet.model_config import spec_from_proto
 from fleet.model_control import Target
 from fleet.repository import ModelEntry, Repository, version_dirs
@@ -80,7 +81,10 @@ class Catalog:
     failure_gens: dict[str, str] = field(default_factory=dict)
     # (model, version) -> requests the workers hold queued, not yet executing (summed over workers).
     queued: dict[tuple[str, int], int] = field(default_factory=dict)
+    # (model, version, lane) -> the same per lane (gateway/metrics.py's fleet_pending_requests).
+    queued_lanes: dict[tuple[str, int, int], int] = field(default_factory=dict)
     workers: int = 0
+    gpus: list[GpuReading] = field(default_factory=list)  # the live workers' GPUs, one reading per UUID
     # (model, version) -> ids of the live workers advertising it ready (where a sequence may start).
     serving: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     unloaded: frozenset[str] = frozenset()  # explicit mode: models whose record says unloaded
@@ -172,10 +176,13 @@ class Catalog:
         failures: dict[str, str] = {}
         failure_gens: dict[str, str] = {}
         queued: dict[tuple[str, int], int] = {}
+        queued_lanes: dict[tuple[str, int, int], int] = {}
         units: list[UnitReport] = []
         seen: list[dict[str, str]] = []
         serving: dict[tuple[str, int], list[str]] = {}
+        gpus: dict[str, GpuReading] = {}
         for i, beat in enumerate(beats):
+            gpus |= {r.uuid: r for r in decode_readings(beat.get(b"gpus"))}
             advertised = set()
             worker_id = beat.get(b"id", b"").decode()
             for item in json.loads(beat.get(b"models", b"[]")):
@@ -193,11 +200,18 @@ class Catalog:
             for model, per in json.loads(beat.get(b"queued", b"{}")).items():
                 for version, n in per.items():
                     queued[(model, int(version))] = queued.get((model, int(version)), 0) + int(n)
+            for model, per_version in json.loads(beat.get(b"queued_lanes", b"{}")).items():
+                for version, per_lane in per_version.items():
+                    for lane, n in per_lane.items():
+                        key = (model, int(version), int(lane))
+                        queued_lanes[key] = queued_lanes.get(key, 0) + int(n)
         self.ready = ready
         self.serving = serving
         self.failures = failures
         self.failure_gens = failure_gens
         self.queued = queued
+        self.queued_lanes = queued_lanes
+        self.gpus = [gpus[u] for u in sorted(gpus)]
         self.units = units
         self.seen = seen
         self.workers = len(beats)

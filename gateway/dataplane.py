@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from batching.sequences import no_correlation_id
+from fleet import log_context
 from fleet.admission import Admission, admit
 from fleet.broker import Broker
 from fleet.clock import Clock, SystemClock
@@ -200,6 +201,7 @@ class DataPlane:
         if spec.sequence is not None and req.sequence is None:  # an ensemble's step: no worker reads its lane
             raise InvalidInput(f"{no_correlation_id(model)} (a sequence model cannot be an ensemble step in fleet)")
         rid = self.broker.next_id()
+        log_context.name_request(model, v, rid)
         # Envelope times are Redis's clock, so a worker on another machine reads them right whatever
         # the skew between the two (fleet/redis_time.py).
         now_us = self.broker.redis_clock.to_redis(self.clock.now_us())

@@ -28,6 +28,7 @@ from fleet.envelope import ReplyEnvelope, WireTensor
 from fleet.errors import InferenceFailed, ModelNotReady
 from fleet.keys import Keys
 from fleet.kserve import ParsedInfer, check_input, check_input_set
+from fleet.latency_stats import bucket_deltas
 from fleet.model_config import ModelSpec
 from gateway.catalog import Catalog
 from gateway.counters import Counters
@@ -103,6 +104,7 @@ class Ensembles:
         deltas = {f"{kind}:count": 1, f"{kind}:ns": took_ns}
         if ok:
             deltas |= {"queue:count": 1, "inference_count": rows, "execution_count": 1}
+            deltas |= bucket_deltas("request", (took_ns // 1000,))
         self.counters.add(self.keys.stats(model), v, deltas)
 
     async def drain(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet import log_context
 from fleet.content_encoding import compress, decompress, response_encoding
 from fleet.errors import InvalidInput, ServingError, TooLarge
 from fleet.trace_points import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START
@@ -126,7 +127,12 @@ class InferFastPath:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER.match(scope["path"])
             if match is not None:
-                await self._infer(scope, receive, send, match.group(1), match.group(2))
+                # What this request's task logs names it (the ids once the dataplane assigns them).
+                token = log_context.bind(log_context.RequestLog(match.group(1), match.group(2)))
+                try:
+                    await self._infer(scope, receive, send, match.group(1), match.group(2))
+                finally:
+                    log_context.unbind(token)
                 return
         await self.app(scope, receive, send)
 
@@ -168,6 +174,8 @@ class InferFastPath:
                 self._watch.remove(waiting)
                 dataplane.release()
         except ServingError as exc:
+            if log.isEnabledFor(logging.DEBUG):  # verbose only: a client's error is no server event
+                log.debug("infer answered %d: %s", status_for(exc.code), exc.message)
             retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None
             await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON, retry,
                            trace)

@@ -1,8 +1,14 @@
 """Prometheus metrics with Triton's names, computed at scrape time from the counters the workers keep
-in Redis, so every gateway reports the fleet-wide totals (no per-process state to aggregate)."""
+in Redis, so every gateway reports the fleet-wide totals (no per-process state to aggregate): scrape
+any one gateway, or all of them and take one (they agree), never sum across gateways.
+
+Besides Triton's counters: latency histograms and Triton's summaries, batch sizes, pending requests
+per lane, workers per model, claims and dead letters, bulk jobs, GPUs (gateway/metric_families.py).
+The only state a gateway keeps is the baseline of its summaries' recent window."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -14,10 +20,27 @@ from starlette.routing import Route
 
 from fleet.admission import lane_count
 from fleet.keys import GROUP
+from fleet.latency_stats import LatencyWindow
 from fleet.llm_stats import ITL_BUCKETS_S, TTFT_BUCKETS_S, gauges, has_generation, histogram, llm_field
 from fleet.stats import field
+from gateway.custom_metrics import custom_metrics_text
+from gateway.metric_families import (
+    RunningJob,
+    TritonCounterFamily,
+    VersionRow,
+    batch_family,
+    delivery_families,
+    gpu_families,
+    job_families,
+    latency_families,
+    model_workers_family,
+    pending_family,
+    triton_headers,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_JOBS_SCANNED = 1000  # unfinished bulk jobs looked at per scrape
+MAX_JOBS_LISTED = 50  # running jobs with their own progress series
 
 _COUNTERS = [
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", "success:count"),
@@ -40,6 +63,9 @@ _COUNTERS = [
      "cache_miss:ns"),
 ]
 
+# Triton's own counters, rendered under its exact names (no `_total`).
+TRITON_COUNTERS = (*(metric for metric, _, _ in _COUNTERS), "nv_inference_request_failure")
+
 
 class _Snapshot(Collector):
     def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int,
@@ -52,13 +78,13 @@ class _Snapshot(Collector):
     def collect(self) -> Any:
         labels = ["model", "version"]
         for metric, doc, key in _COUNTERS:
-            fam = CounterMetricFamily(metric, doc, labels=labels)
+            fam = TritonCounterFamily(metric, doc, labels)
             for model, version, raw, _ in self.rows:
                 value = raw.get(field(version, key), 0)
                 fam.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
             yield fam
-        fail = CounterMetricFamily("nv_inference_request_failure", "Number of failed inference requests",
-                                   labels=["model", "version", "reason"])
+        fail = TritonCounterFamily("nv_inference_request_failure", "Number of failed inference requests",
+                                   ["model", "version", "reason"])
         pending = GaugeMetricFamily("nv_inference_pending_request_count",
                                     "Instantaneous number of pending requests awaiting execution per-model.",
                                     labels=labels)
@@ -118,6 +144,26 @@ class _Snapshot(Collector):
         yield usage
 
 
+class _Fleet(Collector):
+    """fleet's own families (gateway/metric_families.py) over what one scrape read."""
+
+    def __init__(self, rows: list[VersionRow], models: dict[str, dict[str, int]], dead: dict[str, int],
+                 jobs: dict[str, int], running: list[RunningJob], catalog: Any, window: LatencyWindow) -> None:
+        self.rows, self.models, self.dead, self.jobs, self.running = rows, models, dead, jobs, running
+        self.gpus = catalog.gpus
+        self.window = window
+
+    def collect(self) -> Any:
+        yield from latency_families(self.rows, self.window, time.monotonic())
+        self.window.forget_untouched()
+        yield batch_family(self.rows)
+        yield pending_family(self.rows)
+        yield model_workers_family(self.rows)
+        yield from delivery_families(self.models, self.dead)
+        yield from job_families(self.jobs, self.running)
+        yield from gpu_families(self.gpus)
+
+
 def _undelivered(length: object, pending: object) -> int:
     """Entries of a lane no worker has read yet: its length less what the group has delivered and not
     acknowledged (acknowledged entries are deleted). No group yet: all of them."""
@@ -127,10 +173,39 @@ def _undelivered(length: object, pending: object) -> int:
     return max(0, n)
 
 
-async def metrics(request: Request) -> Response:
+def _decoded(raw: object) -> dict[str, int]:
+    """A hash of integers as HGETALL returned it ({} for an error or a missing key)."""
+    return {k.decode(): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+async def _running_jobs(st: Any, ids: object) -> list[RunningJob]:
+    """The running ones among `ids` (at most MAX_JOBS_LISTED, by id): one more round trip, and only
+    where there are unfinished jobs."""
+    if not isinstance(ids, list) or not ids:
+        return []
+    names = sorted(_text(i) for i in ids)
+    pipe = st.client.pipeline(transaction=False)
+    for job_id in names:
+        pipe.hmget(st.keys.job(job_id), "state", "model", "done", "total")
+    out = []
+    for job_id, fields in zip(names, await pipe.execute(raise_on_error=False), strict=True):
+        if not isinstance(fields, list) or _text(fields[0]) != "running":
+            continue
+        total = _text(fields[3])
+        out.append(RunningJob(job_id, _text(fields[1]), int(_text(fields[2]) or 0),
+                              int(total) if total.isdigit() else None))
+    return out[:MAX_JOBS_LISTED]
+
+
+async def metrics(request: Request, window: LatencyWindow) -> Response:
     """`nv_inference_pending_request_count` is Triton's: accepted, not yet executing, once per model
     version (the autoscaling signal): requests the workers hold, from their heartbeats, plus those no
-    worker has read yet from the version's own streams."""
+    worker has read yet from the version's own streams; `fleet_pending_requests` is the same per lane.
+    One pipelined round trip (two with unfinished bulk jobs)."""
     st = request.app.state.fleet
     catalog = st.catalog
     names = sorted(catalog.views)
@@ -138,22 +213,44 @@ async def metrics(request: Request) -> Response:
     lanes = {n: lane_count(catalog.view(n).entry.spec) for n in names}
     for n in names:
         pipe.hgetall(st.keys.stats(n))
+        pipe.xlen(st.keys.dead(n))
         for v in catalog.view(n).entry.versions:
-            for lane in range(lanes[n]):
+            for lane in range(lanes[n]):  # every lane, the bulk lane (the last) included
                 pipe.xlen(st.keys.queue(n, lane, version=v))
                 pipe.xpending(st.keys.queue(n, lane, version=v), GROUP)
+    pipe.hgetall(st.keys.job_states())
+    # Unfinished jobs (queued or running) are few; a random MAX_JOBS_SCANNED of them where not.
+    pipe.srandmember(st.keys.jobs_unfinished(), MAX_JOBS_SCANNED)
     results = iter(await pipe.execute(raise_on_error=False))
     rows = []
+    fleet_rows = []
+    models: dict[str, dict[str, int]] = {}
+    dead: dict[str, int] = {}
     for n in names:
-        stats = next(results)
-        raw = {k.decode(): int(v) for k, v in stats.items()} if isinstance(stats, dict) else {}
+        raw = models[n] = _decoded(next(results))
+        length = next(results)
+        dead[n] = length if isinstance(length, int) else 0
         for v in catalog.view(n).entry.versions:
-            waiting = sum(_undelivered(next(results), next(results)) for _ in range(lanes[n]))
-            rows.append((n, v, raw, catalog.queued.get((n, v), 0) + waiting))
+            waiting = [_undelivered(next(results), next(results)) for _ in range(lanes[n])]
+            rows.append((n, v, raw, catalog.queued.get((n, v), 0) + sum(waiting)))
+            by_lane = [catalog.queued_lanes.get((n, v, lane), 0) + w for lane, w in enumerate(waiting)]
+            fleet_rows.append(VersionRow(n, v, raw, by_lane, len(catalog.serving.get((n, v), []))))
+    jobs = _decoded(next(results))
+    running = await _running_jobs(st, next(results))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies, catalog.serving))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+    registry.register(_Fleet(fleet_rows, models, dead, jobs, running, catalog, window))
+    body = triton_headers(generate_latest(registry), TRITON_COUNTERS)
+    # Python models' own pb_utils metrics, under their own names (gateway/custom_metrics.py; one more round trip).
+    live = {worker for ids in catalog.serving.values() for worker in ids}
+    body += await custom_metrics_text(st.client, st.keys, names, live, body)
+    return Response(body, media_type=CONTENT_TYPE)
 
 
 def metrics_route() -> Route:
-    return Route("/metrics", metrics, methods=["GET"])
+    window = LatencyWindow()  # this route's summary baselines (the main and the metrics port each have one)
+
+    async def endpoint(request: Request) -> Response:
+        return await metrics(request, window)
+
+    return Route("/metrics", endpoint, methods=["GET"])

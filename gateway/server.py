@@ -26,7 +26,7 @@ GRACEFUL_STOP_S = 30  # what HTTP and gRPC calls in flight at SIGTERM get to fin
 
 
 def serve(settings: Settings) -> int:
-    configure_logging(settings)
+    configure_logging(settings, "gateway")
     app = create_app(settings)
     # The metrics port serves the same /metrics route over the main app's state.
     metrics_app = Starlette(routes=[metrics_route()])
@@ -37,12 +37,13 @@ def serve(settings: Settings) -> int:
         app, host=settings.http_host, port=settings.http_port, loop="uvloop", http=protocol,
         ws="none",  # no websocket routes: an Upgrade header changes nothing
         log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=GRACEFUL_STOP_S,
+        log_config=None,  # uvicorn's lines go to the root handler: fleet's format (JSON in containers)
         server_header=False, date_header=False,
     ))
     side = _QuietServer(uvicorn.Config(
         metrics_app, host=settings.http_host, port=settings.metrics_port, loop="uvloop", http=protocol,
         ws="none",
-        log_level="warning", access_log=False, lifespan="off",
+        log_level="warning", access_log=False, lifespan="off", log_config=None,
     ))
 
     async def run_both() -> int:

@@ -24,7 +24,7 @@ from fleet.keys import GROUP, Keys
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import BatchSample, field, increments
+from fleet.stats import DEAD_LETTERED, BatchSample, field, increments
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -309,6 +309,16 @@ class StreamConsumer:
         pipe = self._client.pipeline(transaction=False)
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
+        pipe.hincrby(self._keys.stats(self.model), DEAD_LETTERED, 1)
+        await pipe.execute()
+
+    async def count(self, deltas: dict[str, int]) -> None:
+        """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request
+        path (claims are rare), one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for name, delta in deltas.items():
+            if delta:
+                pipe.hincrby(self._keys.stats(self.model), name, delta)
         await pipe.execute()
 
     async def close(self) -> None:

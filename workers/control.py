@@ -159,23 +159,26 @@ class ModelHost:
         ready: list[list[object]] = []
         units: list[list[object]] = []
         queued: dict[str, dict[str, int]] = {}
+        lanes: dict[str, dict[str, dict[str, int]]] = {}  # model -> version -> lane -> queued
         for unit, served in sorted(self.units.items()):
             units.append([unit.model, unit.version, unit.gen, served.state.value])
             loop = served.loop
             if served.state is UnitState.READY and loop is not None and loop.healthy:
                 ready.append([unit.model, unit.version, unit.gen])
             if loop is not None:
-                n = loop.queued().get(unit.version, 0)
-                if n:
+                for lane, n in loop.queued_by_lane().get(unit.version, {}).items():
                     per = queued.setdefault(unit.model, {})
                     per[str(unit.version)] = per.get(str(unit.version), 0) + n
+                    by_lane = lanes.setdefault(unit.model, {}).setdefault(str(unit.version), {})
+                    by_lane[str(lane)] = by_lane.get(str(lane), 0) + n
         failed = {m: why for m, (_, why) in self.problems.items()}
         failed_gens = {m: gen for m, (gen, _) in self.problems.items()}
         for unit, why in sorted(self.failed.items()):
             failed.setdefault(unit.model, f"version {unit.version}: {why}")
             failed_gens.setdefault(unit.model, unit.gen)
         return {"models": json.dumps(ready), "units": json.dumps(units), "failed": json.dumps(failed),
-                "failed_gens": json.dumps(failed_gens), "seen": json.dumps(self.seen), "queued": json.dumps(queued)}
+                "failed_gens": json.dumps(failed_gens), "seen": json.dumps(self.seen), "queued": json.dumps(queued),
+                "queued_lanes": json.dumps(lanes)}
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -38,7 +38,7 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
-from fleet.stats import BatchSample
+from fleet.stats import CLAIMED, REDELIVERED, BatchSample
 from workers.consumer import StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -359,9 +359,9 @@ class Custody:
 
     async def _claim(self, room: int) -> None:
         claimed = await self.consumer.claim(self.claim_timeout.idle_ms, self.holding.messages_to_read(0, room))
-        for c in claimed:
-            if c.message in self.holding:
-                continue  # ours all along (a refresh came late): already queued here
+        taken = [c for c in claimed if c.message not in self.holding]  # else ours all along (a refresh came late)
+        again = 0
+        for c in taken:
             if c.deliveries > self.config.max_deliveries:
                 self.give_up(c.message, c.payload, f"the request was delivered {c.deliveries} times without "
                                                    "completing; moved to the dead letters")
@@ -369,6 +369,12 @@ class Custody:
                 log.warning("%s: claimed %r after another worker left it (delivery %d)", self.model, c.message,
                             c.deliveries)
                 self._admit(c.message, c.payload)
+                again += 1
+        if taken:
+            try:  # after admitting: a count Redis refuses is lost, never the claimed messages' turn
+                await self.consumer.count({CLAIMED: len(taken), REDELIVERED: again})
+            except (RedisError, OSError) as exc:
+                log.debug("%s: claims not counted: %s", self.model, exc)
 
     async def _prune(self) -> None:
         if self._live_workers is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleet import tensors
+from fleet import log_context, tensors
 from fleet.config_checks import WILDCARD_DIM
 from fleet.datatypes import Datatype
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
@@ -153,7 +153,17 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
               ) -> BatchOutcome:
     """Never raises: every failure becomes an error reply for the requests it touched. `state_of`: a
     sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py).
-    `lanes`: each request's lane, for backends that schedule within a batch (a generation engine)."""
+    `lanes`: each request's lane, for backends that schedule within a batch (a generation engine).
+    What is logged meanwhile (here, by the backend) names the model, version and the batch's requests."""
+    token = log_context.bind(log_context.BatchLog(spec.name, envs[0].version if envs else 0, envs))
+    try:
+        return _run_batch(spec, backend, envs, state_of, lanes)
+    finally:
+        log_context.unbind(token)
+
+
+def _run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
+               state_of: Callable[[ItemResult], object] | None, lanes: list[int] | None) -> BatchOutcome:
     t0 = time.perf_counter_ns()
     to_arrays = not backend.takes_wire
     reshaped = {t.name: t for t in spec.inputs if t.reshape is not None and not t.is_shape_tensor}

@@ -5,7 +5,9 @@ set, scored by expiry) lists the workers, so gateways read the heartbeats withou
 keyspace. A worker that dies stops refreshing and its key expires; the gateways' reads drop it from the
 registry.
 
-Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's deadlines are read in.
+Each beat also samples Redis's clock (fleet/redis_time.py), which the worker's deadlines are read in,
+and, given a GPU reader (workers/gpu.py), publishes the host's GPU readings (`gpus`,
+fleet/gpu_metrics.py) that the gateways export.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -21,15 +24,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.cancellation import raise_if_cancelled
+from fleet.gpu_metrics import encode_readings
 from fleet.keys import Keys
 from fleet.redis_time import RedisClock
+from workers.gpu import NvmlReader
 
 log = logging.getLogger(__name__)
 
 
 class Heartbeat:
     def __init__(self, client: aioredis.Redis, keys: Keys, worker_id: str, device: str,
-                 interval_s: float, ttl_s: float, redis_clock: RedisClock | None = None) -> None:
+                 interval_s: float, ttl_s: float, redis_clock: RedisClock | None = None,
+                 gpus: NvmlReader | None = None) -> None:
         self._client = client
         self._keys = keys
         self.worker_id = worker_id
@@ -39,6 +45,7 @@ class Heartbeat:
         self._ttl_ms = int(ttl_s * 1000)
         self.redis_clock = redis_clock or RedisClock()
         self._calibrated = False  # the first sample_clock takes a burst
+        self._gpus = gpus
         # The model fields of the hash (`models`, `units`, `failed`, `queued`, ...), as JSON strings.
         self.report: Callable[[], dict[str, str]] = Heartbeat.report_nothing
 
@@ -48,7 +55,11 @@ class Heartbeat:
 
     async def beat(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        fields = {**self.report(), "device": self._device, "pid": str(os.getpid()), "id": self.worker_id}
+        # host and at_ms (when this beat was sent) are for people (gateway/status_routes.py), not routing.
+        fields = {**self.report(), "device": self._device, "pid": str(os.getpid()), "id": self.worker_id,
+                  "host": socket.gethostname(), "at_ms": str(int(time.time() * 1000))}
+        if self._gpus is not None and self._gpus.enabled:
+            fields["gpus"] = encode_readings(await asyncio.to_thread(self._gpus.read))
         pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
         pipe.pexpire(self.key, self._ttl_ms)
         pipe.zadd(self._keys.workers(), {self.worker_id: int(time.time() * 1000) + self._ttl_ms})

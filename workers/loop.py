@@ -123,6 +123,10 @@ class ModelLoop:
         """Per version: requests waiting here for an instance (Triton's pending count)."""
         return {v: s.queued() for v, s in self.schedulers.items()}
 
+    def queued_by_lane(self) -> dict[int, dict[int, int]]:
+        """Per version, `queued()` per lane."""
+        return {v: s.queued_by_lane() for v, s in self.schedulers.items()}
+
     def wake(self) -> None:
         self._wake.set()
 

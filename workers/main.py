@@ -26,6 +26,7 @@ from workers.auto_complete import complete_config
 from workers.bls import BlsService
 from workers.control import HostContext, ModelHost
 from workers.custody import CustodyConfig
+from workers.gpu import NvmlReader
 from workers.heartbeat import Heartbeat
 from workers.instance import Instance
 from workers.loop_config import LoopConfig
@@ -51,7 +52,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     control = async_client(url)
     redis_clock = RedisClock()
     heartbeat = Heartbeat(control, keys, worker_id, device, settings.heartbeat_interval_s, settings.heartbeat_ttl_s,
-                          redis_clock)
+                          redis_clock, gpus=NvmlReader())
     try:
         await wait_for_redis(control, f"worker {worker_id}")
     except RedisError as exc:
@@ -95,7 +96,7 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
     if settings.rate_limit == "execution_count":
         limiter = RateLimiter(parse_resource_flags(settings.rate_limit_resources, device),
                               redis.Redis.from_url(url, protocol=2), settings.key_prefix, worker_id)
-    replies = ReplyWriter(url, keys)  # decoupled models' responses before their last
+    replies = ReplyWriter(url, keys, worker_id)  # decoupled models' responses before their last; custom metrics
     # Python models' calls to other models; nested instances for cyclic calls come from what the host loaded.
     bls = BlsService(settings, keys, control, worker_id, asyncio.get_running_loop(),
                      lambda model, version: host.load_context(model, version))
@@ -162,7 +163,7 @@ async def listen_for_cancellations(url: str, keys: Keys, host: ModelHost) -> Non
 
 
 def serve(settings: Settings, device: str = "cpu") -> int:
-    configure_logging(settings)
+    configure_logging(settings, "worker")
     import uvloop
 
     async def main() -> int:

@@ -19,6 +19,7 @@ from fleet.envelope import ReplyEnvelope, WireTensor, encode_reply
 from fleet.keys import Keys
 from workers.backends.base import InferenceItem
 from workers.consumer import ORPHAN_REPLY_TTL_S, REPLY_MAXLEN
+from workers.custom_metrics import CustomMetricsBook
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,15 @@ def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> Repl
 
 
 class ReplyWriter:
-    def __init__(self, url: str, keys: Keys) -> None:
+    def __init__(self, url: str, keys: Keys, worker_id: str = "") -> None:
         self._client = redis.Redis.from_url(url, protocol=2)
         self._keys = keys
+        self._worker_id = worker_id
+        # Python models' custom metrics, this worker's part (workers/custom_metrics.py).
+        self.custom_metrics = CustomMetricsBook(self._publish_custom_metrics)
+
+    def _publish_custom_metrics(self, model: str, part: bytes) -> None:
+        self._client.hset(self._keys.custom_metrics(model), self._worker_id, part)
 
     def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
         """A generation engine's metrics (workers/generation/metrics.py) into the model's stats hash.

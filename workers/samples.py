@@ -14,14 +14,17 @@ def batch_sample(version: int, batched: bool, envs: list[RequestEnvelope], outco
     """`enqueued_us`: when each request was enqueued, on the same clock as `started_us` and `now_us`."""
     ok = [(e, t) for e, t, r in zip(envs, enqueued_us, outcome.replies, strict=True) if r.ok]
     bad = [t for t, r in zip(enqueued_us, outcome.replies, strict=True) if not r.ok]
+    request_us = tuple(max(0, now_us - t) for _, t in ok)
+    queue_us = tuple(max(0, started_us - t) for _, t in ok)
     return BatchSample(
         version=version, batch_size=sum(e.batch_rows(batched) for e, _ in ok), requests_ok=len(ok),
         requests_failed=len(bad),
-        request_ns_ok=sum(max(0, now_us - t) for _, t in ok) * 1000,
+        request_ns_ok=sum(request_us) * 1000,
         request_ns_failed=sum(max(0, now_us - t) for t in bad) * 1000,
-        queue_ns=sum(max(0, started_us - t) for _, t in ok) * 1000,
+        queue_ns=sum(queue_us) * 1000,
         compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
         compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
+        request_us=request_us, queue_us=queue_us,
     )
 
 

@@ -32,22 +32,28 @@ OTHER_ERRORS = "(other errors)"
 COMMON_ERRORS = 5  # shown in a job's summary
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
-# KEYS = job hash, index, unfinished set; ARGV[1] = score, ARGV[2] = id, then field/value pairs.
+# KEYS = job hash, index, unfinished set, state counts; ARGV[1] = score, ARGV[2] = id, then field/value
+# pairs. Jobs are counted per state as they move (jobs are never deleted), so /metrics reads one hash.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('HINCRBY', KEYS[4], 'queued', 1)
 return 1
 """
 
-# KEYS = job hash, unfinished set; ARGV[1] = new state, ARGV[2] = ",allowed,from,states,", ARGV[3] = 1 if
-# the new state is terminal, ARGV[4] = id, then field/value pairs.
+# KEYS = job hash, unfinished set, state counts; ARGV[1] = new state, ARGV[2] = ",allowed,from,states,",
+# ARGV[3] = 1 if the new state is terminal, ARGV[4] = id, then field/value pairs.
 _TRANSITION = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return -1 end
 if not string.find(ARGV[2], ',' .. state .. ',', 1, true) then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1])
+if state ~= ARGV[1] then
+  redis.call('HINCRBY', KEYS[3], state, -1)
+  redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+end
 if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
 if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
 return 1
@@ -83,8 +89,9 @@ class JobStore:
         now = time.time()
         record = {"id": job_id, "state": QUEUED, "created_at": now, "done": 0, "failed": 0, "written": 0,
                   "in_offset": 0, "out_offset": 0, "attempts": 0, **fields}
-        created = self._client.eval(_CREATE, 3, self.keys.job(job_id), self.keys.jobs(),
-                                    self.keys.jobs_unfinished(), now, job_id, *_flat(record))
+        created = self._client.eval(_CREATE, 4, self.keys.job(job_id), self.keys.jobs(),
+                                    self.keys.jobs_unfinished(), self.keys.job_states(), now, job_id,
+                                    *_flat(record))
         return bool(created)
 
     def get(self, job_id: str) -> dict[str, Any] | None:
@@ -120,7 +127,8 @@ class JobStore:
     def transition(self, job_id: str, to: str, allowed_from: Iterable[str],
                    fields: Mapping[str, Any] | None = None) -> bool:
         """Compare-and-set the state; False if the job is gone or not in one of `allowed_from`."""
-        result = self._client.eval(_TRANSITION, 2, self.keys.job(job_id), self.keys.jobs_unfinished(), to,
+        result = self._client.eval(_TRANSITION, 3, self.keys.job(job_id), self.keys.jobs_unfinished(),
+                                   self.keys.job_states(), to,
                                    f",{','.join(allowed_from)},", "1" if to in TERMINAL else "0", job_id,
                                    *_flat(fields or {}))
         return bool(result == 1)

@@ -75,7 +75,7 @@ def _run_worker(settings: Settings, keys: Keys) -> None:
 
 def serve(settings: Settings) -> int:
     """Run RQ workers one after the other until SIGTERM/SIGINT; never exits because Redis is away."""
-    configure_logging(settings)
+    configure_logging(settings, "jobs")
     os.nice(10)
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGINT, _stop_on_signal)

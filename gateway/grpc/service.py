@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 
+from fleet import log_context
 from fleet.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -175,6 +176,9 @@ class InferenceService:
     async def infer(self, request: Any, timeout_s: float | None, trace: Trace | None = None) -> Any:
         """One ModelInferRequest through the data path; `timeout_s`: how long its caller still waits."""
         catalog, dataplane = self.state.catalog, self.state.dataplane
+        # Not unbound: each request is a task of its own (calls.py, stream.py), whose failure line, logged
+        # after this returns, names the request too.
+        log_context.bind(log_context.RequestLog(request.model_name, request.model_version))
         if trace is not None:
             trace.stamp(REQUEST_START)
         view, v = catalog.resolve(request.model_name, request_version(request.model_version))
@@ -197,6 +201,7 @@ class InferenceService:
         if flag is not None:
             del request.parameters[EMPTY_FINAL]
         catalog, dataplane = self.state.catalog, self.state.dataplane
+        log_context.bind(log_context.RequestLog(request.model_name, request.model_version))  # as in infer
         view, v = catalog.resolve(request.model_name, request_version(request.model_version))
         spec = view.entry.spec
         if not spec.decoupled:

@@ -195,9 +195,12 @@ def test_statistics_have_every_duration(client: http.InferenceServerClient) -> N
 def test_metrics_use_triton_names(system: RunningSystem) -> None:
     with urllib.request.urlopen(system.metrics_url, timeout=10) as r:
         text = r.read().decode()
-    assert 'nv_inference_request_success_total{model="simple",version="1"}' in text or \
-        'nv_inference_request_success{model="simple",version="1"}' in text
-    assert "nv_inference_exec_count" in text
+    # Exactly Triton's names: its counters carry no `_total` (prometheus-cpp), so dashboards and alerts
+    # written for Triton find them.
+    assert "# TYPE nv_inference_request_success counter" in text
+    assert 'nv_inference_request_success{model="simple",version="1"}' in text
+    assert 'nv_inference_exec_count{model="simple",version="1"}' in text
+    assert "nv_inference_request_success_total" not in text
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])

@@ -81,8 +81,8 @@ def test_reject_timeouts_never_reach_the_model(redis_server: LocalServer, key_pr
         assert st["execution_count"] == 1 and st["inference_stats"]["success"]["count"] == 1
         assert st["inference_stats"]["fail"]["count"] == 3
         text = (await s.client.get("/metrics")).text  # REJECTED is counted apart from backend failures
-        assert 'nv_inference_request_failure_total{model="rejecting",reason="REJECTED",version="1"} 3.0' in text
-        assert 'nv_inference_request_failure_total{model="rejecting",reason="BACKEND",version="1"} 0.0' in text
+        assert 'nv_inference_request_failure{model="rejecting",reason="REJECTED",version="1"} 3.0' in text
+        assert 'nv_inference_request_failure{model="rejecting",reason="BACKEND",version="1"} 0.0' in text
 
     run(redis_server, key_prefix, repo, body)
 

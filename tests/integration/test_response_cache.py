@@ -136,8 +136,8 @@ def test_a_response_is_shared_by_two_gateways_and_errors_are_not_cached(
                     assert inference["success"]["count"] == 3  # two computed, one from the cache
                     assert stats["execution_count"] == 2
                     metrics = (await client2.get("/metrics")).text
-                    assert 'nv_cache_num_hits_per_model_total{model="cached",version="1"} 1.0' in metrics
-                    assert 'nv_cache_num_misses_per_model_total{model="cached",version="1"} 2.0' in metrics
+                    assert 'nv_cache_num_hits_per_model{model="cached",version="1"} 1.0' in metrics
+                    assert 'nv_cache_num_misses_per_model{model="cached",version="1"} 2.0' in metrics
             finally:
                 await other.state.fleet.stop()
 
@@ -178,7 +178,7 @@ def test_metrics_text_is_valid_with_the_cache_families(redis_server: LocalServer
     async def main() -> None:
         async with in_process_system(redis_server.url, key_prefix, [repo]) as s:
             text = (await s.client.get("/metrics")).text
-            assert "# TYPE nv_cache_num_hits_per_model_total counter" in text
+            assert "# TYPE nv_cache_num_hits_per_model counter" in text
             # No --cache-config: a model that enables the cache is computed every time.
             for _ in range(2):
                 assert (await infer(s.client, "cached", [5.0])).status_code == 200

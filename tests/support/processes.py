@@ -41,6 +41,7 @@ class Cluster:
     redis_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)  # the cluster's gateway's (extra gateways: a free one each)
+    metrics_port: int = field(default_factory=free_port)  # the cluster's gateway's (extra gateways: a free one each)
     gateway: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     extra_gateways: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -77,7 +78,8 @@ class Cluster:
         """The cluster's gateway (on `http_port`), or with another `http_port` an extra one, stopped with
         the cluster; `env` is added to the cluster's environment for this process only."""
         port = http_port or self.http_port
-        proc = self._spawn("gateway", ["gateway", "--http-port", str(port), "--metrics-port", str(free_port()),
+        metrics_port = self.metrics_port if port == self.http_port else free_port()
+        proc = self._spawn("gateway", ["gateway", "--http-port", str(port), "--metrics-port", str(metrics_port),
                                        "--grpc-port", str(self.grpc_port if port == self.http_port else free_port())],
                            env)
         if port == self.http_port:

@@ -24,6 +24,7 @@ from fleet.config_checks import WILDCARD_DIM
 from fleet.envelope import WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, ServingError
 from fleet.model_config import ModelSpec
+from workers.custom_metrics import CustomMetricsBook
 
 
 @dataclass(slots=True)
@@ -69,6 +70,10 @@ class ModelWrites(Protocol):
 
     def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
         """Adds `increments` to and sets `gauges` in the model's stats hash; raises on a Redis error."""
+
+    @property
+    def custom_metrics(self) -> CustomMetricsBook:
+        """Python models' custom metrics, this worker's part (workers/custom_metrics.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ SIGKILL leaves no stub behind, even one busy in execute() (an idle one would als
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import IO, Any, ClassVar
 
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, ServingError, from_code
+from fleet.logs import current_log_settings, process_log_format
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
 from workers.backends.decoupled import DecoupledCall
 from workers.backends.frames import PipeClosed, read_frame, write_frame
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 # threads), so they are all forked from this one thread instead, which lives as long as the process.
 _spawner: ThreadPoolExecutor | None = None
 _spawner_lock = threading.Lock()
+_stub_numbers = itertools.count(1)
 
 
 def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
@@ -100,7 +103,9 @@ class PythonBackend:
         self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # BLS replies are written off the event loop that produced them (a large tensor must not stall it).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.instance_name}-bls-writer")
-        threading.Thread(target=self._read, args=(self._in, self._replies, self._out), daemon=True,
+        # This stub process's name among the worker's reporters of custom metrics (a restart is another).
+        stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
+        threading.Thread(target=self._read, args=(self._in, self._replies, self._out, stub), daemon=True,
                          name=f"{ctx.instance_name}-reader").start()
         args = {
             "model_config": json.dumps(ctx.spec.to_json()),
@@ -113,7 +118,8 @@ class PythonBackend:
         }
         try:
             reply = self._roundtrip({"op": "init", "model_py": str(self._model_py), "args": args,
-                                     "decoupled": ctx.spec.decoupled})
+                                     "decoupled": ctx.spec.decoupled,
+                                     "log": [process_log_format(), current_log_settings().log_verbose_level]})
         except InferenceFailed as exc:  # the stub died while importing or initializing the model
             self.close()
             raise ConfigError(f"{ctx.spec.name}: initialize() failed: {exc}") from exc
@@ -133,25 +139,41 @@ class PythonBackend:
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
                                   f"{self._exit_status()}") from exc
 
-    def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes]) -> None:
+    def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes], stub: str) -> None:
         """This stub's frames (one thread per stub process): replies in order; BLS calls and a
-        decoupled model's responses handed on as they come."""
+        decoupled model's responses handed on as they come. Custom metrics (`m`) are published before
+        the reply that carries them is handed on; once the stub is gone, what it counted is kept."""
         while True:
             try:
                 msg = read_frame(inp)
             except (PipeClosed, OSError, ValueError) as exc:
+                self._metrics(stub, None)
                 replies.put(PipeClosed(str(exc)))
                 call = self._decoupled
                 if call is not None:
                     call.stub_died()
                 return
             op = msg.get("op") if isinstance(msg, dict) else None
+            if isinstance(msg, dict) and isinstance(msg.get("m"), list):
+                self._metrics(stub, msg.pop("m"))
+            if op == "metrics":
+                continue
             if op == "bls":
                 self._bls(msg, out)
             elif op == "send":
                 self._on_send(msg)
             else:
                 replies.put(msg)
+
+    def _metrics(self, stub: str, snapshot: object) -> None:
+        """A snapshot of the stub's custom metrics to the worker's book; None once the stub is gone."""
+        writes = self._ctx.writes
+        if writes is None:  # loaded without a worker around it (tests): nowhere to publish
+            return
+        if snapshot is None:
+            writes.custom_metrics.retire(self._ctx.spec.name, stub)
+        else:
+            writes.custom_metrics.report(self._ctx.spec.name, stub, snapshot)
 
     def _bls(self, msg: dict[str, Any], out: IO[bytes]) -> None:
         n = msg.get("n")

@@ -3,8 +3,9 @@
 It imports the model's model.py with fleet's `triton_python_backend_utils` on sys.path, then serves
 frames from the worker: init, execute (a list of requests -> one response per request, or for a
 decoupled model `send` frames as the model sends), finalize; BLS calls go the other way
-(workers/backends/stub_channel.py has the frames). User code runs here, so its crash, leak or GIL use
-costs this instance, not the worker.
+(workers/backends/stub_channel.py has the frames). The model's custom metrics go to the worker as an
+`m` field of a reply, or a `metrics` frame, whenever they changed (fleet/custom_metrics.py: wire form).
+User code runs here, so its crash, leak or GIL use costs this instance, not the worker.
 
     python -m workers.backends.python_stub FD_IN FD_OUT WORKER_PID
 
@@ -23,19 +24,22 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fleet import tensors
+from fleet import log_context, tensors
 from fleet.lifetime import die_with_parent
+from fleet.logs import configure_process_logging
 from workers.backends.frames import PipeClosed
 from workers.backends.stub_bls import BlsCaller
 from workers.backends.stub_channel import StubChannel
 
 SHIM_DIR = Path(__file__).parent / "python_shim"
+METRICS_FLUSH_S = 1.0  # how often the flusher thread looks for metric changes made between calls
 
 
 def import_model_module(model_py: Path) -> Any:
@@ -101,12 +105,25 @@ class Stub:
         self.pb: Any = None
         self.loop = asyncio.new_event_loop()
         self.decoupled = False
+        self.model_name, self.model_version = "", 0
         # A decoupled model's requests not complete yet (final flag not sent), by the worker's key.
         self._senders: dict[str, Any] = {}
         self._senders_lock = threading.Lock()
         channel.on_cancel = self.cancel
+        # The model's custom metrics (pb_utils.MetricFamily): a snapshot goes to the worker with the next
+        # reply after they changed, and from a flusher thread for changes made between calls. One lock
+        # covers taking a snapshot and sending it, so the worker never gets an older one after a newer.
+        self._metrics_lock = threading.Lock()
+        self._metrics_reported = 0
+        self._flusher: threading.Thread | None = None
 
     def init(self, msg: dict[str, Any]) -> None:
+        # The worker's format and verbose level: pb_utils.Logger's lines read like the worker's own.
+        log_format, verbose = msg.get("log") or ("text", 0)
+        configure_process_logging(log_format, verbose, "stub")
+        args = msg["args"]
+        self.model_name, self.model_version = args["model_name"], int(args["model_version"])
+        log_context.bind(log_context.RequestLog(self.model_name, self.model_version))  # what initialize() logs
         sys.path.insert(0, str(SHIM_DIR))
         import triton_python_backend_utils as pb
 
@@ -137,6 +154,14 @@ class Stub:
         ]
 
     def execute(self, msg: dict[str, Any]) -> dict[str, Any]:
+        ids = [log_context.IdsOnly(r["k"]) for r in msg["requests"]]
+        token = log_context.bind(log_context.BatchLog(self.model_name, self.model_version, ids))
+        try:
+            return self._execute(msg)
+        finally:
+            log_context.unbind(token)
+
+    def _execute(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.decoupled:
             return self._execute_decoupled(msg)
         pb = self.pb
@@ -202,6 +227,38 @@ class Stub:
                 error=self.pb.TritonError(f"expected a single response, got {len(sent)}"))
         return sent[0]
 
+    def reply(self, frame: dict[str, Any]) -> None:
+        """Send a reply to init/execute/finalize, with the model's metrics if they changed (a model that
+        defines none pays one integer comparison)."""
+        with self._metrics_lock:
+            snapshot = self._metrics_update()
+            if snapshot is not None:
+                frame["m"] = snapshot
+            self.channel.send(frame)
+        if self._flusher is None and self.pb is not None and self.pb._metric_families:
+            self._flusher = threading.Thread(target=self._flush_metrics, name="stub-metrics", daemon=True)
+            self._flusher.start()
+
+    def _metrics_update(self) -> list[Any] | None:
+        pb = self.pb
+        if pb is None or pb._metric_changes() == self._metrics_reported:
+            return None
+        self._metrics_reported = pb._metric_changes()
+        return list(pb._metric_snapshot())
+
+    def _flush_metrics(self) -> None:
+        """Changes made outside a call (a model's own threads, a decoupled model's sends after execute()
+        returned) reach the worker within METRICS_FLUSH_S."""
+        while True:
+            time.sleep(METRICS_FLUSH_S)
+            try:
+                with self._metrics_lock:
+                    snapshot = self._metrics_update()
+                    if snapshot is not None:
+                        self.channel.send({"op": "metrics", "m": snapshot})
+            except (PipeClosed, OSError, ValueError):
+                return
+
     def finalize(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
             self._call(self.model.finalize)
@@ -224,19 +281,19 @@ def main(argv: list[str]) -> int:
         try:
             if op == "init":
                 stub.init(msg)
-                channel.send({"ok": True})
+                stub.reply({"ok": True})
             elif op == "execute":
-                channel.send(stub.execute(msg))
+                stub.reply(stub.execute(msg))
             elif op == "finalize":
                 stub.finalize()
-                channel.send({"ok": True})
+                stub.reply({"ok": True})
                 return 0
             else:
-                channel.send({"error": f"unknown op {op!r}"})
+                stub.reply({"error": f"unknown op {op!r}"})
         except PipeClosed:
             return 0
         except Exception as exc:
-            channel.send({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+            stub.reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
 
 
 if __name__ == "__main__":

@@ -414,6 +414,9 @@ def _incoming_request(
 # pb_utils.* as in Triton. The worker imports this module as a top-level one (shim dir on sys.path).
 from _pb_utils_config import ModelConfig  # noqa: E402
 from _pb_utils_extras import Logger, LogLevel, Metric, MetricFamily  # noqa: E402
+from _pb_utils_extras import _changes as _metric_changes  # noqa: E402, F401  (the stub reports metrics)
+from _pb_utils_extras import _families as _metric_families  # noqa: E402, F401
+from _pb_utils_extras import _snapshot as _metric_snapshot  # noqa: E402, F401
 from _pb_utils_helpers import (  # noqa: E402
     get_input_config_by_name,
     get_input_tensor_by_name,
