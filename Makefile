@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test models perf-analyzer clean
+.PHONY: up test compose-test models perf-analyzer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ perf-analyzer:
 
 test: $(STAMP) models perf-analyzer
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# compose.yaml for real (tests/compose/): its own Docker daemon, images built here, the stack up, faults,
+# down. Minutes, so not part of `make test`; .ci/run runs both.
+compose-test: $(STAMP) models
+	FLEET_COMPOSE_TEST=1 $(PY) -m pytest -s -p no:cacheprovider tests/compose $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .fleet .tools

@@ -34,21 +34,45 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 # service -> the `fleet` subcommand its container must run
-FLEET_SERVICES = {"gateway": "gateway", "worker": "worker", "jobs": "jobs-worker"}
+FLEET_SERVICES = {"gateway": "gateway", "worker": "worker", "worker-cpu": "worker", "jobs": "jobs-worker"}
+DOTENV = ROOT / ".env"
 
 
 # ── helpers ──────────────────────────────────────────────────────────────────
 
 
+_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """`${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?message}` and `$$` as Compose resolves them
+    (in an environment without the variables by default, as on a fresh host)."""
+    env = env or {}
+
+    def value(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        current = env.get(name)
+        unset = current is None or (op is not None and op.startswith(":") and current == "")
+        if op is not None and op.endswith("?") and unset:
+            raise ValueError(f"{name}: {arg}")
+        return arg if unset and op is not None and op.endswith("-") else (current or "")
+
+    return _VARIABLE.sub(value, text)
+
+
 def load_compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    data = yaml.safe_load(interpolate(COMPOSE_FILE.read_text()))
     assert isinstance(data, dict), "compose.yaml is not a mapping"
     return data
 
 
 def validate_compose_text(text: str) -> None:
-    """Raise ValueError (with line/column) when `text` is not a valid compose file."""
-    compose = PyCompose.from_yaml(text)
+    """Raise ValueError when `text` (interpolated, its YAML merge keys resolved, as Compose reads it) is not
+    a valid compose file. (The validator reads `<<` as a key, so it gets the resolved file: line numbers in
+    its messages are that file's.)"""
+    compose = PyCompose.from_yaml(yaml.safe_dump(yaml.safe_load(interpolate(text)), sort_keys=False))
     compose.validate()
     compose.validate_volumes()
     compose.validate_networks()
@@ -196,8 +220,27 @@ def test_the_validator_rejects_an_invalid_file() -> None:
         validate_compose_text(broken)
 
 
-def test_project_is_named_fleet(compose: dict[str, Any]) -> None:
-    assert compose.get("name") == "fleet"
+def test_project_is_named_fleet_by_dotenv_for_compose_v1_and_v2(compose: dict[str, Any]) -> None:
+    # Compose v1 (docker-compose 1.29, Debian's) rejects a top-level `name:`; both read .env.
+    assert "name" not in compose
+    dotenv = dict(line.split("=", 1) for line in DOTENV.read_text().splitlines() if line and not line.startswith("#"))
+    assert dotenv["COMPOSE_PROJECT_NAME"] == "fleet"
+    assert dotenv["COMPOSE_PROFILES"] == "gpu"  # plain `docker compose up` starts the GPU workers
+
+
+def test_interpolation_resolves_as_compose_does() -> None:
+    text = "a: ${A:-x} b: ${B-y} c: ${C} d: $$D"
+    assert interpolate(text) == "a: x b: y c:  d: $D"
+    assert interpolate(text, {"A": "", "B": "", "C": "3"}) == "a: x b:  c: 3 d: $D"
+    with pytest.raises(ValueError, match="needed"):
+        interpolate("${E:?needed}")
+
+
+def test_published_ports_default_to_every_interface_and_move_with_the_environment() -> None:
+    text = COMPOSE_FILE.read_text()
+    moved = yaml.safe_load(interpolate(text, {"FLEET_PUBLISH_ADDRESS": "127.0.0.1", "FLEET_HTTP_PORT": "18000"}))
+    assert "127.0.0.1:18000:8000" in moved["services"]["gateway"]["ports"]
+    assert "0.0.0.0:8000:8000" in load_compose()["services"]["gateway"]["ports"]
 
 
 def test_every_depends_on_target_is_a_service(services: dict[str, Any]) -> None:
@@ -248,12 +291,19 @@ def test_dockerfile_entrypoint_is_fleet(entrypoint: list[str]) -> None:
     assert entrypoint == ["fleet"]
 
 
-def test_dockerfile_runs_as_non_root_on_python_slim() -> None:
-    instructions = join_continuations(DOCKERFILE.read_text())
+def test_dockerfile_is_multi_stage_non_root_on_python_slim_and_healthchecked() -> None:
+    text = DOCKERFILE.read_text()
+    instructions = join_continuations(text)
+    assert re.search(r"(?m)^ARG BASE_IMAGE=python:3\.11-slim$", text)  # before the first FROM: global
     froms = [i for i in instructions if re.match(r"(?i)^FROM\s", i)]
-    assert froms and froms[-1].split()[1] == "python:3.11-slim"
-    users = [i.split()[1] for i in instructions if re.match(r"(?i)^USER\s", i)]
+    assert [f.split()[1] for f in froms] == ["${BASE_IMAGE}", "${BASE_IMAGE}"] and froms[0].endswith(" AS build")
+    runtime = instructions[instructions.index(froms[-1]):]
+    # The runtime stage takes only the build stage's virtual environment: no source tree, no pip cache.
+    assert [i for i in runtime if re.match(r"(?i)^COPY\s", i)] == ["COPY --from=build /opt/fleet /opt/fleet"]
+    users = [i.split()[1] for i in runtime if re.match(r"(?i)^USER\s", i)]
     assert users and users[-1] not in ("root", "0"), "the image must not run as root"
+    health = [i for i in runtime if re.match(r"(?i)^HEALTHCHECK\s", i)]
+    assert len(health) == 1 and health[0].endswith('CMD ["python", "-m", "fleet.healthcheck"]')
 
 
 def test_project_installs_the_fleet_script() -> None:
@@ -331,8 +381,7 @@ def test_gateway_publishes_its_grpc_port(services: dict[str, Any], entrypoint: l
 def test_gateway_mounts_the_repository_read_only_and_is_healthchecked(services: dict[str, Any]) -> None:
     gateway = services["gateway"]
     assert mounts(gateway)["/models"] == ("./model_repository", True)
-    test = " ".join(gateway["healthcheck"]["test"])
-    assert "/v2/health/live" in test and ":8000" in test and "curl" not in test
+    assert gateway["healthcheck"]["test"] == ["CMD", "python", "-m", "fleet.healthcheck"]  # /v2/health/live on its port
     assert gateway["restart"] == "unless-stopped"
     assert "stop_grace_period" in gateway
 
@@ -357,13 +406,33 @@ def test_worker_reserves_a_gpu_and_uses_it(services: dict[str, Any], entrypoint:
     assert worker["deploy"]["replicas"] >= 1
     args = parse_fleet_argv(container_argv(entrypoint, worker["command"]), "worker")
     assert args.device.startswith("cuda:")
+    assert worker["profiles"] == ["gpu"] and worker["image"] == "fleet:gpu"
 
 
-def test_worker_mounts_the_repository_and_drains_on_stop(services: dict[str, Any]) -> None:
-    worker = services["worker"]
+def test_the_cpu_worker_pool_is_a_profile_on_the_cpu_image(services: dict[str, Any], entrypoint: list[str]) -> None:
+    worker = services["worker-cpu"]
+    assert worker["profiles"] == ["cpu"] and worker["image"] == services["gateway"]["image"] == "fleet:cpu"
+    assert "deploy" not in worker  # no GPU reservation
+    assert parse_fleet_argv(container_argv(entrypoint, worker["command"]), "worker").device == "cpu"
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_worker_mounts_the_repository_and_drains_on_stop(services: dict[str, Any], name: str) -> None:
+    worker = services[name]
     source, _ = mounts(worker)["/models"]
     assert source == "./model_repository"
     assert worker["stop_grace_period"] == "30s"
+    assert worker["healthcheck"]["test"] == ["CMD", "python", "-m", "fleet.healthcheck"]
+    assert environment(worker)["REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_prometheus_scrapes_the_gateway_metrics_port(services: dict[str, Any], entrypoint: list[str]) -> None:
+    config_mount = mounts(services["prometheus"])["/etc/prometheus/prometheus.yml"]
+    assert config_mount == ("./docs/deploy/prometheus.yml", True)
+    config = yaml.safe_load((ROOT / config_mount[0]).read_text())
+    targets = {c["job_name"]: c["static_configs"][0]["targets"] for c in config["scrape_configs"]}
+    metrics_port = parse_fleet_argv(container_argv(entrypoint, services["gateway"]["command"]), "gateway").metrics_port
+    assert targets["fleet"] == [f"gateway:{metrics_port}"]
 
 
 # ── package indexes and machine paths ────────────────────────────────────────
@@ -380,8 +449,11 @@ REGISTRY_HOSTS = re.compile(r"(?<![\w-])(?:[\w-]+\.)*(?:" + "|".join(HOST_PATTER
 # Absolute paths of a particular machine (the checkout, a home directory, /opt installs); the project
 # refers to its neighbours relative to the checkout (`../shared/...`).
 MACHINE_PATHS = re.compile(r"(?<![\w.~])/(?:work|root|home|opt|Users)/")
-# (file, exact text) pairs that match but are not this machine's: the image's own user's home.
-ALLOWED = {("Dockerfile", "/home/fleet")}
+# (file, exact text) pairs that match but are not this machine's: the image's own user's home and its
+# virtual environment.
+# And Debian's package of the Docker engine, whose name is the registry's host name.
+ALLOWED = {("Dockerfile", "/home/fleet"), ("Dockerfile", "/opt/fleet"),
+           ("tests/compose/stack.py", "docker.io"), (".ci/run", "docker.io")}
 
 
 def offending_lines(name: str, text: str) -> list[str]:
@@ -475,7 +547,8 @@ def test_index_urls_are_build_arguments_without_a_default() -> None:
     assert any("torch.version.cuda" in run and "TORCH_VARIANT" in run for run in runs)
 
 
-def test_compose_passes_index_urls_from_the_environment(services: dict[str, Any]) -> None:
+def test_compose_passes_index_urls_from_the_environment() -> None:
+    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]  # as written, not interpolated
     for name, variant, torch_var in (("gateway", "cpu", "TORCH_CPU_INDEX_URL"),
                                      ("worker", "cuda", "TORCH_CUDA_INDEX_URL")):
         args = services[name]["build"]["args"]
