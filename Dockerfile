@@ -72,7 +72,7 @@ RUN pip install ${INDEX_URL:+--index-url "${INDEX_URL}"} .
 FROM ${BASE_IMAGE}
 
 # pip compiled the bytecode in the build stage; the runtime user cannot (and need not) write it.
-# FLEET_LOG_FORMAT: one JSON object per log line in containers (fleet/log_settings.py); `make up` logs text.
+# FLEET_LOG_FORMAT: one JSON object per log line in containers (fleet/log_format.py); `make up` logs text.
 ENV PATH=/opt/fleet/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -16,6 +16,7 @@ process's estimate of Redis's clock (fleet/redis_time.py), the time base of ever
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -234,7 +235,8 @@ class Broker:
             log.debug("cancelling %s failed: %s", request_id, exc)
 
     def _start_flush(self) -> None:
-        task = asyncio.ensure_future(self._flush())
+        # Its own context: started by whichever request came first, it carries every request's writes.
+        task = asyncio.get_running_loop().create_task(self._flush(), context=contextvars.Context())
         self._flushes.add(task)  # keep a reference until done (the loop holds tasks weakly)
         task.add_done_callback(self._flushes.discard)
 

@@ -190,11 +190,12 @@ def _bounded(families: Iterable[Family]) -> list[Family]:
 # --- combining ----------------------------------------------------------------------------------
 
 
-def combine(parts: Iterable[Sequence[Family]]) -> list[Family]:
+def combine(parts: Iterable[Sequence[Family]], bounded: bool = True) -> list[Family]:
     """The sum of several parts (stubs of one worker, or workers of the fleet), series by series;
-    sorted by family name and labels, bounded by the caps. The first part to name a family sets its
-    help and kind; a same-named family of another kind, or a histogram series with other bounds, in a
-    later part is dropped."""
+    sorted by family name and labels, bounded by the caps (one model's parts; `bounded=False` for the
+    sum of models each already bounded). The first part to name a family sets its help and kind; a
+    same-named family of another kind, or a histogram series with other bounds, in a later part is
+    dropped."""
     heads: dict[str, Family] = {}
     merged: dict[str, dict[Labels, Series]] = {}
     for part in parts:
@@ -206,8 +207,9 @@ def combine(parts: Iterable[Sequence[Family]]) -> list[Family]:
             for s in f.series:
                 have = into.get(s.labels)
                 into[s.labels] = s if have is None else _add(head.kind, have, s)
-    return _bounded(Family(n, heads[n].help, heads[n].kind, tuple(merged[n][k] for k in sorted(merged[n])))
-                    for n in sorted(heads))
+    families = [Family(n, heads[n].help, heads[n].kind, tuple(merged[n][k] for k in sorted(merged[n])))
+                for n in sorted(heads)]
+    return _bounded(families) if bounded else families
 
 
 def _add(kind: Kind, a: Series, b: Series) -> Series:

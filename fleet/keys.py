@@ -51,6 +51,11 @@ class Keys:
         fleet/custom_metrics.py); gateways add the parts up (gateway/custom_metrics.py)."""
         return f"{self.prefix}:{{{model}}}:custom_metrics"
 
+    def custom_metrics_folded(self, model: str) -> str:
+        """Set: the workers whose parts a gateway folded into the hash's RETIRED field (they are dead);
+        a folded worker's later writes are refused, or its counts would be added twice."""
+        return f"{self.prefix}:{{{model}}}:custom_metrics:folded"
+
     def reply(self, gateway_id: str) -> str:
         return f"{self.prefix}:reply:{gateway_id}"
 

@@ -16,9 +16,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-# Log-spaced, 1-1.5-2-3-5-7.5 per decade from 100 µs, then up to 60 s: linear interpolation inside a
-# bucket is then off by at most half a step (<= 25 %) where a request's time falls.
+# 1-2-5 per decade below 100 µs (compute_input/output and an idle queue's wait live there), then
+# 1-1.5-2-3-5-7.5 per decade from 100 µs, then up to 60 s. A quantile interpolated linearly inside a
+# bucket is off by at most that bucket's width: below 100 µs up to 2.5x, above it up to 50 %.
 LATENCY_BOUNDS_US: tuple[int, ...] = (
+    1, 2, 5, 10, 20, 50,
     *(int(m * 10 ** e) for e in range(2, 7) for m in (1, 1.5, 2, 3, 5, 7.5)),
     10_000_000, 15_000_000, 20_000_000, 30_000_000, 60_000_000,
 )

@@ -12,28 +12,41 @@ counter `<name>_total`, and Triton's users (and its custom_metrics example) expe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError, WatchError
 
-from fleet.custom_metrics import Family, combine, decode, lasting, render
+from fleet.custom_metrics import Family, combine, decode, encode, lasting, render
 from fleet.keys import Keys
+
+log = logging.getLogger(__name__)
+
+# The hash's field for what dead workers left (their counters and histograms), folded in by a gateway
+# once FOLD_AT dead workers' parts pile up (each worker start is a new id, hence a new field).
+RETIRED = "~retired"
+FOLD_AT = 4
+FOLDED_TTL_S = 7 * 24 * 3600  # how long a folded worker stays fenced from writing its part again
 
 
 def fleet_total(parts: Mapping[str, Mapping[str, bytes]], live: Iterable[str]) -> list[Family]:
-    """model -> worker id -> that worker's encoded part, summed over workers and models (a family name
-    two models share is one family, as in Triton's one registry). Unreadable parts are skipped."""
+    """model -> worker id -> that worker's encoded part, summed over workers (bounded by the caps per
+    model), then over models (a family name two models share is one family, as in Triton's one
+    registry). Unreadable parts are skipped."""
     alive = set(live)
-    decoded: list[list[Family]] = []
+    per_model: list[list[Family]] = []
     for model in sorted(parts):
+        decoded: list[list[Family]] = []
         for worker in sorted(parts[model]):
             try:
                 families = decode(msgpack.unpackb(parts[model][worker], raw=False, strict_map_key=True))
             except (ValueError, TypeError, msgpack.UnpackException):
                 continue
             decoded.append(families if worker in alive else lasting(families))
-    return combine(decoded)
+        per_model.append(combine(decoded))
+    return combine(per_model, bounded=False)
 
 
 def names_in(exposition: bytes) -> frozenset[str]:
@@ -61,4 +74,44 @@ async def custom_metrics_text(client: aioredis.Redis, keys: Keys, models: Sequen
              for model, raw in zip(models, results, strict=True) if isinstance(raw, dict) and raw}
     if not parts:
         return b""
-    return render(fleet_total(parts, live), names_in(builtin)).encode()
+    alive = set(live)
+    for model, fields in parts.items():
+        if sum(1 for w in fields if w != RETIRED and w not in alive) >= FOLD_AT:
+            await fold_dead(client, keys, model, alive)
+    return render(fleet_total(parts, alive), names_in(builtin)).encode()
+
+
+def folded(fields: Mapping[str, bytes], dead: Iterable[str]) -> bytes:
+    """The RETIRED field's new value: what it held plus the dead workers' counters and histograms."""
+    out = [lasting(fleet_total({"m": {RETIRED: fields[RETIRED]}}, [RETIRED]))] if RETIRED in fields else []
+    out += [fleet_total({"m": {w: fields[w]}}, []) for w in dead]
+    return msgpack.packb(encode(combine(out)), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+async def fold_dead(client: aioredis.Redis, keys: Keys, model: str, live: set[str]) -> None:
+    """Fold the parts of workers that are dead (no heartbeat key: not merely between two beats) into
+    RETIRED and drop their fields, in one optimistic transaction: a worker writing meanwhile, or another
+    gateway folding, makes it give up until the next scrape, so nothing is counted twice. The folded
+    ids are fenced (workers/replies.py refuses their writes)."""
+    key = keys.custom_metrics(model)
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            await pipe.watch(key)
+            raw = await pipe.hgetall(key)
+            fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in raw.items()
+                      if isinstance(v, bytes)}
+            candidates = [w for w in sorted(fields) if w != RETIRED and w not in live]
+            beating = [await pipe.exists(keys.worker(w)) for w in candidates]
+            dead = [w for w, b in zip(candidates, beating, strict=True) if not b]
+            if len(dead) < FOLD_AT:
+                return
+            pipe.multi()  # type: ignore[no-untyped-call]
+            pipe.hset(key, RETIRED, folded(fields, dead))
+            pipe.hdel(key, *dead)
+            pipe.sadd(keys.custom_metrics_folded(model), *dead)
+            pipe.expire(keys.custom_metrics_folded(model), FOLDED_TTL_S)
+            await pipe.execute()
+    except WatchError:
+        return
+    except RedisError as exc:
+        log.warning("%s: dead workers' custom metrics could not be folded: %s", model, exc)

@@ -9,6 +9,7 @@ The route in routes.py serves the same URL with the same code path, for clarity 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -68,7 +69,8 @@ class _DisconnectWatch:
     def add(self, receive: Receive) -> _Waiting:
         loop = asyncio.get_running_loop()
         if self._timer is None:
-            self._timer = loop.create_task(self._run())
+            # Its own context: started from inside a request, it would log as that request for life.
+            self._timer = loop.create_task(self._run(), context=contextvars.Context())
         waiting = _Waiting(receive, loop.time())
         self._waiting[waiting] = None
         return waiting

@@ -177,9 +177,9 @@ def job_families(states: Mapping[str, int], running: Sequence[RunningJob]) -> It
         gauge.add_metric([state], max(0, states.get(state, 0)))
     yield gauge
     done = GaugeMetricFamily("fleet_job_items_done", "Items a running bulk job has finished",
-                             labels=["job", "model"])
+                             labels=["job_id", "model"])
     total = GaugeMetricFamily("fleet_job_items_total", "Items in a running bulk job's input (once counted)",
-                              labels=["job", "model"])
+                              labels=["job_id", "model"])
     for job in running:
         done.add_metric([job.job, job.model], job.done)
         if job.total is not None:

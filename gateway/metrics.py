@@ -1,10 +1,11 @@
 """Prometheus metrics with Triton's names, computed at scrape time from the counters the workers keep
-in Redis, so every gateway reports the fleet-wide totals (no per-process state to aggregate): scrape
-any one gateway, or all of them and take one (they agree), never sum across gateways.
+in Redis, so every gateway reports the fleet-wide totals: scrape any one gateway, or all of them and
+take one (`max by` the series' labels), never sum across gateways.
 
 Besides Triton's counters: latency histograms and Triton's summaries, batch sizes, pending requests
 per lane, workers per model, claims and dead letters, bulk jobs, GPUs (gateway/metric_families.py).
-The only state a gateway keeps is the baseline of its summaries' recent window."""
+Per gateway process, not fleet-wide: `fleet_unclaimed_replies` (the replies this gateway dropped) and
+the window of its summaries' quantiles (the baseline it keeps between scrapes)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fleet.admission import lane_count
-from fleet.keys import GROUP
 from fleet.latency_stats import LatencyWindow
 from fleet.llm_stats import ITL_BUCKETS_S, TTFT_BUCKETS_S, gauges, has_generation, histogram, llm_field
 from fleet.stats import field
@@ -37,6 +36,7 @@ from gateway.metric_families import (
     pending_family,
     triton_headers,
 )
+from gateway.queue_reading import decoded, queue_reads, streams_of, take_reads
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_JOBS_SCANNED = 1000  # unfinished bulk jobs looked at per scrape
@@ -164,20 +164,6 @@ class _Fleet(Collector):
         yield from gpu_families(self.gpus)
 
 
-def _undelivered(length: object, pending: object) -> int:
-    """Entries of a lane no worker has read yet: its length less what the group has delivered and not
-    acknowledged (acknowledged entries are deleted). No group yet: all of them."""
-    n = int(length) if isinstance(length, int) else 0
-    if isinstance(pending, dict):
-        n -= int(pending.get("pending", 0))
-    return max(0, n)
-
-
-def _decoded(raw: object) -> dict[str, int]:
-    """A hash of integers as HGETALL returned it ({} for an error or a missing key)."""
-    return {k.decode(): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
-
-
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
 
@@ -210,14 +196,9 @@ async def metrics(request: Request, window: LatencyWindow) -> Response:
     catalog = st.catalog
     names = sorted(catalog.views)
     pipe = st.client.pipeline(transaction=False)
-    lanes = {n: lane_count(catalog.view(n).entry.spec) for n in names}
+    streams = {n: streams_of(catalog, n) for n in names}
     for n in names:
-        pipe.hgetall(st.keys.stats(n))
-        pipe.xlen(st.keys.dead(n))
-        for v in catalog.view(n).entry.versions:
-            for lane in range(lanes[n]):  # every lane, the bulk lane (the last) included
-                pipe.xlen(st.keys.queue(n, lane, version=v))
-                pipe.xpending(st.keys.queue(n, lane, version=v), GROUP)
+        queue_reads(pipe, st.keys, n, streams[n])
     pipe.hgetall(st.keys.job_states())
     # Unfinished jobs (queued or running) are few; a random MAX_JOBS_SCANNED of them where not.
     pipe.srandmember(st.keys.jobs_unfinished(), MAX_JOBS_SCANNED)
@@ -227,15 +208,15 @@ async def metrics(request: Request, window: LatencyWindow) -> Response:
     models: dict[str, dict[str, int]] = {}
     dead: dict[str, int] = {}
     for n in names:
-        raw = models[n] = _decoded(next(results))
-        length = next(results)
-        dead[n] = length if isinstance(length, int) else 0
+        read = take_reads(results, n, streams[n])
+        raw = models[n] = read.stats
+        dead[n] = read.dead_letters
         for v in catalog.view(n).entry.versions:
-            waiting = [_undelivered(next(results), next(results)) for _ in range(lanes[n])]
+            waiting = read.waiting(v)
             rows.append((n, v, raw, catalog.queued.get((n, v), 0) + sum(waiting)))
             by_lane = [catalog.queued_lanes.get((n, v, lane), 0) + w for lane, w in enumerate(waiting)]
             fleet_rows.append(VersionRow(n, v, raw, by_lane, len(catalog.serving.get((n, v), []))))
-    jobs = _decoded(next(results))
+    jobs = decoded(next(results))
     running = await _running_jobs(st, next(results))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies, catalog.serving))

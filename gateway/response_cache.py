@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from fleet.envelope import ReplyEnvelope, decode_reply, encode_reply
 from fleet.errors import ConfigError, InvalidInput
 from fleet.kserve import ParsedInfer
+from fleet.latency_stats import bucket_deltas
 from gateway.counters import Counters
 
 log = logging.getLogger(__name__)
@@ -151,10 +152,13 @@ class ResponseCache:
             log.warning("response cache insert failed: %s", exc)
 
     def count_hit(self, stats_key: str, version: int, rows: int, request_ns: int, lookup_ns: int) -> None:
-        """A hit's statistics, as Triton counts them (a success that never executed; queue time 0)."""
+        """A hit's statistics, as Triton counts them (a success that never executed; queue time 0), its
+        latency buckets included, so that the histograms' counts and sums agree with these."""
         self.counters.add(stats_key, version, {"success:count": 1, "success:ns": request_ns, "queue:count": 1,
                                                "cache_hit:count": 1, "cache_hit:ns": lookup_ns,
-                                               "inference_count": rows})
+                                               "inference_count": rows,
+                                               **bucket_deltas("request", (request_ns // 1000,)),
+                                               **bucket_deltas("queue", (0,))})
 
     async def drain(self) -> None:
         """Inserts and counts still in flight, done (tests, and a stopping gateway)."""

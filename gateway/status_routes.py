@@ -23,12 +23,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from fleet.admission import lane_count
 from fleet.errors import BrokerUnavailable
-from fleet.keys import GROUP
-from fleet.status_build import ModelReading, Reading, StreamReading, build_snapshot
+from fleet.status_build import ModelReading, Reading, build_snapshot
 from fleet.status_snapshot import RateWindow, Snapshot, to_json
 from gateway.jobs.service import list_jobs
+from gateway.queue_reading import lanes_of, queue_reads, streams_of, take_reads
 from gateway.routes import json_response, state_of
 from gateway.state import REGISTRY_GRACE_MS, GatewayState
 from gateway.status_page import render_page
@@ -39,10 +38,6 @@ STATUS_PATH = "/v2/fleet/status"
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) else 0  # an error reply (no such stream or group yet) counts 0
 
 
 def _reason(st: GatewayState, name: str) -> str:
@@ -66,18 +61,9 @@ async def read_status(st: GatewayState, now_ms: int) -> Reading:
         pipe = client.pipeline(transaction=False)
         for worker_id, _ in ids:
             pipe.hgetall(keys.worker(worker_id))
-        plans: list[tuple[str, int, list[tuple[int, int]]]] = []
-        for name in names:
-            view = catalog.views.get(name)
-            # An ensemble has no streams of its own: the gateway runs its steps on theirs.
-            lanes = lane_count(view.entry.spec) if view is not None and not view.entry.spec.ensemble else 0
-            streams = [(v, lane) for v in (view.entry.versions if view is not None else ()) for lane in range(lanes)]
-            plans.append((name, lanes, streams))
-            pipe.hgetall(keys.stats(name))
-            pipe.xlen(keys.dead(name))
-            for v, lane in streams:
-                pipe.xlen(keys.queue(name, lane, version=v))
-                pipe.xpending(keys.queue(name, lane, version=v), GROUP)
+        plans = [(name, streams_of(catalog, name)) for name in names]
+        for name, streams in plans:
+            queue_reads(pipe, keys, name, streams)
         results = iter(await pipe.execute(raise_on_error=False))
         jobs = await asyncio.to_thread(list_jobs, st.jobs, JOBS_SHOWN)
     except (RedisError, OSError) as exc:
@@ -88,19 +74,13 @@ async def read_status(st: GatewayState, now_ms: int) -> Reading:
         if isinstance(beat, dict) and beat:
             beats[worker_id] = {_text(k): _text(v) for k, v in beat.items()}
     models = []
-    for name, lanes, streams in plans:
-        stats, dead = next(results), next(results)
-        readings = []
-        for v, lane in streams:
-            length, pending = next(results), next(results)
-            delivered = int(pending.get("pending", 0)) if isinstance(pending, dict) else 0
-            readings.append(StreamReading(v, lane, _int(length), delivered))
+    for name, streams in plans:
+        read = take_reads(results, name, streams)
         view = catalog.views.get(name)
         models.append(ModelReading(
             name=name, versions=tuple(view.entry.versions) if view is not None else (),
-            ready_versions=tuple(catalog.ready_versions(name)), lanes=lanes, reason=_reason(st, name),
-            stats={_text(k): int(v) for k, v in stats.items()} if isinstance(stats, dict) else {},
-            streams=tuple(readings), dead_letters=_int(dead)))
+            ready_versions=tuple(catalog.ready_versions(name)), lanes=lanes_of(catalog, name),
+            reason=_reason(st, name), stats=read.stats, streams=read.streams, dead_letters=read.dead_letters))
     return Reading(now_ms=now_ms, heartbeat_ttl_ms=int(st.settings.heartbeat_ttl_s * 1000), registry=dict(ids),
                    beats=beats, models=models, jobs=jobs)
 

@@ -37,6 +37,13 @@ def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> Repl
                          parameters=frame.get("p") or {}, final=final)
 
 
+PUBLISH_PART = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
 class ReplyWriter:
     def __init__(self, url: str, keys: Keys, worker_id: str = "") -> None:
         self._client = redis.Redis.from_url(url, protocol=2)
@@ -44,9 +51,13 @@ class ReplyWriter:
         self._worker_id = worker_id
         # Python models' custom metrics, this worker's part (workers/custom_metrics.py).
         self.custom_metrics = CustomMetricsBook(self._publish_custom_metrics)
+        self._publish_part = self._client.register_script(PUBLISH_PART)
 
     def _publish_custom_metrics(self, model: str, part: bytes) -> None:
-        self._client.hset(self._keys.custom_metrics(model), self._worker_id, part)
+        # Refused once a gateway folded this worker's part as a dead one's (gateway/custom_metrics.py):
+        # a worker back after its heartbeat expired is fenced, and its counts are in the fold already.
+        keys = [self._keys.custom_metrics(model), self._keys.custom_metrics_folded(model)]
+        self._publish_part(keys=keys, args=[self._worker_id, part])
 
     def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
         """A generation engine's metrics (workers/generation/metrics.py) into the model's stats hash.

@@ -216,11 +216,11 @@ def test_bulk_jobs_per_state_and_running_jobs_progress(redis_server: LocalServer
             series = await scrape(s)
             states = {dict(labels)["state"]: v for (name, labels), v in series.items() if name == "fleet_jobs"}
             assert states == {"queued": 1, "running": 2, "completed": 1, "failed": 0, "cancelled": 1}
-            assert value(series, "fleet_job_items_done", job="run-1", model="doubler") == 40
-            assert value(series, "fleet_job_items_total", job="run-1", model="doubler") == 100
-            assert value(series, "fleet_job_items_done", job="run-2", model="doubler") == 3
-            assert ("fleet_job_items_total", (("job", "run-2"), ("model", "doubler"))) not in series
+            assert value(series, "fleet_job_items_done", job_id="run-1", model="doubler") == 40
+            assert value(series, "fleet_job_items_total", job_id="run-1", model="doubler") == 100
+            assert value(series, "fleet_job_items_done", job_id="run-2", model="doubler") == 3
+            assert ("fleet_job_items_total", (("job_id", "run-2"), ("model", "doubler"))) not in series
             assert not [labels for name, labels in series if name == "fleet_job_items_done"
-                        and dict(labels)["job"] in ("wait-1", "done-1")]
+                        and dict(labels)["job_id"] in ("wait-1", "done-1")]
 
     asyncio.run(main())

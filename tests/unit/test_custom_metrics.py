@@ -212,6 +212,15 @@ def test_fleet_total_keeps_a_dead_workers_counters_and_drops_its_gauges() -> Non
     assert h.series[0].count == 2
 
 
+def test_the_caps_apply_per_model_not_to_the_fleet_page() -> None:
+    wide = [Family("w", "", Kind.COUNTER, tuple(Series((("m", m), ("i", f"{i:04d}")), 1.0) for i in range(500)))
+            for m in ("a", "b", "c")]
+    parts = {m: {"w1": _blob([f])} for m, f in zip("abc", wide, strict=True)}
+    [family] = fleet_total(parts, live={"w1"})
+    assert len(family.series) == 1500  # each model's 500 under its own cap of MAX_SERIES
+    assert 1500 > cm.MAX_SERIES
+
+
 def test_names_in_reads_family_and_sample_names() -> None:
     page = b'# HELP nv_x_total d\n# TYPE nv_x_total counter\nnv_x_total{model="a"} 1.0\nfleet_workers 1.0\n'
     assert names_in(page) == {"nv_x_total", "fleet_workers"}

@@ -21,25 +21,31 @@ from fleet.latency_stats import (
 from fleet.stats import BatchSample, field, increments
 
 INF = len(LATENCY_BOUNDS_US)
+HUNDRED = LATENCY_BOUNDS_US.index(100)
 
 
-def test_bounds_are_log_spaced_from_100_us_to_60_s() -> None:
-    assert LATENCY_BOUNDS_US[0] == 100 and LATENCY_BOUNDS_US[-1] == 60_000_000
-    assert all(b / a <= 2.0 for a, b in zip(LATENCY_BOUNDS_US, LATENCY_BOUNDS_US[1:], strict=False))
+def test_bounds_are_log_spaced_from_1_us_to_60_s() -> None:
+    assert LATENCY_BOUNDS_US[0] == 1 and LATENCY_BOUNDS_US[-1] == 60_000_000
+    above = LATENCY_BOUNDS_US[LATENCY_BOUNDS_US.index(100):]
+    assert all(b / a <= 2.5 for a, b in zip(LATENCY_BOUNDS_US, LATENCY_BOUNDS_US[1:], strict=False))
+    assert all(b / a <= 2.0 for a, b in zip(above, above[1:], strict=False))
     assert list(LATENCY_BOUNDS_US) == sorted(set(LATENCY_BOUNDS_US))
 
 
 def test_a_value_falls_in_the_first_bucket_whose_bound_it_does_not_exceed() -> None:
     assert bucket_name("queue", 0) == "lat:queue:0"
-    assert bucket_name("queue", 100) == "lat:queue:0"
-    assert bucket_name("queue", 101) == "lat:queue:1"
+    assert bucket_name("queue", 1) == "lat:queue:0"
+    assert bucket_name("queue", 2) == "lat:queue:1"
+    assert bucket_name("queue", 100) == f"lat:queue:{HUNDRED}"
+    assert bucket_name("queue", 101) == f"lat:queue:{HUNDRED + 1}"
     assert bucket_name("queue", 60_000_000) == f"lat:queue:{INF - 1}"
     assert bucket_name("queue", 60_000_001) == f"lat:queue:{INF}"  # +Inf
 
 
 def test_bucket_deltas_count_each_value_once_per_weight() -> None:
-    assert bucket_deltas("request", [90, 95, 1_000]) == {"lat:request:0": 2, "lat:request:6": 1}
-    assert bucket_deltas("compute_infer", [120], weight=4) == {"lat:compute_infer:1": 4}
+    assert bucket_deltas("request", [90, 95, 1_000]) == {f"lat:request:{HUNDRED}": 2,
+                                                         f"lat:request:{HUNDRED + 6}": 1}
+    assert bucket_deltas("compute_infer", [120], weight=4) == {f"lat:compute_infer:{HUNDRED + 1}": 4}
     assert bucket_deltas("request", []) == {}
 
 
@@ -56,15 +62,17 @@ def test_a_batch_adds_one_request_and_queue_count_per_request_and_its_compute_ti
     d = increments(sample())
     buckets = {k: v for k, v in d.items() if ":lat:" in k}
     assert buckets == {
-        field(2, "lat:request:9"): 1,  # 3000 µs: (2000, 3000]
-        field(2, "lat:request:10"): 1,  # 3100 µs: (3000, 5000]
-        field(2, "lat:request:12"): 1,  # 9000 µs: (7500, 10000]
-        field(2, "lat:queue:0"): 3,
-        field(2, "lat:compute_input:0"): 3,  # 50 µs, once per request
-        field(2, "lat:compute_infer:9"): 3,  # 2500 µs
-        field(2, "lat:compute_output:0"): 3,
+        field(2, f"lat:request:{HUNDRED + 9}"): 1,  # 3000 µs: (2000, 3000]
+        field(2, f"lat:request:{HUNDRED + 10}"): 1,  # 3100 µs: (3000, 5000]
+        field(2, f"lat:request:{HUNDRED + 12}"): 1,  # 9000 µs: (7500, 10000]
+        field(2, "lat:queue:3"): 1,  # 10 µs: (5, 10]
+        field(2, "lat:queue:4"): 1,  # 20 µs: (10, 20]
+        field(2, "lat:queue:5"): 1,  # 30 µs: (20, 50]
+        field(2, "lat:compute_input:5"): 3,  # 50 µs, once per request: (20, 50]
+        field(2, f"lat:compute_infer:{HUNDRED + 9}"): 3,  # 2500 µs
+        field(2, "lat:compute_output:5"): 3,  # 40 µs
     }
-    assert bucket_counts(d, 2, "compute_infer")[9] == 3
+    assert bucket_counts(d, 2, "compute_infer")[HUNDRED + 9] == 3
 
 
 def test_a_batch_of_failures_or_rejections_adds_no_bucket() -> None:
@@ -74,12 +82,15 @@ def test_a_batch_of_failures_or_rejections_adds_no_bucket() -> None:
 
 def test_quantile_interpolates_inside_its_bucket() -> None:
     counts = [0] * (INF + 1)
-    counts[1] = 10  # (100, 150]
+    counts[HUNDRED + 1] = 10  # (100, 150]
     assert quantile(LATENCY_BOUNDS_US, counts, 0.5) == 125.0
     assert quantile(LATENCY_BOUNDS_US, counts, 1.0) == 150.0
-    counts[0] = 10  # [0, 100]
-    assert quantile(LATENCY_BOUNDS_US, counts, 0.25) == 50.0
+    counts[HUNDRED] = 10  # (75 .. 50, 100]
+    assert quantile(LATENCY_BOUNDS_US, counts, 0.25) == 75.0
     assert quantile(LATENCY_BOUNDS_US, counts, 0.75) == 125.0
+    tiny = [0] * (INF + 1)
+    tiny[0] = 4  # [0, 1]: a 1 µs time reads as at most 1 µs, not 50
+    assert quantile(LATENCY_BOUNDS_US, tiny, 0.5) == 0.5
 
 
 def test_quantile_of_nothing_is_nan_and_past_the_last_bound_is_the_last_bound() -> None:

@@ -49,6 +49,9 @@ def render(make: Callable[[], Iterable[Metric]]) -> tuple[dict[str, str], Sample
     return types, samples
 
 
+H = LATENCY_BOUNDS_US.index(100)  # the (50, 100] µs bucket
+
+
 def row(raw: dict[str, int], lanes: list[int] | None = None, workers: int = 1) -> VersionRow:
     return VersionRow("m", 1, raw, lanes or [0, 0], workers)
 
@@ -61,7 +64,7 @@ def raw_with(dist: str, bucket_counts: dict[int, int], sum_ns: int) -> dict[str,
 
 
 def test_latency_histograms_are_cumulative_with_count_and_sum_in_us() -> None:
-    raw = raw_with("request", {1: 3, 6: 1, len(LATENCY_BOUNDS_US): 2}, sum_ns=500_000_000)
+    raw = raw_with("request", {H + 1: 3, H + 6: 1, len(LATENCY_BOUNDS_US): 2}, sum_ns=500_000_000)
     types, samples = render(lambda: latency_families([row(raw)], LatencyWindow(), 0.0))
     assert types["fleet_request_duration_us"] == "histogram"
     buckets = {labels["le"]: value for labels, value in samples["fleet_request_duration_us_bucket"]}
@@ -73,7 +76,7 @@ def test_latency_histograms_are_cumulative_with_count_and_sum_in_us() -> None:
 
 
 def test_tritons_summaries_have_quantiles_count_and_sum() -> None:
-    raw = raw_with("queue", {1: 10}, sum_ns=1_250_000)  # ten requests in (100, 150] µs
+    raw = raw_with("queue", {H + 1: 10}, sum_ns=1_250_000)  # ten requests in (100, 150] µs
     types, samples = render(lambda: latency_families([row(raw)], LatencyWindow(), 0.0))
     assert types["nv_inference_queue_summary_us"] == "summary"
     quantiles = {labels["quantile"]: value for labels, value in samples["nv_inference_queue_summary_us"]}
@@ -89,9 +92,9 @@ def test_tritons_summaries_have_quantiles_count_and_sum() -> None:
 
 def test_summary_quantiles_cover_the_recent_window_only() -> None:
     window = LatencyWindow(window_s=60, every_s=5)
-    render(lambda: latency_families([row(raw_with("request", {1: 100}, 0))], window, 0.0))
+    render(lambda: latency_families([row(raw_with("request", {H + 1: 100}, 0))], window, 0.0))
     # 60 s later ten slower requests arrived; the old hundred are outside the window.
-    raw = raw_with("request", {1: 100, 12: 10}, 0)
+    raw = raw_with("request", {H + 1: 100, H + 12: 10}, 0)
     _, samples = render(lambda: latency_families([row(raw)], window, 60.0))
     p50 = {labels["quantile"]: value for labels, value in samples["nv_inference_request_summary_us"]}["0.5"]
     assert 7_500 < p50 <= 10_000
@@ -132,5 +135,6 @@ def test_jobs_per_state_and_progress_of_running_jobs() -> None:
     _, samples = render(lambda: job_families({"queued": 2, "running": 2, "completed": 7, "failed": -1}, running))
     assert dict((labels["state"], v) for labels, v in samples["fleet_jobs"]) == {
         "queued": 2, "running": 2, "completed": 7, "failed": 0, "cancelled": 0}
-    assert samples["fleet_job_items_done"] == [({"job": "j1", "model": "m"}, 40.0), ({"job": "j2", "model": "m"}, 3.0)]
-    assert samples["fleet_job_items_total"] == [({"job": "j1", "model": "m"}, 100.0)]  # j2's not counted yet
+    assert samples["fleet_job_items_done"] == [({"job_id": "j1", "model": "m"}, 40.0),
+                                               ({"job_id": "j2", "model": "m"}, 3.0)]
+    assert samples["fleet_job_items_total"] == [({"job_id": "j1", "model": "m"}, 100.0)]  # j2's not counted yet
