@@ -11,6 +11,7 @@ not by `make test`: tests/compose/conftest.py collects it only with FLEET_COMPOS
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -40,13 +41,14 @@ pytestmark = pytest.mark.timeout(2400)
 PROJECT = "fleetci"
 WORKERS = 2
 SLOW = "slow"
-# 50 ms per batch of up to 8, no CPU: requests stay in the workers' hands long enough to kill one.
+# 200 ms per batch of up to 8, no CPU: 200 requests keep two workers busy ~2.5 s, long enough to see
+# one hold requests and kill it.
 SLOW_CONFIG = """backend: "sleep"
 max_batch_size: 8
 input [ { name: "IN", data_type: TYPE_FP32, dims: [ 2 ] } ]
 output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 2 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 1000 }
-parameters { key: "execute_delay_us" value { string_value: "50000" } }
+parameters { key: "execute_delay_us" value { string_value: "200000" } }
 """
 SERVICES = ["redis", "gateway", "worker-cpu", "jobs", "prometheus"]
 
@@ -71,7 +73,12 @@ class Stack:
         return self.compose("ps", "-q", service).stdout.split()
 
     def redis_cli(self, *args: str) -> str:
-        return self.compose("exec", "-T", "redis", "redis-cli", *args).stdout
+        # `docker exec`, not `docker-compose exec`: compose v1 takes ~1 s to start, too slow to watch a queue.
+        return self.docker("exec", self.redis_id, "redis-cli", *args).stdout
+
+    @functools.cached_property
+    def redis_id(self) -> str:
+        return self.containers("redis")[0]  # `restart` keeps the container
 
     @property
     def url(self) -> str:
@@ -167,7 +174,7 @@ def mlp_reference(x: np.ndarray) -> np.ndarray:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        model = torch.jit.load(str(stack.ROOT / "model_repository" / "mlp" / "1" / "model.pt")).eval()  # type: ignore[no-untyped-call]
+        model = torch.jit.load(str(stack.ROOT / "model_repository" / "mlp" / "1" / "model.pt")).eval()
     with torch.no_grad():
         return model(torch.from_numpy(x)).numpy()  # type: ignore[no-any-return]
 
