@@ -38,6 +38,8 @@ class BatchSample:
     # (fleet/latency_stats.py); empty: none counted.
     request_us: tuple[int, ...] = ()
     queue_us: tuple[int, ...] = ()
+    # Under the rate limiter: how long the instance waited for its resources (-1: not rate limited).
+    resource_wait_ns: int = -1
 
 
 def field(version: int, name: str) -> str:
@@ -67,6 +69,9 @@ def increments(s: BatchSample) -> dict[str, int]:
         d[field(v, "fail:ns")] = s.request_ns_failed
     if s.requests_rejected:
         d[field(v, "rejected:count")] = s.requests_rejected
+    if s.resource_wait_ns >= 0:  # executions through the rate limiter, and their wait for resources
+        d[field(v, "rate_limit:count")] = 1
+        d[field(v, "rate_limit:ns")] = s.resource_wait_ns
     if ok:
         d |= latency_increments(s)
         b = f"batch:{s.batch_size}"

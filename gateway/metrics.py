@@ -63,6 +63,14 @@ _COUNTERS = [
      "cache_miss:ns"),
 ]
 
+# fleet's own per-model counters (rendered with `_total`): the rate limiter's figures (Triton exports none).
+_FLEET_COUNTERS = [
+    ("fleet_rate_limiter_waits", "Model executions that went through the rate limiter (acquired its resources)",
+     "rate_limit:count"),
+    ("fleet_rate_limiter_wait_us", "Cumulative time executions waited for rate-limiter resources, in microseconds "
+     "(part of the queue time)", "rate_limit:ns"),
+]
+
 # Triton's own counters, rendered under its exact names (no `_total`).
 TRITON_COUNTERS = (*(metric for metric, _, _ in _COUNTERS), "nv_inference_request_failure")
 
@@ -83,6 +91,12 @@ class _Snapshot(Collector):
                 value = raw.get(field(version, key), 0)
                 fam.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
             yield fam
+        for metric, doc, key in _FLEET_COUNTERS:
+            counter = CounterMetricFamily(metric, doc, labels=labels)
+            for model, version, raw, _ in self.rows:
+                value = raw.get(field(version, key), 0)
+                counter.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
+            yield counter
         fail = TritonCounterFamily("nv_inference_request_failure", "Number of failed inference requests",
                                    ["model", "version", "reason"])
         pending = GaugeMetricFamily("nv_inference_pending_request_count",

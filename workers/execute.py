@@ -34,6 +34,9 @@ class BatchOutcome:
     started_ns: int = 0  # time.perf_counter_ns() when the batch started (traced requests' COMPUTE_START)
     # Sequence models with implicit state: what each request leaves for the next of its sequence (None: none).
     states: list[object] | None = None
+    # Under the rate limiter: how long the instance waited for its resources before this batch (-1: it
+    # executes at will). The wait is queue time too (the batch starts once the resources are held).
+    resource_wait_ns: int = -1
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:

@@ -104,12 +104,17 @@ class Instance:
             started_us = time.time_ns() // 1000
             result: BatchOutcome | BaseException
             try:
+                waited_ns = -1
                 if self.limiter is not None and self.limit is not None:
                     # Waiting for rate-limiter resources comes first: not running yet (for the watchdog).
+                    waiting_since = time.perf_counter_ns()
                     held = self.limiter.acquire(self.limit)
+                    waited_ns = time.perf_counter_ns() - waiting_since
                     started_us = time.time_ns() // 1000
                 self.running_since = time.monotonic()
                 result = current.run()
+                if isinstance(result, BatchOutcome):
+                    result.resource_wait_ns = waited_ns
             except Exception as exc:  # reported to the loop; the thread keeps serving
                 result = exc
             finally:

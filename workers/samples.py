@@ -24,7 +24,7 @@ def batch_sample(version: int, batched: bool, envs: list[RequestEnvelope], outco
         queue_ns=sum(queue_us) * 1000,
         compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
         compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
-        request_us=request_us, queue_us=queue_us,
+        request_us=request_us, queue_us=queue_us, resource_wait_ns=outcome.resource_wait_ns,
     )
 
 

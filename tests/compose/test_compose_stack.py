@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,16 @@ class Stack:
         return f"127.0.0.1:{self.http_port}"
 
 
+def host_port(usual: int) -> str:
+    """The port compose.yaml publishes by default where it is free on loopback, else any free one."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", usual))
+        except OSError:
+            return str(free_port())
+    return str(usual)
+
+
 def write_models(dest: Path) -> None:
     """mlp (TorchScript, from `make models`) and a sleep model; readable by the image's user."""
     mlp = stack.ROOT / "model_repository" / "mlp"
@@ -142,9 +153,9 @@ def up(request: pytest.FixtureRequest) -> Iterator[Stack]:
         models = work / "models"
         write_models(models)
         s = Stack(env={**env, "INDEX_URL": index, "TORCH_CPU_INDEX_URL": index, "COMPOSE_PROFILES": "cpu",
-                       "FLEET_PUBLISH_ADDRESS": "127.0.0.1", "FLEET_HTTP_PORT": str(free_port()),
-                       "FLEET_GRPC_PORT": str(free_port()), "FLEET_METRICS_PORT": str(free_port()),
-                       "FLEET_PROMETHEUS_PORT": str(free_port()), "FLEET_TEST_MODELS": str(models)},
+                       "FLEET_PUBLISH_ADDRESS": "127.0.0.1", "FLEET_HTTP_PORT": host_port(8000),
+                       "FLEET_GRPC_PORT": host_port(8001), "FLEET_METRICS_PORT": host_port(8002),
+                       "FLEET_PROMETHEUS_PORT": host_port(9090), "FLEET_TEST_MODELS": str(models)},
                   http_port=0, prometheus_port=0, models=models)
         s.http_port, s.prometheus_port = int(s.env["FLEET_HTTP_PORT"]), int(s.env["FLEET_PROMETHEUS_PORT"])
         s.timings["base image"] = base_s

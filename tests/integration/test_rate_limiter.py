@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.errors import ConfigError
 from fleet.model_config import InstanceLimit, ResourceNeed
@@ -73,6 +75,17 @@ async def burst(client: Any, names: list[str], n: int) -> None:
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
 
 
+def limiter_figures(text: str) -> dict[str, dict[str, float]]:
+    """fleet_rate_limiter_{waits,wait_us}_total by model, from a metrics page."""
+    out: dict[str, dict[str, float]] = {"waits": {}, "wait_us": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name in out:
+                if sample.name == f"fleet_rate_limiter_{name}_total":
+                    out[name][sample.labels["model"]] = sample.value
+    return out
+
+
 @pytest.mark.parametrize("rate_limit", ["execution_count", "off"])
 def test_two_models_sharing_a_resource_never_execute_at_once(redis_server: LocalServer, key_prefix: str,
                                                              tmp_path: Path, rate_limit: str) -> None:
@@ -81,6 +94,19 @@ def test_two_models_sharing_a_resource_never_execute_at_once(redis_server: Local
     async def main() -> None:
         async with in_process_system(redis_server.url, key_prefix, [repo], rate_limit=rate_limit) as s:
             await burst(s.client, ["a", "b"], 6)
+            # The rate limiter's figures per model on the metrics port: every execution went through it,
+            # and with one R for two models some waited for it.
+            deadline = time.monotonic() + 10
+            while True:
+                figures = limiter_figures((await s.client.get("/metrics")).text)
+                if sum(figures["waits"].values()) >= 12 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            if rate_limit == "execution_count":
+                assert figures["waits"] == {"a": 6, "b": 6}, figures
+                assert sum(figures["wait_us"].values()) > 0, figures
+            else:
+                assert figures == {"waits": {"a": 0, "b": 0}, "wait_us": {"a": 0, "b": 0}}
 
     asyncio.run(main())
     found = spans(tmp_path)
