@@ -3,9 +3,10 @@ Docker daemon this test starts (tests/compose/stack.py), with profile `cpu` and 
 
 In order: tritonclient infers through the published HTTP port; a bulk job runs through the jobs service;
 a worker container killed with requests in hand has them answered by the other replica; Redis restarted
-with requests queued answers them after it (AOF on its volume); Prometheus scrapes the gateway and has
-fleet's series; `down` leaves no container, network or volume. Run by `make compose-test` (and .ci/run),
-not by `make test`: tests/compose/conftest.py collects it only with FLEET_COMPOSE_TEST=1.
+with requests queued answers them after it (AOF on its volume); Prometheus scrapes the gateway and
+Redis's exporter and has fleet's series and Redis's; `down` leaves no container, network or volume. Run
+by `make compose-test` (and .ci/run), not by `make test`: tests/compose/conftest.py collects it only
+with FLEET_COMPOSE_TEST=1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 2 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 1000 }
 parameters { key: "execute_delay_us" value { string_value: "200000" } }
 """
-SERVICES = ["redis", "gateway", "worker-cpu", "jobs", "prometheus"]
+SERVICES = ["redis", "redis-exporter", "gateway", "worker-cpu", "jobs", "prometheus"]
 
 
 @dataclass
@@ -164,7 +165,7 @@ def up(request: pytest.FixtureRequest) -> Iterator[Stack]:
         cleanup.callback(lambda: s.docker("image", "prune", "-f", check=False))  # old layers out of the cache
         t = time.monotonic()
         stack.log("building the images")
-        s.compose("build", "gateway", "redis", "prometheus", timeout=1800)
+        s.compose("build", "gateway", "redis", "redis-exporter", "prometheus", timeout=1800)
         s.timings["build"] = time.monotonic() - t
         t = time.monotonic()
         s.compose("up", "-d", "--scale", f"worker-cpu={WORKERS}", *SERVICES)
@@ -327,7 +328,10 @@ def test_prometheus_scrapes_the_fleet(up: Stack) -> None:
         time.sleep(2)
     with urllib.request.urlopen(f"{base}/targets", timeout=5) as r:
         targets = json.loads(r.read())["data"]["activeTargets"]
-    assert {t["labels"]["job"]: t["health"] for t in targets} == {"fleet": "up", "prometheus": "up"}
+    assert {t["labels"]["job"]: t["health"] for t in targets} == {"fleet": "up", "redis": "up", "prometheus": "up"}
+    with urllib.request.urlopen(f"{base}/query?query=redis_up", timeout=5) as r:
+        redis_up = json.loads(r.read())["data"]["result"]
+    assert redis_up and float(redis_up[0]["value"][1]) == 1
     with urllib.request.urlopen(f"{base}/query?query=fleet_workers", timeout=5) as r:
         workers = json.loads(r.read())["data"]["result"]
     assert workers and float(workers[0]["value"][1]) == WORKERS

@@ -433,6 +433,10 @@ def test_prometheus_scrapes_the_gateway_metrics_port(services: dict[str, Any], e
     targets = {c["job_name"]: c["static_configs"][0]["targets"] for c in config["scrape_configs"]}
     metrics_port = parse_fleet_argv(container_argv(entrypoint, services["gateway"]["command"]), "gateway").metrics_port
     assert targets["fleet"] == [f"gateway:{metrics_port}"]
+    # Redis through its exporter, which reads the same Redis the fleet services use.
+    assert targets["redis"] == ["redis-exporter:9121"]
+    assert environment(services["redis-exporter"])["REDIS_ADDR"] == "redis://redis:6379"
+    assert environment(services["gateway"])["REDIS_URL"].startswith("redis://redis:6379")
 
 
 # ── package indexes and machine paths ────────────────────────────────────────
