@@ -52,8 +52,9 @@ class Keys:
         return f"{self.prefix}:{{{model}}}:custom_metrics"
 
     def custom_metrics_folded(self, model: str) -> str:
-        """Set: the workers whose parts a gateway folded into the hash's RETIRED field (they are dead);
-        a folded worker's later writes are refused, or its counts would be added twice."""
+        """Sorted set: the parts (`<worker id>/<start token>`) a gateway folded into the hash's RETIRED
+        field, scored by when; a folded part's later writes are refused, or its counts would be added
+        twice."""
         return f"{self.prefix}:{{{model}}}:custom_metrics:folded"
 
     def reply(self, gateway_id: str) -> str:

@@ -13,6 +13,7 @@ counter `<name>_total`, and Triton's users (and its custom_metrics example) expe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
@@ -25,10 +26,17 @@ from fleet.keys import Keys
 log = logging.getLogger(__name__)
 
 # The hash's field for what dead workers left (their counters and histograms), folded in by a gateway
-# once FOLD_AT dead workers' parts pile up (each worker start is a new id, hence a new field).
+# once FOLD_AT dead workers' parts pile up (each worker start is a new field, `<worker id>/<token>`).
+# Dead: no heartbeat key and out of the workers' registry, which gateways prune a minute after a
+# heartbeat's expiry (gateway/state.py), so a worker merely late or stalled for seconds is never folded.
 RETIRED = "~retired"
 FOLD_AT = 4
-FOLDED_TTL_S = 7 * 24 * 3600  # how long a folded worker stays fenced from writing its part again
+FENCE_S = 7 * 24 * 3600  # how long a folded part stays fenced from writing again
+
+
+def worker_of(part: str) -> str:
+    """The worker id of a hash field (`<worker id>/<start token>`)."""
+    return part.split("/", 1)[0]
 
 
 def fleet_total(parts: Mapping[str, Mapping[str, bytes]], live: Iterable[str]) -> list[Family]:
@@ -44,7 +52,7 @@ def fleet_total(parts: Mapping[str, Mapping[str, bytes]], live: Iterable[str]) -
                 families = decode(msgpack.unpackb(parts[model][worker], raw=False, strict_map_key=True))
             except (ValueError, TypeError, msgpack.UnpackException):
                 continue
-            decoded.append(families if worker in alive else lasting(families))
+            decoded.append(families if worker_of(worker) in alive else lasting(families))
         per_model.append(combine(decoded))
     return combine(per_model, bounded=False)
 
@@ -76,9 +84,26 @@ async def custom_metrics_text(client: aioredis.Redis, keys: Keys, models: Sequen
         return b""
     alive = set(live)
     for model, fields in parts.items():
-        if sum(1 for w in fields if w != RETIRED and w not in alive) >= FOLD_AT:
-            await fold_dead(client, keys, model, alive)
+        idle = sorted(w for w in fields if w != RETIRED and worker_of(w) not in alive)
+        if len(idle) >= FOLD_AT:
+            dead = await dead_parts(client, keys, idle)
+            if len(dead) >= FOLD_AT:
+                await fold_dead(client, keys, model, dead)
     return render(fleet_total(parts, alive), names_in(builtin)).encode()
+
+
+async def dead_parts(client: aioredis.Redis, keys: Keys, parts: Sequence[str]) -> list[str]:
+    """Those of `parts` whose worker has no heartbeat key and is out of the registry (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for part in parts:
+        pipe.exists(keys.worker(worker_of(part)))
+        pipe.zscore(keys.workers(), worker_of(part))
+    try:
+        found = await pipe.execute()
+    except RedisError:
+        return []
+    return [p for p, beat, registered in zip(parts, found[::2], found[1::2], strict=True)
+            if not beat and registered is None]
 
 
 def folded(fields: Mapping[str, bytes], dead: Iterable[str]) -> bytes:
@@ -88,28 +113,27 @@ def folded(fields: Mapping[str, bytes], dead: Iterable[str]) -> bytes:
     return msgpack.packb(encode(combine(out)), use_bin_type=True)  # type: ignore[no-any-return]
 
 
-async def fold_dead(client: aioredis.Redis, keys: Keys, model: str, live: set[str]) -> None:
-    """Fold the parts of workers that are dead (no heartbeat key: not merely between two beats) into
-    RETIRED and drop their fields, in one optimistic transaction: a worker writing meanwhile, or another
-    gateway folding, makes it give up until the next scrape, so nothing is counted twice. The folded
-    ids are fenced (workers/replies.py refuses their writes)."""
-    key = keys.custom_metrics(model)
+async def fold_dead(client: aioredis.Redis, keys: Keys, model: str, dead: Sequence[str]) -> None:
+    """Fold the `dead` parts into RETIRED and drop their fields, in one optimistic transaction: a worker
+    writing meanwhile, or another gateway folding, makes it give up until the next scrape, so nothing is
+    counted twice. The folded parts are fenced (workers/replies.py refuses their writes); fences older
+    than FENCE_S go."""
+    key, fence = keys.custom_metrics(model), keys.custom_metrics_folded(model)
     try:
         async with client.pipeline(transaction=True) as pipe:
             await pipe.watch(key)
             raw = await pipe.hgetall(key)
             fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in raw.items()
                       if isinstance(v, bytes)}
-            candidates = [w for w in sorted(fields) if w != RETIRED and w not in live]
-            beating = [await pipe.exists(keys.worker(w)) for w in candidates]
-            dead = [w for w, b in zip(candidates, beating, strict=True) if not b]
-            if len(dead) < FOLD_AT:
+            gone = [w for w in dead if w in fields]
+            if len(gone) < FOLD_AT:
                 return
+            now = time.time()
             pipe.multi()  # type: ignore[no-untyped-call]
-            pipe.hset(key, RETIRED, folded(fields, dead))
-            pipe.hdel(key, *dead)
-            pipe.sadd(keys.custom_metrics_folded(model), *dead)
-            pipe.expire(keys.custom_metrics_folded(model), FOLDED_TTL_S)
+            pipe.hset(key, RETIRED, folded(fields, gone))
+            pipe.hdel(key, *gone)
+            pipe.zadd(fence, dict.fromkeys(gone, now))
+            pipe.zremrangebyscore(fence, "-inf", now - FENCE_S)
             await pipe.execute()
     except WatchError:
         return

@@ -10,6 +10,7 @@ responses, never a request without an end).
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import redis
@@ -37,8 +38,9 @@ def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> Repl
                          parameters=frame.get("p") or {}, final=final)
 
 
+# KEYS: the model's custom-metrics hash, its fence (zset: folded part -> when); ARGV: this part's field, blob.
 PUBLISH_PART = """
-if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
@@ -49,6 +51,10 @@ class ReplyWriter:
         self._client = redis.Redis.from_url(url, protocol=2)
         self._keys = keys
         self._worker_id = worker_id
+        # This process's field in the models' custom-metrics hashes: the worker id and a token of this
+        # start, so that a worker restarted under a fixed --worker-id is a new part, never a folded one.
+        self.part = f"{worker_id}/{uuid.uuid4().hex[:8]}"
+        self._fenced: set[str] = set()
         # Python models' custom metrics, this worker's part (workers/custom_metrics.py).
         self.custom_metrics = CustomMetricsBook(self._publish_custom_metrics)
         self._publish_part = self._client.register_script(PUBLISH_PART)
@@ -57,7 +63,10 @@ class ReplyWriter:
         # Refused once a gateway folded this worker's part as a dead one's (gateway/custom_metrics.py):
         # a worker back after its heartbeat expired is fenced, and its counts are in the fold already.
         keys = [self._keys.custom_metrics(model), self._keys.custom_metrics_folded(model)]
-        self._publish_part(keys=keys, args=[self._worker_id, part])
+        if not self._publish_part(keys=keys, args=[self.part, part]) and model not in self._fenced:
+            self._fenced.add(model)
+            log.warning("%s: this worker was taken for dead (no heartbeat for over a minute) and its custom "
+                        "metrics folded; what it counts from now on is not published", model)
 
     def record_stats(self, model: str, increments: dict[str, int], gauges: dict[str, int]) -> None:
         """A generation engine's metrics (workers/generation/metrics.py) into the model's stats hash.

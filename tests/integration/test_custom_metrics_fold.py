@@ -6,6 +6,7 @@ folded worker's later writes are refused (its counts are in the fold)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgpack
 import redis
@@ -19,6 +20,10 @@ from workers.replies import ReplyWriter
 
 MODEL = "m"
 LABELS = (("model", MODEL), ("version", "1"))
+
+
+def requests(n: float) -> list[Any]:
+    return encode([Family("requests", "r", Kind.COUNTER, (Series(LABELS, n),))])
 
 
 def part(count: float, in_flight: float) -> bytes:
@@ -35,13 +40,17 @@ def value(page: bytes, name: str) -> float:
 def test_dead_workers_parts_are_folded_without_moving_the_totals(redis_server: LocalServer, key_prefix: str) -> None:
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url)
-    dead = [f"dead-{i}" for i in range(FOLD_AT + 1)]
+    back = ReplyWriter(redis_server.url, keys, worker_id="back")  # will be taken for dead, then write again
+    back.custom_metrics.report(MODEL, "stub-0", requests(7.0))
+    dead = [f"dead-{i}/t" for i in range(FOLD_AT)]
     for i, w in enumerate(dead):
         sync.hset(keys.custom_metrics(MODEL), w, part(10 + i, 1))
-    sync.hset(keys.custom_metrics(MODEL), "live", part(100, 2))  # serving (in the live set)
-    sync.hset(keys.custom_metrics(MODEL), "late", part(1000, 3))  # between beats: its heartbeat key is there
+    sync.hset(keys.custom_metrics(MODEL), "live/t", part(100, 2))  # serving (in the live set)
+    sync.hset(keys.custom_metrics(MODEL), "late/t", part(1000, 3))  # between beats: its heartbeat key is there
     sync.hset(keys.worker("late"), "host", "h")
-    expected = sum(10 + i for i in range(len(dead))) + 100 + 1000
+    sync.hset(keys.custom_metrics(MODEL), "stalled/t", part(500, 4))  # key expired, still in the registry
+    sync.zadd(keys.workers(), {"stalled": 1})
+    expected = 7 + sum(10 + i for i in range(len(dead))) + 100 + 1000 + 500
 
     async def scrape() -> bytes:
         client = aioredis.Redis.from_url(redis_server.url)
@@ -51,22 +60,21 @@ def test_dead_workers_parts_are_folded_without_moving_the_totals(redis_server: L
             await client.aclose()
 
     first = asyncio.run(scrape())
-    fields = {k.decode() for k in sync.hkeys(keys.custom_metrics(MODEL))}
-    assert fields == {RETIRED, "live", "late"}
+    fields = {k.decode() if isinstance(k, bytes) else k for k in sync.hkeys(keys.custom_metrics(MODEL))}
+    assert fields == {RETIRED, "live/t", "late/t", "stalled/t"}  # back's part and the dead ones folded
     assert value(first, "requests") == expected
     second = asyncio.run(scrape())
     assert value(second, "requests") == expected  # the fold itself counted once
-    assert value(second, "in_flight") == 2  # gauges: the live worker's only (the late one is not live)
+    assert value(second, "in_flight") == 2  # gauges: the live worker's only
 
-    # A folded worker that comes back (frozen past its heartbeat, say) cannot add its counts twice.
-    writer = ReplyWriter(redis_server.url, keys, worker_id=dead[0])
-    writer.custom_metrics.report(MODEL, "stub-1", encode([Family("requests", "r", Kind.COUNTER,
-                                                                 (Series(LABELS, 99.0),))]))
-    assert not sync.hexists(keys.custom_metrics(MODEL), dead[0])
+    # The folded worker writes again (it was frozen past its heartbeat, say): refused, counted once.
+    back.custom_metrics.report(MODEL, "stub-0", requests(9.0))
+    assert not sync.hexists(keys.custom_metrics(MODEL), back.part)
     assert value(asyncio.run(scrape()), "requests") == expected
-    # A worker never folded writes as before.
-    ReplyWriter(redis_server.url, keys, worker_id="new").custom_metrics.report(
-        MODEL, "stub-2", encode([Family("requests", "r", Kind.COUNTER, (Series(LABELS, 5.0),))]))
+    # The same worker id started again (a fixed --worker-id) is a new part, and writes as before.
+    again = ReplyWriter(redis_server.url, keys, worker_id="back")
+    again.custom_metrics.report(MODEL, "stub-1", requests(5.0))
+    assert sync.hexists(keys.custom_metrics(MODEL), again.part)
     assert value(asyncio.run(scrape()), "requests") == expected + 5
 
 
@@ -74,7 +82,7 @@ def test_fewer_dead_parts_than_the_threshold_are_left_alone(redis_server: LocalS
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url)
     for i in range(FOLD_AT - 1):
-        sync.hset(keys.custom_metrics(MODEL), f"dead-{i}", part(1, 0))
+        sync.hset(keys.custom_metrics(MODEL), f"dead-{i}/t", part(1, 0))
 
     async def scrape() -> bytes:
         client = aioredis.Redis.from_url(redis_server.url)
