@@ -73,6 +73,11 @@ class _Slot:
     grown_from: Batch | None = None  # the staged batch a Grow replaces, until the driver says it did
 
     @property
+    def waiting(self) -> Batch | None:
+        """The batch staged here that its thread has not started, if any."""
+        return self.assigned[1] if len(self.assigned) == 2 and not self.staged_started else None
+
+    @property
     def free(self) -> bool:
         return self.thread_idle and not self.assigned
 
@@ -101,12 +106,16 @@ class Scheduler:
     def queued(self) -> int:
         """Requests waiting: queued here or staged on an instance (Triton's "pending": accepted, not
         yet executing)."""
-        return sum(self.queued_by_lane().values())
+        return len(self._queue) + sum(len(b.items) for b in self._waiting())
 
     def queued_by_lane(self) -> dict[int, int]:
-        """`queued()` per lane (lanes with none left out)."""
-        staged = [p for s in self._slots if len(s.assigned) == 2 and not s.staged_started for p in s.assigned[1].items]
-        return dict(Counter(p.lane for p in [*(p for _, p in self._queue), *staged]))
+        """`queued()` per lane (lanes with none left out): a count over the queue, for the heartbeat."""
+        lanes = Counter(p.lane for _, p in self._queue)
+        lanes.update(p.lane for b in self._waiting() for p in b.items)
+        return dict(lanes)
+
+    def _waiting(self) -> list[Batch]:
+        return [b for b in (s.waiting for s in self._slots) if b is not None]
 
     def busy(self) -> bool:
         """Whether anything is queued, staged, running or awaiting release."""
@@ -129,9 +138,8 @@ class Scheduler:
         if len(keep) != len(self._queue):
             self._dropped += [p for _, p in self._queue if p.request_id in request_ids]
             self._queue = keep
-        for slot in self._slots:
-            if len(slot.assigned) == 2 and not slot.staged_started:
-                self._cancelled |= {p.request_id for p in slot.assigned[1].items} & request_ids
+        for staged in self._waiting():
+            self._cancelled |= {p.request_id for p in staged.items} & request_ids
 
     def done(self, instance: int, batch_id: int, now_us: int, started_us: int) -> None:
         """`instance` has computed `batch_id` (its thread moved on to the staged batch, if any)."""
@@ -244,9 +252,8 @@ class Scheduler:
         # A batch staged behind a busy instance while another instance is free runs sooner there.
         free = any(s.free for s in self._slots)
         for i, slot in enumerate(self._slots):
-            if len(slot.assigned) != 2 or slot.staged_started:
+            if (staged := slot.waiting) is None:
                 continue
-            staged = slot.assigned[1]
             outranked = best is not None and best < max(effective_lane(self.policy, p, now_us) for p in staged.items)
             if free or outranked or any(p.request_id in self._cancelled for p in staged.items):
                 out.append(Unstage(i, staged))
@@ -259,9 +266,8 @@ class Scheduler:
         for i, slot in enumerate(self._slots):
             if not self._queue:
                 break
-            if len(slot.assigned) != 2 or slot.staged_started:
+            if (staged := slot.waiting) is None:
                 continue
-            staged = slot.assigned[1]
             if staged.rows >= self._full_rows():
                 continue  # Triton's rules form nothing bigger
             if self.config.preserve_ordering and staged.id != self._dispatched[-1]:

@@ -44,6 +44,11 @@ class StreamReading:
     length: int
     delivered: int
 
+    @property
+    def waiting(self) -> int:
+        """Entries no worker has read yet (acknowledged entries are deleted, so the rest are delivered)."""
+        return max(0, self.length - self.delivered)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelReading:
@@ -129,7 +134,7 @@ def model_status(reading: ModelReading, held: int) -> ModelStatus:
     in_flight = 0
     for s in reading.streams:
         if 0 <= s.lane < reading.lanes:
-            waiting[s.lane] += max(0, s.length - s.delivered)
+            waiting[s.lane] += s.waiting
         in_flight += s.delivered
     return ModelStatus(
         name=reading.name, versions=reading.versions, ready_versions=reading.ready_versions, reason=reading.reason,

@@ -36,7 +36,7 @@ from gateway.metric_families import (
     pending_family,
     triton_headers,
 )
-from gateway.queue_reading import decoded, queue_reads, streams_of, take_reads
+from gateway.queue_reading import decoded, queue_reads, streams_of, take_reads, text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_JOBS_SCANNED = 1000  # unfinished bulk jobs looked at per scrape
@@ -85,18 +85,14 @@ class _Snapshot(Collector):
 
     def collect(self) -> Any:
         labels = ["model", "version"]
-        for metric, doc, key in _COUNTERS:
-            fam = TritonCounterFamily(metric, doc, labels)
+        families: list[tuple[TritonCounterFamily | CounterMetricFamily, str]] = [
+            (TritonCounterFamily(metric, doc, labels), key) for metric, doc, key in _COUNTERS]
+        families += [(CounterMetricFamily(metric, doc, labels=labels), key) for metric, doc, key in _FLEET_COUNTERS]
+        for fam, key in families:
             for model, version, raw, _ in self.rows:
                 value = raw.get(field(version, key), 0)
                 fam.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
             yield fam
-        for metric, doc, key in _FLEET_COUNTERS:
-            counter = CounterMetricFamily(metric, doc, labels=labels)
-            for model, version, raw, _ in self.rows:
-                value = raw.get(field(version, key), 0)
-                counter.add_metric([model, str(version)], value // 1000 if key.endswith(":ns") else value)
-            yield counter
         fail = TritonCounterFamily("nv_inference_request_failure", "Number of failed inference requests",
                                    ["model", "version", "reason"])
         pending = GaugeMetricFamily("nv_inference_pending_request_count",
@@ -178,25 +174,21 @@ class _Fleet(Collector):
         yield from gpu_families(self.gpus)
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")
-
-
 async def _running_jobs(st: Any, ids: object) -> list[RunningJob]:
     """The running ones among `ids` (at most MAX_JOBS_LISTED, by id): one more round trip, and only
     where there are unfinished jobs."""
     if not isinstance(ids, list) or not ids:
         return []
-    names = sorted(_text(i) for i in ids)
+    names = sorted(text(i) for i in ids)
     pipe = st.client.pipeline(transaction=False)
     for job_id in names:
         pipe.hmget(st.keys.job(job_id), "state", "model", "done", "total")
     out = []
     for job_id, fields in zip(names, await pipe.execute(raise_on_error=False), strict=True):
-        if not isinstance(fields, list) or _text(fields[0]) != "running":
+        if not isinstance(fields, list) or text(fields[0]) != "running":
             continue
-        total = _text(fields[3])
-        out.append(RunningJob(job_id, _text(fields[1]), int(_text(fields[2]) or 0),
+        total = text(fields[3])
+        out.append(RunningJob(job_id, text(fields[1]), int(text(fields[2]) or 0),
                               int(total) if total.isdigit() else None))
     return out[:MAX_JOBS_LISTED]
 

@@ -24,7 +24,7 @@ class ModelQueues:
 
     def waiting(self, version: int) -> list[int]:
         """Per lane of `version`: entries no worker has read yet."""
-        return [max(0, s.length - s.delivered) for s in self.streams if s.version == version]
+        return [s.waiting for s in self.streams if s.version == version]
 
 
 def lanes_of(catalog: Catalog, name: str) -> int:
@@ -64,6 +64,11 @@ def take_reads(results: Iterator[Any], name: str, streams: list[tuple[int, int]]
 def decoded(raw: object) -> dict[str, int]:
     """A hash of integers as HGETALL returned it ({} for an error or a missing key)."""
     return {k.decode(): int(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def text(value: object) -> str:
+    """A Redis reply value as text (None: "")."""
+    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _int(value: object) -> int:

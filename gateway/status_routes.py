@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
@@ -27,17 +26,13 @@ from fleet.errors import BrokerUnavailable
 from fleet.status_build import ModelReading, Reading, build_snapshot
 from fleet.status_snapshot import RateWindow, Snapshot, to_json
 from gateway.jobs.service import list_jobs
-from gateway.queue_reading import lanes_of, queue_reads, streams_of, take_reads
+from gateway.queue_reading import lanes_of, queue_reads, streams_of, take_reads, text
 from gateway.routes import json_response, state_of
 from gateway.state import REGISTRY_GRACE_MS, GatewayState
 from gateway.status_page import render_page
 
 JOBS_SHOWN = 20  # the newest jobs; `fleet jobs` lists them all
 STATUS_PATH = "/v2/fleet/status"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _reason(st: GatewayState, name: str) -> str:
@@ -57,7 +52,7 @@ async def read_status(st: GatewayState, now_ms: int) -> Reading:
     try:
         registered: list[tuple[bytes, float]] = await client.zrangebyscore(  # type: ignore[assignment]
             keys.workers(), now_ms - REGISTRY_GRACE_MS, "+inf", withscores=True)
-        ids = [(_text(i), int(score)) for i, score in registered]
+        ids = [(text(i), int(score)) for i, score in registered]
         pipe = client.pipeline(transaction=False)
         for worker_id, _ in ids:
             pipe.hgetall(keys.worker(worker_id))
@@ -72,7 +67,7 @@ async def read_status(st: GatewayState, now_ms: int) -> Reading:
     for worker_id, _ in ids:
         beat = next(results)
         if isinstance(beat, dict) and beat:
-            beats[worker_id] = {_text(k): _text(v) for k, v in beat.items()}
+            beats[worker_id] = {text(k): text(v) for k, v in beat.items()}
     models = []
     for name, streams in plans:
         read = take_reads(results, name, streams)

@@ -119,12 +119,8 @@ class ModelLoop:
         """Advertised as ready: its tasks run, its instances are not hung or down, it can read."""
         return self.supervisor.healthy and self.watchdog.healthy and self.custody.reading
 
-    def queued(self) -> dict[int, int]:
-        """Per version: requests waiting here for an instance (Triton's pending count)."""
-        return {v: s.queued() for v, s in self.schedulers.items()}
-
     def queued_by_lane(self) -> dict[int, dict[int, int]]:
-        """Per version, `queued()` per lane."""
+        """Per version and lane: requests waiting here for an instance (Triton's pending count)."""
         return {v: s.queued_by_lane() for v, s in self.schedulers.items()}
 
     def wake(self) -> None:

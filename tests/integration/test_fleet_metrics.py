@@ -107,7 +107,8 @@ def test_latency_and_batch_size_distributions_match_the_requests_sent(redis_serv
 def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer, key_prefix: str,
                                                       tmp_path: Path) -> None:
     """Lane 0 = priority level 1, lane 1 = level 2 (the default), lane 2 = bulk: while one request runs
-    (3 s), two wait on lane 0, one on lane 1 and one on the bulk lane, whether still in Redis or read
+    (5 s: the heartbeat reports read-ahead requests within a second, and both reads below must fall inside
+    the run), two wait on lane 0, one on lane 1 and one on the bulk lane, whether still in Redis or read
     ahead by the worker."""
     repo = timed_repository(tmp_path, "prio", max_batch_size=1,
                             dynamic_batching="priority_levels: 2 default_priority_level: 2")
@@ -120,7 +121,7 @@ def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer,
                 body = timed_request(sleep_ms, **params)
                 return asyncio.create_task(s.client.post("/v2/models/prio/infer", json=body))
 
-            blocker = post(3000)
+            blocker = post(5000)
             await until(lambda: _executing(s, "prio"), 10, "the blocker to run")
             waiting = [post(10, priority=1), post(11, priority=1), post(12)]
             client.xadd(keys.queue("prio", 2, version=1), {b"d": one_row("prio", 1, keys.reply("test"), "bulk-1", 13)})
@@ -133,7 +134,7 @@ def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer,
             async def all_waiting() -> bool:
                 return await lanes() == {"0": 2, "1": 1, "2": 1}
 
-            await until(all_waiting, 2.5, "two pending on lane 0, one on lane 1, one on the bulk lane")
+            await until(all_waiting, 4, "two pending on lane 0, one on lane 1, one on the bulk lane")
             series = await scrape(s)
             assert value(series, "nv_inference_pending_request_count", model="prio", version="1") == 4
             await asyncio.gather(blocker, *waiting)
