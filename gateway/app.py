@@ -20,7 +20,7 @@ from fleet.gc_tuning import freeze_after_startup
 from fleet.settings import Settings
 from gateway.auth import AuthGate
 from gateway.errors import error_response, handle_serving_error
-from gateway.fastpath import InferFastPath
+from gateway.fastpath import InferFastPath, InferHandler
 from gateway.jobs.routes import ROUTES as JOB_ROUTES
 from gateway.metrics import metrics_route
 from gateway.openai_api import ROUTES as OPENAI_ROUTES
@@ -52,12 +52,14 @@ class GatewayApp(FastAPI):
             kwargs["telemetry"] = {"tracing": False, "metrics": False, "logs": False}
         super().__init__(**kwargs)
         self._fleet_settings = settings
+        self.infer_handler = InferHandler()  # also given to the HTTP protocol (gateway/server.py)
 
     def build_middleware_stack(self) -> ASGIApp:
-        return AuthGate(InferFastPath(super().build_middleware_stack()), settings=self._fleet_settings)
+        return AuthGate(InferFastPath(super().build_middleware_stack(), self.infer_handler),
+                        settings=self._fleet_settings)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> GatewayApp:
     state = GatewayState(settings)
 
     @asynccontextmanager

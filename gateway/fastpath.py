@@ -13,6 +13,7 @@ import contextvars
 import json
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -108,48 +109,47 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes,
-                   extra: list[tuple[bytes, bytes]] | None = None, trace: Trace | None = None) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *(extra or [])]
-    if trace is not None:
-        trace.stamp(HTTP_SEND_START)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-    if trace is not None:
-        trace.stamp(HTTP_SEND_END)
-        trace.finish()
+@dataclass(slots=True)
+class InferAnswer:
+    """An infer request's response, before any protocol writes it: its status, headers (content-type first;
+    no content-length, which the writer adds) and body, and the request's trace if it is traced."""
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    trace: Trace | None
 
 
-class InferFastPath:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+def _error(status: int, message: str, trace: Trace | None, retry_after_s: int | None = None) -> InferAnswer:
+    headers = [(b"content-type", _JSON)]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", b"%d" % retry_after_s))
+    return InferAnswer(status, headers, json.dumps({"error": message}).encode(), trace)
+
+
+class InferHandler:
+    """POST /v2/models/NAME[/versions/V]/infer, whoever reads the HTTP: the ASGI middleware below, or the
+    gateway's HTTP protocol itself (gateway/infer_protocol.py), which answers it without the ASGI layers.
+    One per process: it holds the process's disconnect watch."""
+
+    def __init__(self) -> None:
         self._watch = _DisconnectWatch()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            match = _INFER.match(scope["path"])
-            if match is not None:
-                # What this request's task logs names it (the ids once the dataplane assigns them).
-                token = log_context.bind(log_context.RequestLog(match.group(1), match.group(2)))
-                try:
-                    await self._infer(scope, receive, send, match.group(1), match.group(2))
-                finally:
-                    log_context.unbind(token)
-                return
-        await self.app(scope, receive, send)
-
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None) -> None:
-        state: Any = scope["app"].state.fleet
+    async def answer(self, state: Any, headers: list[tuple[bytes, bytes]], body: bytes | None, receive: Receive,
+                     name: str, version: str | None) -> InferAnswer | None:
+        """The response to one infer request; None if its client went away meanwhile (nobody to answer).
+        `body`: the whole request body if the caller has it, else None and it is read through `receive`,
+        which then also tells of a disconnect while the request waits for its reply."""
         accept = None
         # The trace extension: a request not traced pays this one attribute read (gateway/tracer.py).
         trace: Trace | None = state.tracer.sample(name, HTTP_RECV_START) if state.tracer.active else None
         try:
             version = parse_version(name, version)
-            body = await _read_body(receive, state.settings.max_input_bytes)
+            if body is None:
+                body = await _read_body(receive, state.settings.max_input_bytes)
             if trace is not None:
                 trace.stamp(HTTP_RECV_END)
             header_length = encoding = None
-            for key, value in scope["headers"]:
+            for key, value in headers:
                 if key == b"inference-header-content-length":
                     header_length = value.decode("latin-1")
                 elif key == b"content-encoding":
@@ -171,29 +171,68 @@ class InferFastPath:
                     task.uncancel()  # our own cancellation: the client is gone, there is nobody to answer
                 if trace is not None:
                     trace.finish()  # what it got through, without a response
-                return
+                return None
             finally:
                 self._watch.remove(waiting)
                 dataplane.release()
         except ServingError as exc:
             if log.isEnabledFor(logging.DEBUG):  # verbose only: a client's error is no server event
                 log.debug("infer answered %d: %s", status_for(exc.code), exc.message)
-            retry = [(b"retry-after", b"%d" % exc.retry_after_s)] if exc.retry_after_s is not None else None
-            await _respond(send, status_for(exc.code), json.dumps({"error": exc.message}).encode(), _JSON, retry,
-                           trace)
-            return
+            return _error(status_for(exc.code), exc.message, trace, exc.retry_after_s)
         except Exception as exc:  # never take the process down; answer 500 and log it
             log.exception("infer on '%s' failed", name)
-            await _respond(send, 500, json.dumps({"error": f"internal error: {exc}"}).encode(), _JSON, None, trace)
-            return
-        extra: list[tuple[bytes, bytes]] = []
+            return _error(500, f"internal error: {exc}", trace)
+        out = [(b"content-type", _JSON if result.header_length is None else b"application/octet-stream")]
         if result.header_length is not None:
             # Refers to the uncompressed JSON, as in Triton.
-            extra.append((b"inference-header-content-length", b"%d" % result.header_length))
+            out.append((b"inference-header-content-length", b"%d" % result.header_length))
         body = result.body
         out_encoding = response_encoding(accept)
         if out_encoding is not None:
             body = compress(body, out_encoding)
-            extra.append((b"content-encoding", out_encoding.encode()))
-        await _respond(send, 200, body, _JSON if result.header_length is None else b"application/octet-stream",
-                       extra, trace)
+            out.append((b"content-encoding", out_encoding.encode()))
+        return InferAnswer(200, out, body, trace)
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version or None) if `path` is an infer URL."""
+    match = _INFER.match(path)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+class InferFastPath:
+    """The infer handler as bare ASGI middleware, in front of the app's routing."""
+
+    def __init__(self, app: ASGIApp, handler: InferHandler) -> None:
+        self.app = app
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _INFER.match(scope["path"])
+            if match is not None:
+                name = match.group(1)
+                # What this request's task logs names it (the ids once the dataplane assigns them).
+                token = log_context.bind(log_context.RequestLog(name, match.group(2)))
+                try:
+                    answer = await self.handler.answer(scope["app"].state.fleet, scope["headers"], None, receive,
+                                                       name, match.group(2))
+                    if answer is not None:
+                        await _send(send, answer)
+                finally:
+                    log_context.unbind(token)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _send(send: Send, answer: InferAnswer) -> None:
+    trace = answer.trace
+    if trace is not None:
+        trace.stamp(HTTP_SEND_START)
+    headers = answer.headers
+    await send({"type": "http.response.start", "status": answer.status,
+                "headers": [headers[0], (b"content-length", b"%d" % len(answer.body)), *headers[1:]]})
+    await send({"type": "http.response.body", "body": answer.body})
+    if trace is not None:
+        trace.stamp(HTTP_SEND_END)
+        trace.finish()

@@ -77,6 +77,13 @@ class _CoalescingTransport:
             if not self._transport.is_closing():
                 self._transport.write(data)
 
+    def write_whole(self, data: bytes) -> None:
+        """A response in one piece: out now, unless writes of this loop turn wait to go first."""
+        if self._pending:
+            self._pending.append(data)
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def write_eof(self) -> None:
         self._flush()
         self._transport.write_eof()
@@ -248,12 +255,16 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             if chunked:
                 self._body_limit, self._body_left, self._counted = limit, limit, not upload
         self._phase, self._phase_start, self._phase_bytes = BODY, _UNTIMED, 0
-        super().on_headers_complete()  # with server.py's ws="none", always a new cycle
+        self._begin_cycle()  # with server.py's ws="none", always a new cycle
         self._unanswered += 1
         if reserve or self._counted:
             held: Held = [self.cycle, reserve]
             self._held.append(held)
             self._chunked = held
+
+    def _begin_cycle(self) -> None:
+        """uvicorn's own: the request's cycle, its ASGI task started (or queued behind the one before)."""
+        HttpToolsProtocol.on_headers_complete(self)
 
     def on_body(self, body: bytes) -> None:
         if self._body_left is not None:  # chunked: nothing announced, so counted as it arrives

@@ -18,6 +18,7 @@ from fleet.settings import Settings
 from gateway.app import create_app
 from gateway.grpc.server import GrpcFrontend
 from gateway.http_protocol import protocol_class
+from gateway.infer_protocol import serving_infer
 from gateway.metrics import metrics_route
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,9 @@ def serve(settings: Settings) -> int:
     level = "info" if settings.log_verbose else "warning"
     protocol = protocol_class(settings)  # one class for both ports: one budget of body bytes per process
     main = _GatewayServer(uvicorn.Config(
-        app, host=settings.http_host, port=settings.http_port, loop="uvloop", http=protocol,
+        app, host=settings.http_host, port=settings.http_port, loop="uvloop",
+        # Infer requests answered by the protocol itself (the metrics port serves no infer).
+        http=serving_infer(protocol, app.infer_handler, app.state.fleet, settings),
         ws="none",  # no websocket routes: an Upgrade header changes nothing
         log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=GRACEFUL_STOP_S,
         log_config=None,  # uvicorn's lines go to the root handler: fleet's format (JSON in containers)

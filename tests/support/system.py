@@ -14,7 +14,7 @@ import httpx
 
 from fleet.cancellation import cancel_and_wait
 from fleet.settings import Settings
-from gateway.app import create_app
+from gateway.app import GatewayApp, create_app
 from gateway.state import GatewayState
 from workers.main import run_worker
 
@@ -24,6 +24,7 @@ class InProcessSystem:
     client: httpx.AsyncClient
     state: GatewayState
     settings: Settings
+    app: GatewayApp  # for a test that serves it over real HTTP as well
 
 
 @asynccontextmanager
@@ -56,7 +57,7 @@ async def in_process_system(redis_url: str, key_prefix: str, repositories: Seque
                 await asyncio.sleep(0.1)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fleet") as client:
-            yield InProcessSystem(client, state, settings)
+            yield InProcessSystem(client, state, settings, app)
     finally:
         stop.set()
         if worker_task is not None:

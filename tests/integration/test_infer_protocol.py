@@ -1,0 +1,238 @@
+"""The HTTP protocol's own infer path (gateway/infer_protocol.py) against the app's (gateway/fastpath.py),
+through a real uvicorn server on a socket, the real app and worker, and the session's Redis: every request
+here is sent twice, once as the protocol answers it (POST .../infer) and once through the app (the same
+URL with an empty query, which the protocol leaves to the app), and both answers must be the same
+bytes. A counting subclass of the protocol shows which path answered."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from fleet.redis_server import LocalServer, free_port
+from gateway.http_protocol import protocol_class
+from gateway.infer_protocol import serving_infer
+from tests.integration.test_pipeline import MODELS, fp32_request
+from tests.support.raw_http import Answer, answers, exchange
+from tests.support.system import in_process_system
+
+KEY = "k-7f3a"
+
+
+@dataclass
+class Gateway:
+    port: int
+    counts: dict[str, int]  # protocol answers started, by path
+
+    def both(self, target: bytes, body: bytes = b"", headers: bytes = b"", method: bytes = b"POST"
+             ) -> tuple[Answer, Answer]:
+        """`target`'s answer from the protocol's path and from the app's (`target?`), each on a connection
+        of its own; checks which path answered."""
+        out = []
+        for query, path in ((b"", "protocol"), (b"?", "app")):
+            before = dict(self.counts)
+            raw, closed = exchange(self.port, _request(method, target + query, body, headers), timeout_s=20)
+            (answer,) = answers(raw)
+            taken = [k for k in self.counts if self.counts[k] > before[k]]
+            assert taken == [path], (target, taken)
+            out.append(answer)
+        return out[0], out[1]
+
+
+def _request(method: bytes, target: bytes, body: bytes, headers: bytes, close: bool = True) -> bytes:
+    return (method + b" " + target + b" HTTP/1.1\r\nhost: x\r\n" + headers
+            + (b"connection: close\r\n" if close else b"") + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+def _serve(redis_url: str, prefix: str, port: int, ready: threading.Event, stop: threading.Event,
+           counts: dict[str, int], failure: list[BaseException], overrides: dict[str, Any]) -> None:
+    async def main() -> None:
+        async with in_process_system(redis_url, prefix, [MODELS], ready_models=["doubler"], **overrides) as s:
+            base = serving_infer(protocol_class(s.settings), s.app.infer_handler, s.state, s.settings)
+
+            class Counting(base):  # type: ignore[valid-type,misc]
+                seen: ClassVar[dict[str, int]] = counts
+
+                def connection_made(self, transport: Any) -> None:
+                    super().connection_made(transport)
+                    # Under pytest, its capture handlers sit on uvicorn's access logger, so uvicorn would
+                    # write access lines (which only the app's path does): off, as the gateway runs.
+                    self.access_log = False
+
+                async def _answer(self, *args: Any) -> None:
+                    self.seen["protocol"] += 1
+                    await super()._answer(*args)
+
+                def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+                    self.seen["app"] += 1
+                    super()._start_asgi_task(cycle, app)
+
+            server = uvicorn.Server(uvicorn.Config(s.app, host="127.0.0.1", port=port, http=Counting, ws="none",
+                                                   lifespan="off", log_config=None, log_level="warning",
+                                                   access_log=False))
+            task = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.02)
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            server.should_exit = True
+            await task
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:  # the test thread reports it
+        failure.append(exc)
+        ready.set()
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_server: LocalServer) -> Iterator[Gateway]:
+    yield from _gateway(redis_server, "inferproto", {})
+
+
+@pytest.fixture(scope="module")
+def keyed(redis_server: LocalServer) -> Iterator[Gateway]:
+    yield from _gateway(redis_server, "inferkeyed", {"api_keys": KEY})
+
+
+def _gateway(redis_server: LocalServer, prefix: str, overrides: dict[str, Any]) -> Iterator[Gateway]:
+    port = free_port()
+    ready, stop = threading.Event(), threading.Event()
+    counts = {"protocol": 0, "app": 0}
+    failure: list[BaseException] = []
+    thread = threading.Thread(target=_serve, args=(redis_server.url, prefix, port, ready, stop, counts, failure,
+                                                   overrides), daemon=True)
+    thread.start()
+    assert ready.wait(120), "the gateway did not start"
+    if failure:
+        raise failure[0]
+    yield Gateway(port, counts)
+    stop.set()
+    thread.join(60)
+    assert not failure, failure
+
+
+def _json(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def _binary(values: list[float]) -> tuple[bytes, bytes]:
+    header = _json({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, len(values)],
+                                "parameters": {"binary_data_size": 4 * len(values)}}],
+                    "outputs": [{"name": "OUT", "parameters": {"binary_data": True}}]})
+    return header + struct.pack(f"<{len(values)}f", *values), b"inference-header-content-length: %d\r\n" % len(header)
+
+
+CASES: dict[str, tuple[bytes, bytes, bytes]] = {  # name: (target, body, extra headers)
+    "json": (b"/v2/models/doubler/infer", _json({"id": "a1", **fp32_request([[1, 2, 3]])}), b""),
+    "version": (b"/v2/models/doubler/versions/1/infer", _json(fp32_request([[4.5]])), b""),
+    "binary": (b"/v2/models/doubler/infer", *_binary([1.0, -2.0, 3.25])),
+    "gzip response": (b"/v2/models/doubler/infer", _json(fp32_request([[1, 2]])), b"accept-encoding: gzip\r\n"),
+    "gzip request": (b"/v2/models/doubler/infer", gzip.compress(_json(fp32_request([[7, 8]]))),
+                     b"content-encoding: gzip\r\n"),
+    "wrong shape": (b"/v2/models/doubler/infer", _json({"inputs": [{"name": "IN", "datatype": "FP32",
+                                                                      "shape": [1, 3], "data": [1, 2]}]}), b""),
+    "unknown model": (b"/v2/models/nobody/infer", _json(fp32_request([[1]])), b""),
+    "bad version": (b"/v2/models/doubler/versions/x/infer", _json(fp32_request([[1]])), b""),
+    "empty version": (b"/v2/models/doubler/versions//infer", _json(fp32_request([[1]])), b""),
+    "unknown version": (b"/v2/models/doubler/versions/9/infer", _json(fp32_request([[1]])), b""),
+    "not json": (b"/v2/models/doubler/infer", b"{nope", b""),
+    "empty body": (b"/v2/models/doubler/infer", b"", b""),
+    "bad header length": (b"/v2/models/doubler/infer", b"{}", b"inference-header-content-length: 99\r\n"),
+    "unknown encoding": (b"/v2/models/doubler/infer", b"{}", b"content-encoding: br2\r\n"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_protocol_answers_as_the_app_does(gateway: Gateway, case: str) -> None:
+    target, body, headers = CASES[case]
+    fast, app = gateway.both(target, body, headers)
+    assert (fast.status, fast.headers, fast.body) == (app.status, app.headers, app.body), case
+    assert fast.headers.get("connection") == "close"  # the client asked
+    if fast.status == 200 and "gzip" not in case or case == "gzip request":
+        if case == "binary":
+            length = int(fast.headers["inference-header-content-length"])
+            values = struct.unpack("<3f", fast.body[length:])
+            assert values == (2.0, -4.0, 6.5)
+        else:
+            doc = fast.json()
+            sent = json.loads(gzip.decompress(body) if case == "gzip request" else body)
+            assert doc["outputs"][0]["data"] == [2 * v for v in sent["inputs"][0]["data"][0]] or \
+                doc["outputs"][0]["data"] == [2 * v for row in sent["inputs"][0]["data"] for v in row]
+    elif case == "gzip response":
+        assert fast.headers["content-encoding"] == "gzip" and fast.json()["outputs"][0]["data"] == [2, 4]
+    else:
+        assert fast.error()
+
+
+def test_keep_alive_pipelining_and_a_streamed_body(gateway: Gateway) -> None:
+    one = _json(fp32_request([[1]]))
+    two = _json(fp32_request([[2]]))
+    # Three requests in one write: the first answered by the protocol, the two pipelined behind it by
+    # uvicorn's queue, in order; then the connection closes as the last one asks.
+    before = dict(gateway.counts)
+    raw, closed = exchange(gateway.port, _request(b"POST", b"/v2/models/doubler/infer", one, b"", close=False)
+                           + _request(b"POST", b"/v2/models/doubler/infer", two, b"", close=False)
+                           + _request(b"POST", b"/v2/models/doubler/infer", one, b""))
+    got = answers(raw)
+    assert closed and [a.json()["outputs"][0]["data"] for a in got] == [[2], [4], [2]]
+    assert gateway.counts["protocol"] - before["protocol"] >= 1
+    # Sequential requests on one connection, each sent after the answer before: all by the protocol.
+    before = dict(gateway.counts)
+    pieces = [_request(b"POST", b"/v2/models/doubler/infer", _json(fp32_request([[i]])), b"", close=i == 3)
+              for i in range(4)]
+    raw, closed = exchange(gateway.port, pieces, gap_s=0.3)
+    assert closed and [a.json()["outputs"][0]["data"] for a in answers(raw)] == [[0], [2], [4], [6]]
+    assert gateway.counts["protocol"] - before["protocol"] == 4
+    # A chunked body that arrives in pieces, and a client that waits for 100 Continue.
+    body = _json(fp32_request([[3, 4]]))
+    head = (b"POST /v2/models/doubler/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    raw, _ = exchange(gateway.port, [head, b"%x\r\n%s\r\n" % (10, body[:10]),
+                                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 10, body[10:])])
+    assert answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
+    head = (b"POST /v2/models/doubler/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\nexpect: 100-continue\r\n"
+            b"content-length: %d\r\n\r\n" % len(body))
+    raw, _ = exchange(gateway.port, [head, body], gap_s=0.3)
+    assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
+    # HTTP/1.0 is the app's, with the same answer.
+    raw, closed = exchange(gateway.port, b"POST /v2/models/doubler/infer HTTP/1.0\r\ncontent-length: %d\r\n\r\n%s"
+                           % (len(body), body))
+    assert closed and answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
+
+
+def test_a_client_that_leaves_cancels_its_request(gateway: Gateway) -> None:
+    """The protocol's path keeps the app's disconnect watch: a request whose client is gone is not
+    answered, and the gateway serves the next ones."""
+    body = _json(fp32_request([[5]]))
+    raw, closed = exchange(gateway.port, _request(b"POST", b"/v2/models/doubler/infer", body, b"", close=False),
+                           timeout_s=0.005)
+    assert not closed  # left before the answer (the model batches with a 20 ms delay)
+    fast, app = gateway.both(b"/v2/models/doubler/infer", body)
+    assert fast.json()["outputs"][0]["data"] == [10] and fast.body == app.body
+
+
+def test_with_keys_only_a_keyed_request_takes_the_protocol_path(keyed: Gateway) -> None:
+    body = _json(fp32_request([[1.5]]))
+    good = b"authorization: Bearer " + KEY.encode() + b"\r\n"
+    fast, app = keyed.both(b"/v2/models/doubler/infer", body, good)
+    assert fast.status == 200 and fast.body == app.body and fast.json()["outputs"][0]["data"] == [3.0]
+    for headers in (b"", b"authorization: Bearer nope\r\n", b"authorization: " + base64.b64encode(b"x") + b"\r\n"):
+        before = dict(keyed.counts)
+        raw, _ = exchange(keyed.port, _request(b"POST", b"/v2/models/doubler/infer", body, headers))
+        (answer,) = answers(raw)
+        assert answer.status == 401 and answer.headers["www-authenticate"] == 'Bearer realm="fleet"'
+        assert keyed.counts["protocol"] == before["protocol"]
