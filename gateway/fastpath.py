@@ -194,12 +194,6 @@ class InferHandler:
         return InferAnswer(200, out, body, trace)
 
 
-def infer_target(path: str) -> tuple[str, str | None] | None:
-    """(model, version or None) if `path` is an infer URL."""
-    match = _INFER.match(path)
-    return None if match is None else (match.group(1), match.group(2))
-
-
 class InferFastPath:
     """The infer handler as bare ASGI middleware, in front of the app's routing."""
 

@@ -255,7 +255,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             if chunked:
                 self._body_limit, self._body_left, self._counted = limit, limit, not upload
         self._phase, self._phase_start, self._phase_bytes = BODY, _UNTIMED, 0
-        self._begin_cycle()  # with server.py's ws="none", always a new cycle
+        try:
+            self._begin_cycle()  # with server.py's ws="none", always a new cycle
+        except BaseException:
+            # No cycle holds the reservation (uvicorn refused the target: a URL that is not ASCII): given
+            # back before the parser error answers the request.
+            self.budget.held -= reserve
+            raise
         self._unanswered += 1
         if reserve or self._counted:
             held: Held = [self.cycle, reserve]

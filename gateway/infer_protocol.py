@@ -19,6 +19,7 @@ the request once its head is read.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 from typing import Any, ClassVar
@@ -35,8 +36,10 @@ from gateway.http_protocol import EdgeHttpProtocol
 
 log = logging.getLogger(__name__)
 
-# As fastpath's pattern, on the raw target: no '%' (the ASGI path unquotes), no query or fragment.
-_TARGET = re.compile(rb"^/v2/models/([^/?%#]+)(?:/versions/([^/?%#]*))?/infer$")
+# As fastpath's pattern, on the raw target: printable ASCII without '%' (the ASGI path unquotes), no
+# query or fragment.
+_TARGET = re.compile(rb"^/v2/models/([!-\x22\x24\x26-\x2e\x30-\x3e\x40-~]+)"
+                     rb"(?:/versions/([!-\x22\x24\x26-\x2e\x30-\x3e\x40-~]*))?/infer$")
 _INTERNAL = InferAnswer(500, [(b"content-type", b"application/json")],
                         b'{"error": "internal error while answering the request"}', None)
 
@@ -79,12 +82,8 @@ class InferHttpProtocol(EdgeHttpProtocol):
                 next((v for k, v in self.headers if k == b"authorization"), None))):
             super()._begin_cycle()  # the app's way (which also answers a refused key)
             return
-        try:
-            name = match.group(1).decode("ascii")
-            version = None if match.group(2) is None else match.group(2).decode("ascii")
-        except UnicodeDecodeError:
-            super()._begin_cycle()
-            return
+        name = match.group(1).decode("ascii")
+        version = None if match.group(2) is None else match.group(2).decode("ascii")
         self.scope["method"] = "POST"  # for anything that reads the cycle's scope (a log line)
         self.cycle = cycle = RequestResponseCycle(
             scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,
@@ -92,28 +91,44 @@ class InferHttpProtocol(EdgeHttpProtocol):
             message_event=asyncio.Event(), expect_100_continue=self.expect_100_continue,
             keep_alive=parser.should_keep_alive(), on_response=self.on_response_complete)
         # self.headers is replaced when the connection's next request begins: this one's are kept here.
-        task = self.loop.create_task(self._answer(cycle, self.headers, name, version))
+        answering = self._answer(cycle, self.headers, name, version)
+        task = (self.loop.create_task(answering, context=contextvars.Context()) if self.config.reset_contextvars
+                else self.loop.create_task(answering))  # as uvicorn starts an ASGI task
         task.add_done_callback(self.tasks.discard)  # the server's graceful stop waits for these
         self.tasks.add(task)
 
     async def _answer(self, cycle: RequestResponseCycle, headers: list[tuple[bytes, bytes]], name: str,
                       version: str | None) -> None:
+        if cycle.disconnected:
+            return  # gone before its turn: nothing computed (the app's path would stop at receive())
         token = log_context.bind(log_context.RequestLog(name, version))
         try:
             body: bytes | None = None
             if not cycle.more_body and not cycle.waiting_for_100_continue:
                 # Read whole with its head (the usual infer request): taken as receive() would give it
-                # (a bytearray, which everything after reads as bytes).
+                # (a bytearray, which everything after reads as bytes), reading resumed as it does.
                 body, cycle.body = cycle.body, bytearray()  # type: ignore[assignment]
                 cycle.message_event.clear()
+                self.flow.resume_reading()
             receive: Receive = cycle.receive  # type: ignore[assignment]  # uvicorn's ASGI types, Starlette's
             answer = await self.served.handler.answer(self.served.state, headers, body, receive, name, version)
             if answer is not None:
                 await self._send(cycle, answer)
-        except Exception:  # the handler answers its own errors: this is a fault in the writing
-            log.exception("answering an infer request on '%s' failed", name)
+        except BaseException as exc:
+            # The handler answers its own errors: this is a fault in the writing, or the server's graceful
+            # stop giving up on the request (cancelled). As uvicorn's run_asgi: a 500 that closes the
+            # connection if nothing was sent yet, else the connection closed under the partial answer.
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("answering an infer request on '%s' failed", name)
             if not cycle.response_started:
-                await self._send(cycle, _INTERNAL)
+                cycle.keep_alive = False
+                try:
+                    await self._send(cycle, _INTERNAL)
+                except Exception:
+                    log.exception("answering an infer request on '%s' with a 500 failed", name)
+                    self.transport.close()
+            elif not cycle.response_complete:
+                self.transport.close()
         finally:
             log_context.unbind(token)
 
@@ -121,13 +136,13 @@ class InferHttpProtocol(EdgeHttpProtocol):
         """As uvicorn's send of a start and a body message would, in one write."""
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
-        if cycle.disconnected:
-            return
         trace = answer.trace
+        if cycle.disconnected:
+            if trace is not None:
+                trace.finish()  # what it got through, without a response
+            return
         if trace is not None:
             trace.stamp(HTTP_SEND_START)
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
         body = answer.body
         headers = answer.headers
         out = [STATUS_LINE[answer.status]]
@@ -139,7 +154,10 @@ class InferHttpProtocol(EdgeHttpProtocol):
         if not cycle.keep_alive:
             out.append(b"connection: close\r\n")
         out += [b"\r\n", body]
-        self.transport.write_whole(b"".join(out))  # type: ignore[attr-defined]
+        data = b"".join(out)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        self.transport.write_whole(data)  # type: ignore[attr-defined]
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:

@@ -10,11 +10,15 @@ import asyncio
 import base64
 import gzip
 import json
+import shutil
+import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -24,30 +28,41 @@ from fleet.redis_server import LocalServer, free_port
 from gateway.http_protocol import protocol_class
 from gateway.infer_protocol import serving_infer
 from tests.integration.test_pipeline import MODELS, fp32_request
-from tests.support.raw_http import Answer, answers, exchange
+from tests.support.raw_http import answers, exchange
 from tests.support.system import in_process_system
 
 KEY = "k-7f3a"
+SLOW_S = 2.0  # the `slow` model's execute()
 
 
 @dataclass
 class Gateway:
     port: int
-    counts: dict[str, int]  # protocol answers started, by path
+    counts: dict[str, int]  # requests begun, by the path that runs them
+    live: dict[str, Any]  # the server thread's state and protocol class, once up
 
     def both(self, target: bytes, body: bytes = b"", headers: bytes = b"", method: bytes = b"POST"
-             ) -> tuple[Answer, Answer]:
-        """`target`'s answer from the protocol's path and from the app's (`target?`), each on a connection
-        of its own; checks which path answered."""
+             ) -> tuple[bytes, bytes]:
+        """`target`'s whole answer (status line, headers in order, body) from the protocol's path and from the
+        app's (`target?`), each on a connection of its own; checks which path answered."""
         out = []
         for query, path in ((b"", "protocol"), (b"?", "app")):
             before = dict(self.counts)
             raw, closed = exchange(self.port, _request(method, target + query, body, headers), timeout_s=20)
-            (answer,) = answers(raw)
+            assert closed and len(answers(raw)) == 1, raw
             taken = [k for k in self.counts if self.counts[k] > before[k]]
             assert taken == [path], (target, taken)
-            out.append(answer)
+            out.append(raw)
         return out[0], out[1]
+
+    def idle(self) -> None:
+        """Nothing in flight: no request held, no body bytes counted (polled: a closed connection is
+        cleaned up by the server thread)."""
+        state, protocol = self.live["state"], self.live["protocol"]
+        deadline = time.monotonic() + 5
+        while (state.dataplane.in_flight or protocol.budget.held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (state.dataplane.in_flight, protocol.budget.held) == (0, 0)
 
 
 def _request(method: bytes, target: bytes, body: bytes, headers: bytes, close: bool = True) -> bytes:
@@ -55,15 +70,40 @@ def _request(method: bytes, target: bytes, body: bytes, headers: bytes, close: b
             + (b"connection: close\r\n" if close else b"") + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
-def _serve(redis_url: str, prefix: str, port: int, ready: threading.Event, stop: threading.Event,
-           counts: dict[str, int], failure: list[BaseException], overrides: dict[str, Any]) -> None:
+def _repository(root: Path) -> Path:
+    """The `doubler` test model, and `slow`: an identity that takes SLOW_S per execute."""
+    shutil.copytree(MODELS / "doubler", root / "doubler")
+    (root / "slow" / "1").mkdir(parents=True)
+    (root / "slow" / "config.pbtxt").write_text("""
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+""")
+    (root / "slow" / "1" / "model.py").write_text(f"""
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep({SLOW_S})
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                             .as_numpy())]) for r in requests]
+""")
+    return root
+
+
+def _serve(redis_url: str, prefix: str, repository: Path, port: int, ready: threading.Event,
+           stop: threading.Event, gateway: Gateway, failure: list[BaseException], overrides: dict[str, Any]) -> None:
+    counts = gateway.counts
+
     async def main() -> None:
-        async with in_process_system(redis_url, prefix, [MODELS], ready_models=["doubler"], **overrides) as s:
+        async with in_process_system(redis_url, prefix, [repository], **overrides) as s:
             base = serving_infer(protocol_class(s.settings), s.app.infer_handler, s.state, s.settings)
 
             class Counting(base):  # type: ignore[valid-type,misc]
-                seen: ClassVar[dict[str, int]] = counts
-
                 def connection_made(self, transport: Any) -> None:
                     super().connection_made(transport)
                     # Under pytest, its capture handlers sit on uvicorn's access logger, so uvicorn would
@@ -71,16 +111,18 @@ def _serve(redis_url: str, prefix: str, port: int, ready: threading.Event, stop:
                     self.access_log = False
 
                 async def _answer(self, *args: Any) -> None:
-                    self.seen["protocol"] += 1
+                    counts["protocol"] += 1
                     await super()._answer(*args)
 
                 def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-                    self.seen["app"] += 1
+                    counts["app"] += 1
                     super()._start_asgi_task(cycle, app)
 
+            gateway.live.update(state=s.state, protocol=Counting)
+            # As gateway/server.py configures it (no Date header: two answers a second apart stay equal).
             server = uvicorn.Server(uvicorn.Config(s.app, host="127.0.0.1", port=port, http=Counting, ws="none",
                                                    lifespan="off", log_config=None, log_level="warning",
-                                                   access_log=False))
+                                                   access_log=False, server_header=False, date_header=False))
             task = asyncio.create_task(server.serve())
             while not server.started:
                 await asyncio.sleep(0.02)
@@ -98,27 +140,29 @@ def _serve(redis_url: str, prefix: str, port: int, ready: threading.Event, stop:
 
 
 @pytest.fixture(scope="module")
-def gateway(redis_server: LocalServer) -> Iterator[Gateway]:
-    yield from _gateway(redis_server, "inferproto", {})
+def gateway(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from _gateway(redis_server, "inferproto", tmp_path_factory, {})
 
 
 @pytest.fixture(scope="module")
-def keyed(redis_server: LocalServer) -> Iterator[Gateway]:
-    yield from _gateway(redis_server, "inferkeyed", {"api_keys": KEY})
+def keyed(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from _gateway(redis_server, "inferkeyed", tmp_path_factory, {"api_keys": KEY})
 
 
-def _gateway(redis_server: LocalServer, prefix: str, overrides: dict[str, Any]) -> Iterator[Gateway]:
+def _gateway(redis_server: LocalServer, prefix: str, tmp_path_factory: pytest.TempPathFactory,
+             overrides: dict[str, Any]) -> Iterator[Gateway]:
     port = free_port()
     ready, stop = threading.Event(), threading.Event()
-    counts = {"protocol": 0, "app": 0}
+    gateway = Gateway(port, {"protocol": 0, "app": 0}, {})
     failure: list[BaseException] = []
-    thread = threading.Thread(target=_serve, args=(redis_server.url, prefix, port, ready, stop, counts, failure,
-                                                   overrides), daemon=True)
+    repository = _repository(tmp_path_factory.mktemp("models"))
+    thread = threading.Thread(target=_serve, args=(redis_server.url, prefix, repository, port, ready, stop, gateway,
+                                                   failure, overrides), daemon=True)
     thread.start()
     assert ready.wait(120), "the gateway did not start"
     if failure:
         raise failure[0]
-    yield Gateway(port, counts)
+    yield gateway
     stop.set()
     thread.join(60)
     assert not failure, failure
@@ -158,46 +202,44 @@ CASES: dict[str, tuple[bytes, bytes, bytes]] = {  # name: (target, body, extra h
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_protocol_answers_as_the_app_does(gateway: Gateway, case: str) -> None:
     target, body, headers = CASES[case]
-    fast, app = gateway.both(target, body, headers)
-    assert (fast.status, fast.headers, fast.body) == (app.status, app.headers, app.body), case
+    raw, from_app = gateway.both(target, body, headers)
+    assert raw == from_app, case  # status line, every header in order, body
+    (fast,) = answers(raw)
     assert fast.headers.get("connection") == "close"  # the client asked
-    if fast.status == 200 and "gzip" not in case or case == "gzip request":
-        if case == "binary":
-            length = int(fast.headers["inference-header-content-length"])
-            values = struct.unpack("<3f", fast.body[length:])
-            assert values == (2.0, -4.0, 6.5)
-        else:
-            doc = fast.json()
-            sent = json.loads(gzip.decompress(body) if case == "gzip request" else body)
-            assert doc["outputs"][0]["data"] == [2 * v for v in sent["inputs"][0]["data"][0]] or \
-                doc["outputs"][0]["data"] == [2 * v for row in sent["inputs"][0]["data"] for v in row]
+    if case == "binary":
+        length = int(fast.headers["inference-header-content-length"])
+        assert struct.unpack("<3f", fast.body[length:]) == (2.0, -4.0, 6.5)
     elif case == "gzip response":
         assert fast.headers["content-encoding"] == "gzip" and fast.json()["outputs"][0]["data"] == [2, 4]
+    elif fast.status == 200:
+        sent = json.loads(gzip.decompress(body) if case == "gzip request" else body)
+        assert fast.json()["outputs"][0]["data"] == [2 * v for row in sent["inputs"][0]["data"] for v in row]
     else:
-        assert fast.error()
+        assert fast.status in (400, 404) and fast.error()
+    gateway.idle()
 
 
-def test_keep_alive_pipelining_and_a_streamed_body(gateway: Gateway) -> None:
+def test_keep_alive_pipelining_and_bodies_that_arrive_later(gateway: Gateway) -> None:
     one = _json(fp32_request([[1]]))
     two = _json(fp32_request([[2]]))
     # Three requests in one write: the first answered by the protocol, the two pipelined behind it by
-    # uvicorn's queue, in order; then the connection closes as the last one asks.
+    # uvicorn's queue (the app), in order; then the connection closes as the last one asks.
     before = dict(gateway.counts)
     raw, closed = exchange(gateway.port, _request(b"POST", b"/v2/models/doubler/infer", one, b"", close=False)
                            + _request(b"POST", b"/v2/models/doubler/infer", two, b"", close=False)
                            + _request(b"POST", b"/v2/models/doubler/infer", one, b""))
-    got = answers(raw)
-    assert closed and [a.json()["outputs"][0]["data"] for a in got] == [[2], [4], [2]]
-    assert gateway.counts["protocol"] - before["protocol"] >= 1
-    # Sequential requests on one connection, each sent after the answer before: all by the protocol.
+    assert closed and [a.json()["outputs"][0]["data"] for a in answers(raw)] == [[2], [4], [2]]
+    assert (gateway.counts["protocol"] - before["protocol"], gateway.counts["app"] - before["app"]) == (1, 2)
+    # Sequential requests on one keep-alive connection, each sent after the answer before: all the protocol's.
     before = dict(gateway.counts)
     pieces = [_request(b"POST", b"/v2/models/doubler/infer", _json(fp32_request([[i]])), b"", close=i == 3)
               for i in range(4)]
     raw, closed = exchange(gateway.port, pieces, gap_s=0.3)
     assert closed and [a.json()["outputs"][0]["data"] for a in answers(raw)] == [[0], [2], [4], [6]]
-    assert gateway.counts["protocol"] - before["protocol"] == 4
-    # A chunked body that arrives in pieces, and a client that waits for 100 Continue.
+    assert (gateway.counts["protocol"] - before["protocol"], gateway.counts["app"] - before["app"]) == (4, 0)
+    # Bodies the protocol's path reads as they come: chunked, in pieces; after a 100 Continue.
     body = _json(fp32_request([[3, 4]]))
+    before = dict(gateway.counts)
     head = (b"POST /v2/models/doubler/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
     raw, _ = exchange(gateway.port, [head, b"%x\r\n%s\r\n" % (10, body[:10]),
@@ -208,31 +250,56 @@ def test_keep_alive_pipelining_and_a_streamed_body(gateway: Gateway) -> None:
     raw, _ = exchange(gateway.port, [head, body], gap_s=0.3)
     assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
     assert answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
+    assert (gateway.counts["protocol"] - before["protocol"], gateway.counts["app"] - before["app"]) == (2, 0)
     # HTTP/1.0 is the app's, with the same answer.
     raw, closed = exchange(gateway.port, b"POST /v2/models/doubler/infer HTTP/1.0\r\ncontent-length: %d\r\n\r\n%s"
                            % (len(body), body))
     assert closed and answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
+    gateway.idle()
+
+
+def test_a_target_that_is_not_ascii_is_a_400_that_gives_back_its_body_bytes(gateway: Gateway) -> None:
+    """Refused by the parser, or by uvicorn in the parser's callback after the body's bytes were reserved:
+    either way a 400, and nothing stays counted (left, they would add up to 503s for every body)."""
+    body = _json(fp32_request([[1]]))
+    for target in ("/v2/models/dé/infer", "/v2/models/doubler/versions/¹/infer", "/v2/models/d\u00e9/infer?q"):
+        raw, closed = exchange(gateway.port, _request(b"POST", target.encode(), body, b""))
+        (answer,) = answers(raw)
+        assert closed and answer.status == 400 and answer.error().startswith("malformed HTTP request")
+    gateway.idle()
 
 
 def test_a_client_that_leaves_cancels_its_request(gateway: Gateway) -> None:
-    """The protocol's path keeps the app's disconnect watch: a request whose client is gone is not
-    answered, and the gateway serves the next ones."""
-    body = _json(fp32_request([[5]]))
-    raw, closed = exchange(gateway.port, _request(b"POST", b"/v2/models/doubler/infer", body, b"", close=False),
-                           timeout_s=0.005)
-    assert not closed  # left before the answer (the model batches with a 20 ms delay)
-    fast, app = gateway.both(b"/v2/models/doubler/infer", body)
-    assert fast.json()["outputs"][0]["data"] == [10] and fast.body == app.body
+    """The protocol's path keeps the app's disconnect watch: a client that leaves while its request waits
+    (past the watch's 50 ms) frees it at once, long before the model would have answered, and the
+    gateway serves the next ones."""
+    body = _json({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1], "data": [5]}]})
+    before = dict(gateway.counts)
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as s:
+        s.sendall(_request(b"POST", b"/v2/models/slow/infer", body, b"", close=False))
+        state = gateway.live["state"]
+        deadline = time.monotonic() + 5
+        while not state.dataplane.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state.dataplane.in_flight == 1
+        time.sleep(0.3)  # past the disconnect watch's start
+        left = time.monotonic()
+    gateway.idle()
+    assert time.monotonic() - left < SLOW_S / 2  # cancelled, not answered
+    assert gateway.counts["protocol"] - before["protocol"] == 1
+    raw, from_app = gateway.both(b"/v2/models/doubler/infer", _json(fp32_request([[5]])))
+    assert raw == from_app and answers(raw)[0].json()["outputs"][0]["data"] == [10]
 
 
 def test_with_keys_only_a_keyed_request_takes_the_protocol_path(keyed: Gateway) -> None:
     body = _json(fp32_request([[1.5]]))
     good = b"authorization: Bearer " + KEY.encode() + b"\r\n"
-    fast, app = keyed.both(b"/v2/models/doubler/infer", body, good)
-    assert fast.status == 200 and fast.body == app.body and fast.json()["outputs"][0]["data"] == [3.0]
+    raw, from_app = keyed.both(b"/v2/models/doubler/infer", body, good)
+    assert raw == from_app and answers(raw)[0].json()["outputs"][0]["data"] == [3.0]
     for headers in (b"", b"authorization: Bearer nope\r\n", b"authorization: " + base64.b64encode(b"x") + b"\r\n"):
         before = dict(keyed.counts)
         raw, _ = exchange(keyed.port, _request(b"POST", b"/v2/models/doubler/infer", body, headers))
         (answer,) = answers(raw)
         assert answer.status == 401 and answer.headers["www-authenticate"] == 'Bearer realm="fleet"'
-        assert keyed.counts["protocol"] == before["protocol"]
+        assert (keyed.counts["protocol"] - before["protocol"], keyed.counts["app"] - before["app"]) == (0, 1)
+    keyed.idle()
