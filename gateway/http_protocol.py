@@ -259,8 +259,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._begin_cycle()  # with server.py's ws="none", always a new cycle
         except BaseException:
             # No cycle holds the reservation (uvicorn refused the target: a URL that is not ASCII): given
-            # back before the parser error answers the request.
+            # back before the parser error answers the request; and the request refused is still a head
+            # without a cycle, so the refusal leaves the cycle before it (answered, or pipelined) alone.
             self.budget.held -= reserve
+            self._phase = HEAD
             raise
         self._unanswered += 1
         if reserve or self._counted:

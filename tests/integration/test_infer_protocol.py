@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from bench.rawhttp import Connection
 from fleet.redis_server import LocalServer, free_port
 from gateway.http_protocol import protocol_class
 from gateway.infer_protocol import serving_infer
@@ -230,12 +231,21 @@ def test_keep_alive_pipelining_and_bodies_that_arrive_later(gateway: Gateway) ->
                            + _request(b"POST", b"/v2/models/doubler/infer", one, b""))
     assert closed and [a.json()["outputs"][0]["data"] for a in answers(raw)] == [[2], [4], [2]]
     assert (gateway.counts["protocol"] - before["protocol"], gateway.counts["app"] - before["app"]) == (1, 2)
-    # Sequential requests on one keep-alive connection, each sent after the answer before: all the protocol's.
+    # Sequential requests on one keep-alive connection, each sent once the answer before is read: all the
+    # protocol's.
     before = dict(gateway.counts)
-    pieces = [_request(b"POST", b"/v2/models/doubler/infer", _json(fp32_request([[i]])), b"", close=i == 3)
-              for i in range(4)]
-    raw, closed = exchange(gateway.port, pieces, gap_s=0.3)
-    assert closed and [a.json()["outputs"][0]["data"] for a in answers(raw)] == [[0], [2], [4], [6]]
+
+    async def sequential() -> list[Any]:
+        connection = Connection("127.0.0.1", gateway.port)
+        out = []
+        for i in range(4):
+            status, headers, payload = await connection.post("/v2/models/doubler/infer", fp32_request([[i]]))
+            assert status == 200 and "connection" not in headers and connection.writer is not None
+            out.append(json.loads(payload)["outputs"][0]["data"])
+        connection.close()
+        return out
+
+    assert asyncio.run(sequential()) == [[0], [2], [4], [6]]
     assert (gateway.counts["protocol"] - before["protocol"], gateway.counts["app"] - before["app"]) == (4, 0)
     # Bodies the protocol's path reads as they come: chunked, in pieces; after a 100 Continue.
     body = _json(fp32_request([[3, 4]]))
