@@ -18,7 +18,7 @@ from starlette.types import ASGIApp
 from fleet.errors import ServingError
 from fleet.gc_tuning import freeze_after_startup
 from fleet.settings import Settings
-from gateway.auth import AuthGate
+from gateway.auth import Access, AuthGate
 from gateway.errors import error_response, handle_serving_error
 from gateway.fastpath import InferFastPath, InferHandler
 from gateway.jobs.routes import ROUTES as JOB_ROUTES
@@ -52,11 +52,13 @@ class GatewayApp(FastAPI):
             kwargs["telemetry"] = {"tracing": False, "metrics": False, "logs": False}
         super().__init__(**kwargs)
         self._fleet_settings = settings
-        self.infer_handler = InferHandler()  # also given to the HTTP protocol (gateway/server.py)
+        # Both also given to the HTTP protocol, which answers infer itself (gateway/server.py).
+        self.infer_handler = InferHandler()
+        self.access = Access(settings)
 
     def build_middleware_stack(self) -> ASGIApp:
         return AuthGate(InferFastPath(super().build_middleware_stack(), self.infer_handler),
-                        settings=self._fleet_settings)
+                        settings=self._fleet_settings, access=self.access)
 
 
 def create_app(settings: Settings) -> GatewayApp:

@@ -86,9 +86,10 @@ class Access:
 
 
 class AuthGate:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, access: Access | None = None) -> None:
+        """`access`: the process's own, if it has one already (the HTTP protocol's infer path shares it)."""
         self.app = app
-        self.access = Access(settings)
+        self.access = access if access is not None else Access(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -219,13 +219,17 @@ class InferFastPath:
         await self.app(scope, receive, send)
 
 
+def answer_headers(answer: InferAnswer) -> list[tuple[bytes, bytes]]:
+    """The answer's headers as both paths write them: content-type, content-length, the rest."""
+    headers = answer.headers
+    return [headers[0], (b"content-length", b"%d" % len(answer.body)), *headers[1:]]
+
+
 async def _send(send: Send, answer: InferAnswer) -> None:
     trace = answer.trace
     if trace is not None:
         trace.stamp(HTTP_SEND_START)
-    headers = answer.headers
-    await send({"type": "http.response.start", "status": answer.status,
-                "headers": [headers[0], (b"content-length", b"%d" % len(answer.body)), *headers[1:]]})
+    await send({"type": "http.response.start", "status": answer.status, "headers": answer_headers(answer)})
     await send({"type": "http.response.body", "body": answer.body})
     if trace is not None:
         trace.stamp(HTTP_SEND_END)

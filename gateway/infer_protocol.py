@@ -28,10 +28,9 @@ from starlette.types import Receive
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
 from fleet import log_context
-from fleet.settings import Settings
 from fleet.trace_points import HTTP_SEND_END, HTTP_SEND_START
 from gateway.auth import Access
-from gateway.fastpath import InferAnswer, InferHandler
+from gateway.fastpath import InferAnswer, InferHandler, answer_headers
 from gateway.http_protocol import EdgeHttpProtocol
 
 log = logging.getLogger(__name__)
@@ -49,19 +48,20 @@ class Served:
 
     __slots__ = ("handler", "state", "access", "keyed")
 
-    def __init__(self, handler: InferHandler, state: Any, settings: Settings) -> None:
+    def __init__(self, handler: InferHandler, state: Any, access: Access) -> None:
         self.handler = handler
         self.state = state
-        self.access = Access(settings)
-        self.keyed = self.access.guards("infer")
+        self.access = access
+        self.keyed = access.guards("infer")
 
 
 def serving_infer(base: type[EdgeHttpProtocol], handler: InferHandler, state: Any,
-                  settings: Settings) -> type[EdgeHttpProtocol]:
-    """`base` (protocol_class's, with its limits and body budget) answering infer itself."""
+                  access: Access) -> type[EdgeHttpProtocol]:
+    """`base` (protocol_class's, with its limits and body budget) answering infer itself, with the app's
+    handler, state and access (the auth gate's)."""
 
     class Serving(InferHttpProtocol, base):  # type: ignore[valid-type,misc]
-        served = Served(handler, state, settings)
+        served = Served(handler, state, access)
 
     return Serving
 
@@ -143,17 +143,12 @@ class InferHttpProtocol(EdgeHttpProtocol):
             return
         if trace is not None:
             trace.stamp(HTTP_SEND_START)
-        body = answer.body
-        headers = answer.headers
         out = [STATUS_LINE[answer.status]]
-        for name, value in cycle.default_headers:
-            out += [name, b": ", value, b"\r\n"]
-        out += [b"content-type: ", headers[0][1], b"\r\ncontent-length: %d\r\n" % len(body)]
-        for name, value in headers[1:]:
+        for name, value in (*cycle.default_headers, *answer_headers(answer)):
             out += [name, b": ", value, b"\r\n"]
         if not cycle.keep_alive:
             out.append(b"connection: close\r\n")
-        out += [b"\r\n", body]
+        out += [b"\r\n", answer.body]
         data = b"".join(out)
         cycle.response_started = True
         cycle.waiting_for_100_continue = False

@@ -37,7 +37,7 @@ def serve(settings: Settings) -> int:
     main = _GatewayServer(uvicorn.Config(
         app, host=settings.http_host, port=settings.http_port, loop="uvloop",
         # Infer requests answered by the protocol itself (the metrics port serves no infer).
-        http=serving_infer(protocol, app.infer_handler, app.state.fleet, settings),
+        http=serving_infer(protocol, app.infer_handler, app.state.fleet, app.access),
         ws="none",  # no websocket routes: an Upgrade header changes nothing
         log_level=level, access_log=settings.log_verbose > 1, timeout_graceful_shutdown=GRACEFUL_STOP_S,
         log_config=None,  # uvicorn's lines go to the root handler: fleet's format (JSON in containers)

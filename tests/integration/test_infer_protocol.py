@@ -102,7 +102,7 @@ def _serve(redis_url: str, prefix: str, repository: Path, port: int, ready: thre
 
     async def main() -> None:
         async with in_process_system(redis_url, prefix, [repository], **overrides) as s:
-            base = serving_infer(protocol_class(s.settings), s.app.infer_handler, s.state, s.settings)
+            base = serving_infer(protocol_class(s.settings), s.app.infer_handler, s.state, s.app.access)
 
             class Counting(base):  # type: ignore[valid-type,misc]
                 def connection_made(self, transport: Any) -> None:
