@@ -104,7 +104,9 @@ def main() -> None:
         (out / system).mkdir(parents=True, exist_ok=True)
         if system == "fleet-base" and a.base_root is None:
             raise SystemExit("--systems fleet-base needs --base-root CHECKOUT")
-        find, stop = start("fleet" if system == "fleet-base" else system, a.port, out / system, ["double", "mlp"],
+        # fleet serves the models measured (any of this checkout's); native Triton's repository is the anchor's
+        served = models if system.startswith("fleet") else ["double", "mlp"]
+        find, stop = start("fleet" if system == "fleet-base" else system, a.port, out / system, served,
                            root=a.base_root if system == "fleet-base" else ROOT)
         try:
             for model in models:

@@ -155,6 +155,7 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regi
                                f"parameters) and 'shared_memory_region' (in its parameters)")
         count = tensors.element_count(shape)
         in_region = input_from_region(regions, name, ts.datatype, shape, params) if has_region else None
+        data: bytes | memoryview
         if in_region is not None:
             data = in_region  # read once from the region, checked against the shape
         elif has_binary:
@@ -163,7 +164,7 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regi
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
                 raise InvalidInput(f"unexpected end of binary data for input '{name}'")
-            data = bytes(binary[offset : offset + size])
+            data = binary[offset : offset + size]  # a view of the body: msgpack copies it once, into the envelope
             offset += size
             if ts.datatype.name == "BYTES":
                 tensors.deserialize_bytes(data, count)  # checks the framing; the worker decodes again

@@ -45,8 +45,14 @@ __all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_fi
 # socket timeout, which the link's connection no longer has).
 DEFAULT_TIMEOUT_S = 5.0
 
-Command = Sequence[bytes | str | int | float]
-_READ_BYTES = 65536
+Command = Sequence[bytes | memoryview | str | int | float]
+# The buffer a link's socket is read into, then fed to hiredis (whose own buffer grows as a reply needs):
+# libuv's own read size. A worker has a few links per model it serves.
+_READ_BYTES = 1 << 16
+# An argument this long is written from its own buffer (a socket writev) instead of being copied into the
+# packed command and then into the batch's buffer: a tensor's envelope is
+# copied twice fewer on its way to Redis.
+_BIG_ARG = 1 << 15
 
 
 class RedisLink:
@@ -58,6 +64,7 @@ class RedisLink:
         # The link writes and reads the connection's streams itself, past redis-py's per-command layers,
         # parsing with a reader of its own, new with each connection.
         self._parser = hiredis.Reader()
+        self._replies: _Replies | None = None
         self._deadline = _Deadline()
 
     async def execute(self, commands: Sequence[Command], block_ms: int = 0) -> list[Any]:
@@ -66,9 +73,7 @@ class RedisLink:
         if not commands:
             return []
         deadline_s = self.timeout_s + block_ms / 1000
-        # hiredis's packer (C): the same bytes as redis-py's, at a seventh of its cost.
-        # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
-        packed = [hiredis.pack_command(c if isinstance(c, tuple) else tuple(c)) for c in commands]  # type: ignore[arg-type]
+        packed = [_pack(c) for c in commands]
         async with self._lock:
             reused = self._conn.is_connected
             try:
@@ -82,7 +87,7 @@ class RedisLink:
                     raise
                 return await self._round_trip(packed, len(commands), deadline_s)
 
-    async def _round_trip(self, packed: list[bytes], count: int, deadline_s: float) -> list[Any]:
+    async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float) -> list[Any]:
         """Write, then read `count` replies; on any failure the connection is closed (what is unread on it
         would answer the next commands) and the error raised, a timeout as redis-py's TimeoutError."""
         conn = self._conn
@@ -94,12 +99,18 @@ class RedisLink:
                 # redis-py's own mapping of error replies to its exceptions, and its error for a garbled
                 # stream (what its hiredis parser passes too): callers handle RedisError.
                 self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)
-            reader, writer = conn._reader, conn._writer
-            assert reader is not None and writer is not None, "connected above"
-            deadline.start(deadline_s, writer.transport)
+            writer = conn._writer
+            assert writer is not None, "connected above"
+            replies = self._replies
+            if replies is None or replies.writer is not writer:  # a new connection: read by the link from now on
+                replies = self._replies = _Replies.attach(writer, self._parser)
+            deadline.start(deadline_s, writer.transport, replies.loop)
             try:
-                writer.write(b"".join(packed) if len(packed) > 1 else packed[0])
-                return await self._read(reader, count)
+                if all(isinstance(p, bytes) for p in packed):
+                    writer.write(b"".join(packed) if len(packed) > 1 else packed[0])  # type: ignore[arg-type]
+                else:  # long arguments as their own buffers, one writev
+                    writer.writelines([b for p in packed for b in ((p,) if isinstance(p, bytes) else p)])
+                return await self._read(replies, count)
             finally:
                 deadline.stop()
         except TimeoutError:
@@ -114,26 +125,135 @@ class RedisLink:
             await conn.disconnect(nowait=True)
             raise
 
-    async def _read(self, reader: asyncio.StreamReader, count: int) -> list[Any]:
-        parser = self._parser
-        replies: list[Any] = []
-        while len(replies) < count:
-            reply = parser.gets()
-            if reply is False:
-                data = await reader.read(_READ_BYTES)
-                if not data:
-                    if self._deadline.expired:  # it closed the connection: that is the timeout
-                        raise TimeoutError
-                    raise RedisConnectionError("Connection closed by server.")
-                parser.feed(data)
-                continue
+    async def _read(self, replies: _Replies, count: int) -> list[Any]:
+        try:
+            got = await replies.next(count)
+        except _Closed:
+            if self._deadline.expired:  # it closed the connection: that is the timeout
+                raise TimeoutError from None
+            raise RedisConnectionError("Connection closed by server.") from None
+        for reply in got:
             if isinstance(reply, RedisConnectionError):
                 raise reply  # LOADING and the like: Redis is not serving (redis-py raises these too)
-            replies.append(reply)
-        return replies
+        return got
 
     async def aclose(self) -> None:
         await self._conn.disconnect()
+
+
+Buffer = bytes | memoryview
+
+
+class _Closed(Exception):
+    """The connection ended while a round trip waited for its replies."""
+
+
+class _Replies(asyncio.BufferedProtocol):
+    """What reads the link's connection once redis-py has opened it: the socket is read straight into one
+    buffer and fed to the hiredis reader, and a round trip's replies are handed over once all have come.
+
+    Through redis-py's StreamReader, each byte of a reply was copied twice more (into the reader's buffer,
+    then out of it) and each read was a coroutine's wake-up; 588 KiB replies (an image) made that visible.
+    redis-py's own protocol is told when the connection ends, so its disconnect() sees the close."""
+
+    def __init__(self, writer: asyncio.StreamWriter, parser: hiredis.Reader) -> None:
+        self.writer = writer
+        self.loop = asyncio.get_running_loop()  # (looked up once: on Python 3.11 each lookup is a getpid())
+        self._parser = parser
+        self._streams: asyncio.BaseProtocol = writer.transport.get_protocol()
+        self._buffer = memoryview(bytearray(_READ_BYTES))
+        self._got: list[Any] = []
+        self._count = 0
+        self._waiter: asyncio.Future[list[Any]] | None = None
+        self._failed: BaseException | None = None  # the connection ended, or its bytes were not RESP
+
+    @classmethod
+    def attach(cls, writer: asyncio.StreamWriter, parser: hiredis.Reader) -> _Replies:
+        replies = cls(writer, parser)
+        writer.transport.set_protocol(replies)
+        return replies
+
+    async def next(self, count: int) -> list[Any]:
+        """The next `count` replies (raises _Closed if the connection ends first)."""
+        self._got, self._count = [], count
+        self._collect()
+        if len(self._got) < count:
+            if self._failed is not None:
+                raise self._failed
+            self._waiter = self.loop.create_future()
+            try:
+                return await self._waiter
+            finally:
+                self._waiter = None
+        return self._got
+
+    def _collect(self) -> None:
+        got, parser = self._got, self._parser
+        try:
+            while len(got) < self._count:
+                reply = parser.gets()
+                if reply is False:
+                    return
+                got.append(reply)
+        except Exception as exc:  # a garbled stream: redis-py's InvalidResponse
+            self._fail(exc)
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(got)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = exc
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._parser.feed(self._buffer[:nbytes])  # type: ignore[arg-type]  # (any buffer: hiredis copies it)
+        if self._waiter is not None:
+            self._collect()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(_Closed())
+        self._streams.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._streams.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._streams.resume_writing()
+
+
+def _pack(command: Command) -> bytes | list[Buffer]:
+    """A command in RESP: packed by hiredis (C: the same bytes as redis-py's, at a seventh of its cost), or,
+    with an argument of _BIG_ARG bytes or more, as a list of buffers in which that argument is itself."""
+    if not any(isinstance(a, (bytes, memoryview)) and len(a) >= _BIG_ARG for a in command):
+        # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
+        packed: bytes = hiredis.pack_command(command if isinstance(command, tuple) else tuple(command))  # type: ignore[arg-type]
+        return packed
+    pieces: list[Buffer] = []
+    head = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, (bytes, memoryview)) and len(arg) >= _BIG_ARG:
+            head.append(b"$%d\r\n" % (arg.nbytes if isinstance(arg, memoryview) else len(arg)))
+            pieces += [b"".join(head), arg]
+            head = [b"\r\n"]
+            continue
+        if isinstance(arg, memoryview):
+            arg = bytes(arg)
+        elif isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, (int, float)):
+            arg = repr(arg).encode()  # as redis-py's encoder and hiredis write numbers
+        head.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    pieces.append(b"".join(head))
+    return pieces
 
 
 class _Deadline:
@@ -155,8 +275,7 @@ class _Deadline:
         self._transport: asyncio.WriteTransport | None = None  # of the round trip in flight
         self.expired = False
 
-    def start(self, seconds: float, transport: asyncio.WriteTransport) -> None:
-        loop = asyncio.get_running_loop()
+    def start(self, seconds: float, transport: asyncio.WriteTransport, loop: asyncio.AbstractEventLoop) -> None:
         self._at = at = loop.time() + seconds
         self._transport = transport
         self.expired = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from math import prod
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,16 @@ def to_bytes(array: np.ndarray, datatype: Datatype) -> bytes:
     if datatype.name == "BF16":
         return float32_to_bf16(np.ascontiguousarray(array, dtype="<f4")).tobytes()
     return np.ascontiguousarray(array, dtype=datatype.numpy).tobytes()
+
+
+def wire_view(array: np.ndarray, datatype: Datatype) -> bytes | memoryview:
+    """The wire bytes of `array` as `datatype`, without a copy where they are the array's own memory (a
+    C-contiguous array of that type): a view that keeps the array alive. Where the bytes go on at once
+    (msgpack, a socket), this saves what `to_bytes` copies: 588 KiB per 3x224x224 FP32 image."""
+    if datatype.name in ("BYTES", "BF16") or array.size == 0:  # (memoryview cannot cast an empty shape)
+        return to_bytes(array, datatype)
+    contiguous: Any = np.ascontiguousarray(array, dtype=datatype.numpy)  # numpy's stubs lack the buffer protocol
+    return memoryview(contiguous).cast("B")
 
 
 def float32_to_bf16(f32: np.ndarray) -> np.ndarray:

@@ -32,12 +32,16 @@ class CoalescingTransport:
             if not self._transport.is_closing():
                 self._transport.write(data)
 
-    def write_whole(self, data: bytes) -> None:
-        """A response in one piece: out now, unless writes of this loop turn wait to go first."""
+    def write_whole(self, data: bytes, body: bytes | None = None) -> None:
+        """A response in one piece: out now, unless writes of this loop turn wait to go first. A long `body`
+        goes from its own buffer after `data` (one writev, not a copy into one buffer)."""
         if self._pending:
-            self._pending.append(data)
+            self._pending += [data] if body is None else [data, body]
         elif not self._transport.is_closing():
-            self._transport.write(data)
+            if body is None:
+                self._transport.write(data)
+            else:
+                self._transport.writelines([data, body])
 
     def write_eof(self) -> None:
         self._flush()

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # query or fragment.
 _TARGET = re.compile(rb"^/v2/models/([!-\x22\x24\x26-\x2e\x30-\x3e\x40-~]+)"
                      rb"(?:/versions/([!-\x22\x24\x26-\x2e\x30-\x3e\x40-~]*))?/infer$")
+# A body this long is written from its own buffer, after the head (a writev), instead of copied in with it.
+LONG_BODY = 1 << 16
 _INTERNAL = InferAnswer(500, [(b"content-type", b"application/json")],
                         b'{"error": "internal error while answering the request"}', None)
 
@@ -148,11 +150,15 @@ class InferHttpProtocol(EdgeHttpProtocol):
             out += [name, b": ", value, b"\r\n"]
         if not cycle.keep_alive:
             out.append(b"connection: close\r\n")
-        out += [b"\r\n", answer.body]
+        out.append(b"\r\n")
+        body: bytes | None = answer.body
+        if len(answer.body) < LONG_BODY:
+            out.append(answer.body)
+            body = None
         data = b"".join(out)
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        self.transport.write_whole(data)  # type: ignore[attr-defined]
+        self.transport.write_whole(data, body)  # type: ignore[attr-defined]
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:

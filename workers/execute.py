@@ -147,7 +147,7 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
         problem = _shape_error(spec, ts, env, tuple(arr.shape))
         if problem is not None:
             return _internal(env, problem)
-        outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.to_bytes(arr, ts.datatype)))
+        outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.wire_view(arr, ts.datatype)))
     return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters)
 
 

@@ -27,13 +27,14 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from bench.rawhttp import Connection
 from fleet.redis_server import LocalServer, free_port
 from gateway.http_protocol import protocol_class
-from gateway.infer_protocol import serving_infer
+from gateway.infer_protocol import LONG_BODY, serving_infer
 from tests.integration.test_pipeline import MODELS, fp32_request
 from tests.support.raw_http import answers, exchange
 from tests.support.system import in_process_system
 
 KEY = "k-7f3a"
 SLOW_S = 2.0  # the `slow` model's execute()
+LONG = 40_000  # floats in the long binary case
 
 
 @dataclass
@@ -184,6 +185,8 @@ CASES: dict[str, tuple[bytes, bytes, bytes]] = {  # name: (target, body, extra h
     "json": (b"/v2/models/doubler/infer", _json({"id": "a1", **fp32_request([[1, 2, 3]])}), b""),
     "version": (b"/v2/models/doubler/versions/1/infer", _json(fp32_request([[4.5]])), b""),
     "binary": (b"/v2/models/doubler/infer", *_binary([1.0, -2.0, 3.25])),
+    # 160 KB each way: past the redis link's long arguments and the protocol's long bodies (own buffers)
+    "binary, long": (b"/v2/models/doubler/infer", *_binary([float(i % 1000) - 500.5 for i in range(LONG)])),
     "gzip response": (b"/v2/models/doubler/infer", _json(fp32_request([[1, 2]])), b"accept-encoding: gzip\r\n"),
     "gzip request": (b"/v2/models/doubler/infer", gzip.compress(_json(fp32_request([[7, 8]]))),
                      b"content-encoding: gzip\r\n"),
@@ -210,6 +213,11 @@ def test_the_protocol_answers_as_the_app_does(gateway: Gateway, case: str) -> No
     if case == "binary":
         length = int(fast.headers["inference-header-content-length"])
         assert struct.unpack("<3f", fast.body[length:]) == (2.0, -4.0, 6.5)
+    elif case == "binary, long":
+        length = int(fast.headers["inference-header-content-length"])
+        assert len(fast.body) - length == 4 * LONG > LONG_BODY
+        doubled = tuple(2 * (float(i % 1000) - 500.5) for i in range(LONG))
+        assert struct.unpack(f"<{LONG}f", fast.body[length:]) == doubled
     elif case == "gzip response":
         assert fast.headers["content-encoding"] == "gzip" and fast.json()["outputs"][0]["data"] == [2, 4]
     elif fast.status == 200:

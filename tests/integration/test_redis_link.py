@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet.redis_clients import async_client
-from fleet.redis_link import RedisLink, entry_field, raise_first
+from fleet.redis_link import _BIG_ARG, RedisLink, entry_field, raise_first
 from fleet.redis_server import LocalServer, start_server
 
 
@@ -41,6 +41,33 @@ def test_replies_come_in_order_with_error_replies_in_place(redis_server: LocalSe
         finally:
             await link.aclose()
             await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_long_arguments_are_written_from_their_own_buffers_and_arrive_whole(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    """Arguments of _BIG_ARG bytes or more go out as buffers of their own (bytes or a memoryview, beside
+    small commands in the same round trip); Redis stores exactly them, and a 3 MiB reply reads back whole."""
+    big = os.urandom(3 << 20)
+    view = memoryview(bytearray(os.urandom(_BIG_ARG)))  # just at the threshold, from a writable buffer
+
+    async def main() -> None:
+        client = async_client(redis_server.url)
+        link = RedisLink(client)
+        key = f"{key_prefix}:big"
+        try:
+            replies = await link.execute([("PING",), ("XADD", key, "MAXLEN", "~", 10, "*", "a", big, "b", view, "n", 7),
+                                          ("SET", f"{key}:s", view), ("STRLEN", f"{key}:s"), ("ECHO", b"small")])
+            assert replies[0] == b"PONG" and replies[2:] == [b"OK", _BIG_ARG, b"small"]
+            (read,) = await link.execute([("XRANGE", key, "-", "+")])
+            [[_, fields]] = read
+            assert (entry_field(fields, b"a"), entry_field(fields, b"b"), entry_field(fields, b"n")) == \
+                (big, bytes(view), b"7")
+        finally:
+            await link.aclose()
+            await client.delete(key, f"{key}:s")
             await client.aclose()
 
     asyncio.run(main())

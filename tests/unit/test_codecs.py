@@ -42,6 +42,24 @@ def test_fixed_size_round_trip(name: str, data: st.DataObject) -> None:
     assert back.dtype == dt.numpy
 
 
+@pytest.mark.parametrize("name", [*FIXED, "BF16", "BYTES"])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), transpose=st.booleans())
+def test_wire_view_is_the_wire_bytes_and_shares_a_contiguous_arrays_memory(
+        name: str, data: st.DataObject, transpose: bool) -> None:
+    dt = BY_NAME[name]
+    source = np.float32 if name == "BF16" else dt.numpy
+    if name == "BYTES":
+        arr = np.array(data.draw(st.lists(st.binary(max_size=8), min_size=1, max_size=6)), dtype=np.object_)
+    else:
+        arr = data.draw(hnp.arrays(source, shapes))
+    arr = arr.T if transpose else arr  # a transposed array is not C-contiguous: copied, in C order
+    view = tensors.wire_view(arr, dt)
+    assert bytes(view) == tensors.to_bytes(arr, dt) and len(view) == len(tensors.to_bytes(arr, dt))
+    if isinstance(view, memoryview) and arr.flags.c_contiguous and arr.size:
+        assert np.shares_memory(np.frombuffer(view, np.uint8), arr)  # no copy
+
+
 @settings(max_examples=50, deadline=None)
 @given(shape=shapes, data=st.data())
 def test_bytes_round_trip(shape: tuple[int, ...], data: st.DataObject) -> None:

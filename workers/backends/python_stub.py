@@ -82,7 +82,7 @@ def _encode_response(pb: Any, response: Any) -> dict[str, Any]:
     for t in response.output_tensors():
         arr = np.asarray(t.as_numpy())
         dt = tensors.lookup(t._datatype())  # the declared type: BF16 stays BF16
-        outputs.append([t.name(), dt.name, list(arr.shape), tensors.to_bytes(arr, dt)])
+        outputs.append([t.name(), dt.name, list(arr.shape), tensors.wire_view(arr, dt)])
     params = json.loads(response.parameters() or "{}")
     return {"o": outputs, "p": params} if params else {"o": outputs}
 
