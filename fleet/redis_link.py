@@ -9,10 +9,13 @@ which puts every send through `asyncio.wait_for` (a task and a timer on Python 3
 and reply read and the worker's read and reply write are one round trip each per batch, so they go through
 links.
 
-- Commands are packed by hiredis (C), their arguments bytes, str, int or float, as redis-py takes them.
+- Commands are packed by hiredis (C), their arguments bytes, memoryview, str, int or float, as redis-py
+  takes them; an argument of 32 KiB or more (a tensor's envelope) is written from its own buffer instead
+  (the rest of the command packed around it, the same bytes, one writev).
 - The connection is made by redis-py with the client's pool settings (the URL's AUTH/ACL user, TLS, unix
   socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
-  then writes the commands on its stream and parses the replies with a hiredis reader of its own.
+  then writes the commands on its stream and reads the socket itself (a protocol of its own in place of
+  redis-py's StreamReader), parsing the replies with a hiredis reader of its own.
 - One round trip at a time (callers that batch gather while one is in flight). A round trip has one
   deadline, `timeout_s` plus the BLOCK of a blocking read, in place of redis-py's per-send and per-read
   socket timeout (`_Deadline`). Past it, on a connection error, or when the caller is cancelled, the
@@ -50,8 +53,7 @@ Command = Sequence[bytes | memoryview | str | int | float]
 # libuv's own read size. A worker has a few links per model it serves.
 _READ_BYTES = 1 << 16
 # An argument this long is written from its own buffer (a socket writev) instead of being copied into the
-# packed command and then into the batch's buffer: a tensor's envelope is
-# copied twice fewer on its way to Redis.
+# packed command and then into the round trip's buffer: two copies fewer of a tensor's envelope.
 _BIG_ARG = 1 << 15
 
 
@@ -104,6 +106,8 @@ class RedisLink:
             replies = self._replies
             if replies is None or replies.writer is not writer:  # a new connection: read by the link from now on
                 replies = self._replies = _Replies.attach(writer, self._parser)
+            if replies.ended or writer.transport.is_closing():  # Redis closed it while it sat idle
+                raise RedisConnectionError("Connection closed by server.")
             deadline.start(deadline_s, writer.transport, replies.loop)
             try:
                 if all(isinstance(p, bytes) for p in packed):
@@ -203,7 +207,8 @@ class _Replies(asyncio.BufferedProtocol):
             waiter.set_result(got)
 
     def _fail(self, exc: BaseException) -> None:
-        self._failed = exc
+        if self._failed is None:
+            self._failed = exc
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
@@ -216,7 +221,13 @@ class _Replies(asyncio.BufferedProtocol):
         if self._waiter is not None:
             self._collect()
 
+    @property
+    def ended(self) -> bool:
+        """Whether Redis closed the connection (or its bytes were not RESP): no more replies will come."""
+        return self._failed is not None
+
     def eof_received(self) -> bool:
+        self._fail(_Closed())
         return False  # the transport closes itself: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
