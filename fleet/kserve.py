@@ -5,7 +5,8 @@ Shared by the gateway (HTTP /infer) and the bulk-job runner (a JSON Lines job's 
 format the same way. Pure: fleet and numpy only.
 
 `parse_infer` turns an HTTP body into envelope tensors, checked against the model config so a bad
-request never reaches a worker. Binary inputs are sliced out of the body as bytes (no Python lists);
+request never reaches a worker. Binary inputs are views of the body (no Python lists; msgpack copies them
+once, into the envelope);
 JSON `data` is packed once with numpy. `render_infer` does the reverse for the reply.
 """
 

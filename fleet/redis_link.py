@@ -11,7 +11,8 @@ links.
 
 - Commands are packed by hiredis (C), their arguments bytes, memoryview, str, int or float, as redis-py
   takes them; an argument of 32 KiB or more (a tensor's envelope) is written from its own buffer instead
-  (the rest of the command packed around it, the same bytes, one writev).
+  (the rest of the command packed around it, the same bytes; on uvloop one writev, no copy). The link
+  keeps a reference to it until it is sent: a caller must not change it meanwhile.
 - The connection is made by redis-py with the client's pool settings (the URL's AUTH/ACL user, TLS, unix
   socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
   then writes the commands on its stream and reads the socket itself (a protocol of its own in place of
@@ -132,9 +133,11 @@ class RedisLink:
     async def _read(self, replies: _Replies, count: int) -> list[Any]:
         try:
             got = await replies.next(count)
-        except _Closed:
+        except _Closed as closed:
             if self._deadline.expired:  # it closed the connection: that is the timeout
                 raise TimeoutError from None
+            if closed.args and closed.args[0] is not None:  # a reset: as redis-py words a failed socket
+                raise RedisConnectionError(f"Error while talking to Redis: {closed.args[0]}") from None
             raise RedisConnectionError("Connection closed by server.") from None
         for reply in got:
             if isinstance(reply, RedisConnectionError):
@@ -149,7 +152,7 @@ Buffer = bytes | memoryview
 
 
 class _Closed(Exception):
-    """The connection ended while a round trip waited for its replies."""
+    """The connection ended while a round trip waited for its replies (args: the socket's error, if any)."""
 
 
 class _Replies(asyncio.BufferedProtocol):
@@ -186,10 +189,11 @@ class _Replies(asyncio.BufferedProtocol):
                 raise self._failed
             self._waiter = self.loop.create_future()
             try:
-                return await self._waiter
+                await self._waiter
             finally:
                 self._waiter = None
-        return self._got
+        got, self._got = self._got, []  # not held past the round trip (an idle link would keep its payloads)
+        return got
 
     def _collect(self) -> None:
         got, parser = self._got, self._parser
@@ -231,7 +235,7 @@ class _Replies(asyncio.BufferedProtocol):
         return False  # the transport closes itself: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(_Closed())
+        self._fail(_Closed(exc))
         self._streams.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -241,27 +245,39 @@ class _Replies(asyncio.BufferedProtocol):
         self._streams.resume_writing()
 
 
+def _long(arg: object) -> bool:
+    """Whether `arg` is written from its own buffer (its size in bytes: a view's elements may be wider)."""
+    return (isinstance(arg, bytes) and len(arg) >= _BIG_ARG) or (isinstance(arg, memoryview) and arg.nbytes >= _BIG_ARG)
+
+
 def _pack(command: Command) -> bytes | list[Buffer]:
     """A command in RESP: packed by hiredis (C: the same bytes as redis-py's, at a seventh of its cost), or,
     with an argument of _BIG_ARG bytes or more, as a list of buffers in which that argument is itself."""
-    if not any(isinstance(a, (bytes, memoryview)) and len(a) >= _BIG_ARG for a in command):
+    if not any(_long(a) for a in command):
         # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
         packed: bytes = hiredis.pack_command(command if isinstance(command, tuple) else tuple(command))  # type: ignore[arg-type]
         return packed
     pieces: list[Buffer] = []
     head = [b"*%d\r\n" % len(command)]
     for arg in command:
-        if isinstance(arg, (bytes, memoryview)) and len(arg) >= _BIG_ARG:
-            head.append(b"$%d\r\n" % (arg.nbytes if isinstance(arg, memoryview) else len(arg)))
-            pieces += [b"".join(head), arg]
+        if _long(arg):
+            if isinstance(arg, memoryview) and (arg.format != "B" or arg.ndim != 1 or not arg.c_contiguous):
+                # bytes, as the socket takes them (a view that is not C-contiguous is copied)
+                arg = arg.cast("B") if arg.c_contiguous else bytes(arg)
+            head.append(b"$%d\r\n" % len(arg))  # type: ignore[arg-type]
+            pieces += [b"".join(head), arg]  # type: ignore[list-item]
             head = [b"\r\n"]
             continue
         if isinstance(arg, memoryview):
             arg = bytes(arg)
         elif isinstance(arg, str):
             arg = arg.encode()
-        elif isinstance(arg, (int, float)):
-            arg = repr(arg).encode()  # as redis-py's encoder and hiredis write numbers
+        elif type(arg) is int:
+            arg = b"%d" % arg
+        elif type(arg) is float:
+            arg = repr(arg).encode()  # as redis-py's encoder and hiredis write a float
+        elif not isinstance(arg, bytes):
+            raise TypeError(f"a Redis command's arguments are str, int, float or bytes, not {type(arg).__name__}")
         head.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
     pieces.append(b"".join(head))
     return pieces

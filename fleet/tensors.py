@@ -72,8 +72,9 @@ def to_bytes(array: np.ndarray, datatype: Datatype) -> bytes:
 
 def wire_view(array: np.ndarray, datatype: Datatype) -> bytes | memoryview:
     """The wire bytes of `array` as `datatype`, without a copy where they are the array's own memory (a
-    C-contiguous array of that type): a view that keeps the array alive. Where the bytes go on at once
-    (msgpack, a socket), this saves what `to_bytes` copies: 588 KiB per 3x224x224 FP32 image."""
+    C-contiguous array of that type): a view that keeps the array alive. Only where the bytes are packed
+    before the array can change (the Python stub's reply frame), this saves what `to_bytes` copies: 588 KiB
+    per 3x224x224 FP32 image."""
     if datatype.name in ("BYTES", "BF16") or array.size == 0:  # (memoryview cannot cast an empty shape)
         return to_bytes(array, datatype)
     contiguous: Any = np.ascontiguousarray(array, dtype=datatype.numpy)  # numpy's stubs lack the buffer protocol

@@ -147,7 +147,9 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
         problem = _shape_error(spec, ts, env, tuple(arr.shape))
         if problem is not None:
             return _internal(env, problem)
-        outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.wire_view(arr, ts.datatype)))
+        # A copy, not a view (tensors.wire_view): the reply is written later, in the background, while the
+        # instance runs on, and a model may hand back memory it changes again (a buffer, a reused output).
+        outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.to_bytes(arr, ts.datatype)))
     return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters)
 
 

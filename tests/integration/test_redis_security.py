@@ -18,8 +18,11 @@ from urllib.parse import quote
 
 import pytest
 import redis
+import uvloop
 
 from fleet.errors import BrokerUnavailable
+from fleet.redis_clients import async_client
+from fleet.redis_link import RedisLink
 from fleet.redis_server import LocalServer, start_server
 from tests.conftest import ROOT
 from tests.integration.test_pipeline import MODELS, fp32_request
@@ -156,6 +159,31 @@ def test_rediss_url_with_a_ca_file_runs_inference_and_jobs(tls_proxy: tuple[TlsP
     assert proxy.connections >= 4  # gateway (async + RQ), worker, job worker: all came through TLS
     with pytest.raises(redis.ConnectionError):  # and the proxy port speaks nothing but TLS
         redis.Redis(port=proxy.port, protocol=2, socket_timeout=5).ping()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_link_over_tls_reads_and_writes_long_values(tls_proxy: tuple[TlsProxy, Path], key_prefix: str,
+                                                      loop: str) -> None:
+    """fleet/redis_link.py's own reading (a buffered protocol set on the TLS transport) and its long arguments
+    (written from their own buffers), through TLS on both event loops: a 3 MiB value there and back."""
+    proxy, ca_pem = tls_proxy
+    url = f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={quote(str(ca_pem))}"
+    big = os.urandom(3 << 20)
+
+    async def main() -> None:
+        client = async_client(url)
+        link = RedisLink(client)
+        key = f"{key_prefix}:tls-big"
+        try:
+            assert await link.execute([("SET", key, big), ("STRLEN", key), ("GET", key)]) == [b"OK", len(big), big]
+            assert await link.execute([("GET", key), ("PING",)]) == [big, b"PONG"]
+        finally:
+            await link.aclose()
+            await client.delete(key)
+            await client.aclose()
+
+    (asyncio.run if loop == "asyncio" else uvloop.run)(main())
+    assert proxy.connections >= 1
 
 
 def test_rediss_with_the_wrong_ca_fails_at_once_and_says_so(tls_proxy: tuple[TlsProxy, Path], key_prefix: str,

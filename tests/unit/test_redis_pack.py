@@ -32,3 +32,24 @@ def test_packed_pieces_are_hiredis_bytes(command: list[object]) -> None:
 def test_a_command_of_small_arguments_stays_one_hiredis_buffer() -> None:
     command = ("XADD", "k", "*", "f", b"v" * (_BIG_ARG - 1))
     assert _pack(command) == hiredis.pack_command(command)  # type: ignore[arg-type]
+
+
+def test_a_long_view_of_wider_elements_or_several_dimensions_is_written_as_its_bytes() -> None:
+    import array
+
+    import numpy as np
+    wide = memoryview(array.array("f", range(_BIG_ARG)))  # len() counts floats; its size is 4x that
+    grid = memoryview(np.arange(_BIG_ARG, dtype=np.int16).reshape(2, -1))
+    strided = memoryview(np.arange(2 * _BIG_ARG, dtype=np.uint8)[::2])  # not contiguous: copied
+    for view in (wide, grid, strided):
+        packed = _pack(("SET", "k", view))
+        assert isinstance(packed, list)
+        assert b"".join(packed) == hiredis.pack_command(("SET", "k", view.tobytes()))
+
+
+def test_arguments_hiredis_refuses_are_refused() -> None:
+    import pytest
+    for bad in (True, 1.5j, None):
+        with pytest.raises(TypeError):
+            _pack(("SET", b"x" * _BIG_ARG, bad))  # type: ignore[arg-type]
+
