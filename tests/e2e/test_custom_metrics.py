@@ -48,9 +48,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c.start_worker()
     try:
         c.wait_ready(timeout_s=120)
+        # wait_ready reads the heartbeats itself; the gateway reads them every HEARTBEAT_POLL_S, and counts a
+        # worker's gauges only once it has seen that worker's heartbeat: wait until it has seen both.
+        deadline = time.monotonic() + 30
+        while _instances(c) != 2:
+            assert time.monotonic() < deadline, f"the gateway never counted both workers:\n{get_metrics(c)}"
+            time.sleep(0.1)
         yield c
     finally:
         c.stop()
+
+
+def _instances(c: Cluster) -> float | None:
+    match = re.search(rf"^probe_instances{{{re.escape(PROBE)}}} (\S+)$", get_metrics(c), re.MULTILINE)
+    return None if match is None else float(match.group(1))
 
 
 def get_metrics(c: Cluster) -> str:
