@@ -247,13 +247,21 @@ class _Replies(asyncio.BufferedProtocol):
 
 def _long(arg: object) -> bool:
     """Whether `arg` is written from its own buffer (its size in bytes: a view's elements may be wider)."""
-    return (isinstance(arg, bytes) and len(arg) >= _BIG_ARG) or (isinstance(arg, memoryview) and arg.nbytes >= _BIG_ARG)
+    t = type(arg)
+    if t is bytes:
+        return len(arg) >= _BIG_ARG  # type: ignore[arg-type]
+    return t is memoryview and arg.nbytes >= _BIG_ARG  # type: ignore[attr-defined]
 
 
 def _pack(command: Command) -> bytes | list[Buffer]:
     """A command in RESP: packed by hiredis (C: the same bytes as redis-py's, at a seventh of its cost), or,
     with an argument of _BIG_ARG bytes or more, as a list of buffers in which that argument is itself."""
-    if not any(_long(a) for a in command):
+    # Inlined, not any(_long(a) ...): per command on the request path, where that doubled hiredis's cost.
+    for arg in command:
+        t = type(arg)
+        if (t is bytes and len(arg) >= _BIG_ARG) or (t is memoryview and arg.nbytes >= _BIG_ARG):  # type: ignore[arg-type,union-attr]
+            break
+    else:
         # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
         packed: bytes = hiredis.pack_command(command if isinstance(command, tuple) else tuple(command))  # type: ignore[arg-type]
         return packed
