@@ -33,6 +33,7 @@ from fleet.envelope import ReplyEnvelope, decode_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
 from fleet.keys import Keys
 from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
+from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, raise_first
 from fleet.redis_time import RedisClock
@@ -41,6 +42,9 @@ from fleet.supervision import Supervisor
 from fleet.trace_points import REPLY_RECEIVED
 
 log = logging.getLogger(__name__)
+
+# A request waiting for the next flush: (request id, stream, payload, max queue size, its reply's future).
+_Outgoing = tuple[str, str, bytes | Parts, int, asyncio.Future[ReplyEnvelope]]
 
 REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after this
 SWEEP_S = 0.25  # how often waiters past their timeout are failed
@@ -82,7 +86,7 @@ class Broker:
         self.unclaimed_replies = 0  # replies nobody waited for any more: duplicates or late; dropped
         self._redis_back = asyncio.Event()  # an enqueue worked while the reply reader was backing off
         self._waiters: dict[str, _Waiter] = {}
-        self._outbox: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]] = []
+        self._outbox: list[_Outgoing] = []
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -143,7 +147,7 @@ class Broker:
         except (RedisError, OSError) as exc:
             raise BrokerUnavailable(f"Redis is not reachable: {exc}") from exc
 
-    def submit(self, request_id: str, stream: str, payload: bytes, max_queue_size: int = 0, model: str = "",
+    def submit(self, request_id: str, stream: str, payload: bytes | Parts, max_queue_size: int = 0, model: str = "",
                *, version: int = 0, enqueued_us: int = 0, reject_at_us: int | None = None,
                streamed: bool = False, on_enqueued: Callable[[], None] | None = None
                ) -> asyncio.Future[ReplyEnvelope]:
@@ -255,7 +259,7 @@ class Broker:
                         if done is not None:
                             done()
 
-    async def _flush_batch(self, batch: list[tuple[str, str, bytes, int, asyncio.Future[ReplyEnvelope]]]) -> None:
+    async def _flush_batch(self, batch: list[_Outgoing]) -> None:
         try:
             # EVAL, not EVALSHA: the server caches the compiled body, and a script it lost (a restart) would
             # cost a NOSCRIPT round trip.

@@ -3,16 +3,34 @@
 Tensors travel as (name, datatype, shape, raw bytes) with Triton's binary layout (fleet.tensors), so
 binary HTTP bodies pass through as slices and are never turned into Python lists. This is the only
 module that encodes or decodes envelopes; nothing crossing Redis is ever pickled.
+
+An envelope whose tensors hold OUT_OF_BAND_BYTES or more carries their bytes out of band: a marker byte
+msgpack never uses (0xC1), the head's length (4 bytes, little-endian), the msgpack head with each tensor's
+size where its bytes would be, then the tensors' bytes one after another. It is written as `Parts`
+(fleet/parts.py: the head and the tensors' own buffers, never joined by the gateway or the worker), and
+decoded into views of the payload: msgpack's `bin` is a copy each way, four copies of every tensor
+between a request's body and the model and back. Smaller envelopes are one msgpack map, as before; both
+forms are always decoded, so a gateway and a worker of either side of this change understand each other's
+small envelopes, and each other's large ones once both have it.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from fleet.errors import InvalidInput, ServingError
+from fleet.parts import Parts, byte_view
+
+# The tensors' bytes from which an envelope carries them out of band: the Redis link's threshold for
+# writing an argument from its own buffer (fleet/redis_link.py), below which joining costs less than a
+# writev's extra buffers.
+OUT_OF_BAND_BYTES = 1 << 15
+_OUT_OF_BAND = 0xC1  # "never used" in msgpack: a msgpack envelope starts with a map
+_PREFIX = struct.Struct("<BI")  # the marker, the head's length
 
 
 @dataclass(slots=True)
@@ -96,16 +114,53 @@ def _pack_tensors(tensors: list[WireTensor]) -> list[list[Any]]:
     return [[t.name, t.datatype, list(t.shape), t.data] for t in tensors]
 
 
-def _unpack_tensors(raw: Any) -> list[WireTensor]:
-    return [WireTensor(n, d, tuple(s), b) for n, d, s, b in raw]
+def _nbytes(data: bytes | memoryview) -> int:
+    return len(data) if type(data) is bytes else data.nbytes  # type: ignore[union-attr]
+
+
+def _payload(m: dict[str, Any], key: str, tensors: list[WireTensor]) -> bytes | Parts:
+    """`m` with `tensors` under `key`, packed: in band (one msgpack map) or, from OUT_OF_BAND_BYTES, out of
+    band (the head, then the tensors' own buffers)."""
+    if sum(_nbytes(t.data) for t in tensors) < OUT_OF_BAND_BYTES:
+        m[key] = _pack_tensors(tensors)
+        packed: bytes = msgpack.packb(m, use_bin_type=True)
+        return packed
+    data = [byte_view(t.data) for t in tensors]
+    m[key] = [[t.name, t.datatype, list(t.shape), len(d)] for t, d in zip(tensors, data, strict=True)]
+    head: bytes = msgpack.packb(m, use_bin_type=True)
+    return Parts((_PREFIX.pack(_OUT_OF_BAND, len(head)) + head, *data))
+
+
+def _joined(payload: bytes | Parts) -> bytes:
+    return payload.join() if isinstance(payload, Parts) else payload
+
+
+def _unpack_tensors(raw: Any, data: memoryview | None, start: int) -> list[WireTensor]:
+    """The tensors of a head: their bytes in it, or (`data`: the whole payload) after it from `start`."""
+    if data is None:
+        return [WireTensor(n, d, tuple(s), b) for n, d, s, b in raw]
+    tensors = []
+    for n, d, s, size in raw:
+        if type(size) is not int or size < 0:
+            raise ValueError("an out-of-band tensor's size must be a non-negative integer")
+        tensors.append(WireTensor(n, d, tuple(s), data[start:start + size]))
+        start += size
+    if start != len(data):
+        raise ValueError(f"the tensors' sizes add up to {start} bytes, the envelope has {len(data)}")
+    return tensors
 
 
 def encode_request(env: RequestEnvelope) -> bytes:
+    """The request as one bytes value (for clients that take nothing else: redis-py, msgpack frames)."""
+    return _joined(request_payload(env))
+
+
+def request_payload(env: RequestEnvelope) -> bytes | Parts:
+    """The request as a Redis link writes it: large tensors' buffers are not copied."""
     m: dict[str, Any] = {
         "id": env.id,
         "m": env.model,
         "v": env.version,
-        "i": _pack_tensors(env.inputs),
         "o": env.outputs,
         "p": env.parameters,
         "pr": env.priority,
@@ -121,8 +176,7 @@ def encode_request(env: RequestEnvelope) -> bytes:
         m["bc"] = env.bls_chain
     if env.sequence is not None:
         m["sq"] = [env.sequence.id, env.sequence.start, env.sequence.end]
-    payload: bytes = msgpack.packb(m, use_bin_type=True)
-    return payload
+    return _payload(m, "i", env.inputs)
 
 
 def _chain(raw: Any) -> list[str]:
@@ -148,21 +202,35 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not part of the envelope")
 
 
-def _unpack(payload: bytes) -> Any:
+def _unpack(payload: bytes | memoryview) -> Any:
     """Plain data only: string map keys, no extension types turned into objects (nothing that crosses
     Redis is ever more than maps, lists, strings, bytes and numbers)."""
     return msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_no_ext)
 
 
+def _unpack_envelope(payload: bytes) -> tuple[Any, memoryview | None, int]:
+    """(head, the payload as a view if its tensors are out of band else None, where they start)."""
+    if payload[:1] != b"\xc1":
+        return _unpack(payload), None, 0
+    if len(payload) < _PREFIX.size:
+        raise ValueError("an out-of-band envelope shorter than its prefix")
+    _, size = _PREFIX.unpack_from(payload)
+    start = _PREFIX.size + size
+    if start > len(payload):
+        raise ValueError(f"an out-of-band envelope's head of {size} bytes is longer than the envelope")
+    view = memoryview(payload)
+    return _unpack(view[_PREFIX.size:start]), view, start
+
+
 def decode_request(payload: bytes) -> RequestEnvelope:
     """Decode a request; raises InvalidInput on anything that is not a well-formed envelope."""
     try:
-        m = _unpack(payload)
+        m, data, start = _unpack_envelope(payload)
         return RequestEnvelope(
             id=m["id"],
             model=m["m"],
             version=int(m["v"]),
-            inputs=_unpack_tensors(m["i"]),
+            inputs=_unpack_tensors(m["i"], data, start),
             outputs=m.get("o"),
             parameters=m.get("p") or {},
             priority=int(m.get("pr") or 0),
@@ -180,11 +248,15 @@ def decode_request(payload: bytes) -> RequestEnvelope:
 
 
 def encode_reply(rep: ReplyEnvelope) -> bytes:
+    """The reply as one bytes value (for clients that take nothing else: redis-py, the response cache)."""
+    return _joined(reply_payload(rep))
+
+
+def reply_payload(rep: ReplyEnvelope) -> bytes | Parts:
+    """The reply as a Redis link writes it: large tensors' buffers are not copied."""
     m: dict[str, Any] = {"id": rep.id, "v": rep.model_version, "q": rep.queue_us, "x": rep.compute_us}
     if rep.error_code:
         m["e"] = [rep.error_code, rep.error_message]
-    else:
-        m["o"] = _pack_tensors(rep.outputs or [])
     if rep.parameters:
         m["p"] = rep.parameters
     if rep.trace is not None:
@@ -193,12 +265,14 @@ def encode_reply(rep: ReplyEnvelope) -> bytes:
         m["f"] = 0
     if rep.empty:
         m["n"] = 1
-    payload: bytes = msgpack.packb(m, use_bin_type=True)
-    return payload
+    if rep.error_code:
+        packed: bytes = msgpack.packb(m, use_bin_type=True)
+        return packed
+    return _payload(m, "o", rep.outputs or [])
 
 
 def decode_reply(payload: bytes) -> ReplyEnvelope:
-    m = _unpack(payload)
+    m, data, start = _unpack_envelope(payload)
     rep = ReplyEnvelope(
         id=m["id"],
         model_version=m.get("v", 0),
@@ -212,5 +286,5 @@ def decode_reply(payload: bytes) -> ReplyEnvelope:
     if "e" in m:
         rep.error_code, rep.error_message = m["e"]
     else:
-        rep.outputs = _unpack_tensors(m.get("o") or [])
+        rep.outputs = _unpack_tensors(m.get("o") or [], data, start)
     return rep

@@ -23,6 +23,7 @@ from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
+from fleet.parts import Parts, byte_view
 from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
@@ -35,6 +36,10 @@ __all__ = ["ParsedInfer", "check_input", "check_input_set", "check_parameters", 
 RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output", "headers"}
 )
+
+# Binary outputs this long go out from their own buffers after the JSON header (fleet/parts.py), not
+# joined into one body: as long as an envelope's tensors go out of band (fleet/envelope.py).
+LONG_BLOBS = 1 << 15
 
 
 MAX_ID_CHARS = 1024  # echoed in the response and carried through Redis: bounded
@@ -355,9 +360,11 @@ def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, re
 
 def render_infer(
     model: str, version: int, req: ParsedInfer, outputs: list[WireTensor], parameters: dict[str, Any]
-) -> tuple[bytes, int | None]:
+) -> tuple[bytes | Parts, int | None]:
     """(body, json header length or None when every output is JSON). Outputs the request put in shared
-    memory are written there (InvalidInput if one does not fit) and answered without data."""
+    memory are written there (InvalidInput if one does not fit) and answered without data. A body whose
+    binary outputs hold LONG_BLOBS bytes or more is `Parts`: the JSON header, then the outputs' own buffers
+    (views of the reply's payload), which the HTTP writer sends without joining them."""
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes | memoryview] = []
     for t in outputs:
@@ -392,4 +399,6 @@ def render_infer(
                               f"cannot represent") from None
     if not blobs:
         return header, None
+    if sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in blobs) >= LONG_BLOBS:
+        return Parts((header, *map(byte_view, blobs))), len(header)
     return b"".join([header, *blobs]), len(header)

@@ -11,8 +11,9 @@ links.
 
 - Commands are packed by hiredis (C), their arguments bytes, memoryview, str, int or float, as redis-py
   takes them; an argument of 32 KiB or more (a tensor's envelope) is written from its own buffer instead
-  (the rest of the command packed around it, the same bytes; on uvloop one writev, no copy). The link
-  keeps a reference to it until it is sent: a caller must not change it meanwhile.
+  (the rest of the command packed around it, the same bytes; on uvloop one writev, no copy), and so is an
+  argument given as `Parts` (fleet/parts.py: an envelope's head and its tensors' bytes, one bulk string
+  never joined). The link keeps a reference to it until it is sent: a caller must not change it meanwhile.
 - The connection is made by redis-py with the client's pool settings (the URL's AUTH/ACL user, TLS, unix
   socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
   then writes the commands on its stream and reads the socket itself (a protocol of its own in place of
@@ -43,13 +44,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fleet.parts import Parts
+
 __all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
 
 # A Redis that has not answered a round trip in this long is taken for gone (redis-py's own default
 # socket timeout, which the link's connection no longer has).
 DEFAULT_TIMEOUT_S = 5.0
 
-Command = Sequence[bytes | memoryview | str | int | float]
+Command = Sequence[bytes | memoryview | Parts | str | int | float]
 # The buffer a link's socket is read into, then fed to hiredis (whose own buffer grows as a reply needs):
 # libuv's own read size. A worker has a few links per model it serves.
 _READ_BYTES = 1 << 16
@@ -259,7 +262,7 @@ def _pack(command: Command) -> bytes | list[Buffer]:
     # Inlined, not any(_long(a) ...): per command on the request path, where that doubled hiredis's cost.
     for arg in command:
         t = type(arg)
-        if (t is bytes and len(arg) >= _BIG_ARG) or (t is memoryview and arg.nbytes >= _BIG_ARG):  # type: ignore[arg-type,union-attr]
+        if (t is bytes and len(arg) >= _BIG_ARG) or (t is memoryview and arg.nbytes >= _BIG_ARG) or t is Parts:  # type: ignore[arg-type,union-attr]
             break
     else:
         # (hiredis's stub types the argument as a 1-tuple; any length is taken.)
@@ -268,6 +271,11 @@ def _pack(command: Command) -> bytes | list[Buffer]:
     pieces: list[Buffer] = []
     head = [b"*%d\r\n" % len(command)]
     for arg in command:
+        if type(arg) is Parts:  # one bulk string from several buffers (fleet/parts.py: bytes or byte views)
+            head.append(b"$%d\r\n" % arg.nbytes)
+            pieces += [b"".join(head), *arg]
+            head = [b"\r\n"]
+            continue
         if _long(arg):
             if isinstance(arg, memoryview) and (arg.format != "B" or arg.ndim != 1 or not arg.c_contiguous):
                 # bytes, as the socket takes them (a view that is not C-contiguous is copied)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from fleet.parts import Parts
+
 
 class CoalescingTransport:
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._pending: list[bytes] = []
+        self._pending: list[bytes | memoryview] = []
 
     def write(self, data: bytes) -> None:
         if not self._pending:
@@ -32,16 +34,17 @@ class CoalescingTransport:
             if not self._transport.is_closing():
                 self._transport.write(data)
 
-    def write_whole(self, data: bytes, body: bytes | None = None) -> None:
+    def write_whole(self, data: bytes, body: bytes | Parts | None = None) -> None:
         """A response in one piece: out now, unless writes of this loop turn wait to go first. A long `body`
-        goes from its own buffer after `data` (one writev, not a copy into one buffer)."""
+        goes from its own buffers after `data` (one writev, not a copy into one buffer)."""
+        pieces = [data] if body is None else [data, *body] if isinstance(body, Parts) else [data, body]
         if self._pending:
-            self._pending += [data] if body is None else [data, body]
+            self._pending += pieces
         elif not self._transport.is_closing():
             if body is None:
                 self._transport.write(data)
             else:
-                self._transport.writelines([data, body])
+                self._transport.writelines(pieces)
 
     def write_eof(self) -> None:
         self._flush()

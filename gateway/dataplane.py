@@ -22,11 +22,12 @@ from fleet import log_context
 from fleet.admission import Admission, admit
 from fleet.broker import Broker
 from fleet.clock import Clock, SystemClock
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, encode_request
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, request_payload
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, Overloaded, Unsupported, from_code
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.llm_stats import has_generation, render_generation
 from fleet.model_config import ModelSpec
+from fleet.parts import Parts
 from fleet.stats import render_model_stats
 from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
@@ -39,7 +40,7 @@ from gateway.tracer import Trace
 
 @dataclass(slots=True)
 class InferResult:
-    body: bytes
+    body: bytes | Parts  # Parts: a long binary body as its pieces (fleet/kserve.py's render_infer)
     header_length: int | None
 
 
@@ -243,7 +244,7 @@ class DataPlane:
         reject_at = None if admission.delay_on_timeout else admission.deadline_us
         stream = self.broker.keys.queue(env.model, admission.lane, version=env.version) if route is None \
             else route.stream
-        return self.broker.submit(env.id, stream, encode_request(env), admission.max_queue_size, env.model,
+        return self.broker.submit(env.id, stream, request_payload(env), admission.max_queue_size, env.model,
                                   version=env.version, enqueued_us=sub.now_us, reject_at_us=reject_at,
                                   streamed=streamed, on_enqueued=None if route is None else route.release)
 

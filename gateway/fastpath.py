@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fleet import log_context
 from fleet.content_encoding import compress, decompress, response_encoding
 from fleet.errors import InvalidInput, ServingError, TooLarge
+from fleet.parts import Parts
 from fleet.trace_points import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START
 from gateway.errors import status_for
 from gateway.routes import parse_version
@@ -112,10 +113,12 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 @dataclass(slots=True)
 class InferAnswer:
     """An infer request's response, before any protocol writes it: its status, headers (content-type first;
-    no content-length, which the writer adds) and body, and the request's trace if it is traced."""
+    no content-length, which the writer adds) and body, and the request's trace if it is traced. A long
+    binary body is `Parts` (its JSON header and the outputs' buffers): a writer that can sends them as they
+    are, one writev (gateway/infer_protocol.py)."""
     status: int
     headers: list[tuple[bytes, bytes]]
-    body: bytes
+    body: bytes | Parts
     trace: Trace | None
 
 
@@ -189,7 +192,7 @@ class InferHandler:
         body = result.body
         out_encoding = response_encoding(accept)
         if out_encoding is not None:
-            body = compress(body, out_encoding)
+            body = compress(body.join() if isinstance(body, Parts) else body, out_encoding)
             out.append((b"content-encoding", out_encoding.encode()))
         return InferAnswer(200, out, body, trace)
 
@@ -222,7 +225,9 @@ class InferFastPath:
 def answer_headers(answer: InferAnswer) -> list[tuple[bytes, bytes]]:
     """The answer's headers as both paths write them: content-type, content-length, the rest."""
     headers = answer.headers
-    return [headers[0], (b"content-length", b"%d" % len(answer.body)), *headers[1:]]
+    body = answer.body
+    size = body.nbytes if isinstance(body, Parts) else len(body)
+    return [headers[0], (b"content-length", b"%d" % size), *headers[1:]]
 
 
 async def _send(send: Send, answer: InferAnswer) -> None:
@@ -230,7 +235,8 @@ async def _send(send: Send, answer: InferAnswer) -> None:
     if trace is not None:
         trace.stamp(HTTP_SEND_START)
     await send({"type": "http.response.start", "status": answer.status, "headers": answer_headers(answer)})
-    await send({"type": "http.response.body", "body": answer.body})
+    body = answer.body
+    await send({"type": "http.response.body", "body": body.join() if isinstance(body, Parts) else body})
     if trace is not None:
         trace.stamp(HTTP_SEND_END)
         trace.finish()

@@ -28,6 +28,7 @@ from starlette.types import Receive
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
 from fleet import log_context
+from fleet.parts import Parts
 from fleet.trace_points import HTTP_SEND_END, HTTP_SEND_START
 from gateway.auth import Access
 from gateway.fastpath import InferAnswer, InferHandler, answer_headers
@@ -151,8 +152,8 @@ class InferHttpProtocol(EdgeHttpProtocol):
         if not cycle.keep_alive:
             out.append(b"connection: close\r\n")
         out.append(b"\r\n")
-        body: bytes | None = answer.body
-        if len(answer.body) < LONG_BODY:
+        body: bytes | Parts | None = answer.body
+        if isinstance(answer.body, bytes) and len(answer.body) < LONG_BODY:
             out.append(answer.body)
             body = None
         data = b"".join(out)

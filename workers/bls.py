@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from fleet.admission import admit
 from fleet.broker import Broker
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_request
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, request_payload
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotFound, ModelNotReady, ServingError, Unsupported
 from fleet.keys import Keys
 from fleet.kserve import check_input, check_input_set
@@ -128,7 +128,7 @@ class BlsService:
             reply(_frame(await self._nested_call(spec, env, len(chain))))
             return
         stream = self._keys.queue(model, admission.lane, version=version)
-        first = broker.submit(env.id, stream, encode_request(env), admission.max_queue_size, model,
+        first = broker.submit(env.id, stream, request_payload(env), admission.max_queue_size, model,
                               version=version, enqueued_us=now_us, streamed=spec.decoupled)
         try:
             if not spec.decoupled:

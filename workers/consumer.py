@@ -19,8 +19,9 @@ from redis.exceptions import ResponseError
 
 from batching.holding import MessageId
 from fleet.backoff import Backoff
-from fleet.envelope import ReplyEnvelope, encode_reply
+from fleet.envelope import ReplyEnvelope, reply_payload
 from fleet.keys import GROUP, Keys
+from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
@@ -176,12 +177,12 @@ class StreamConsumer:
         now = time.monotonic()
         xadds: list[int] = []  # positions of the XADDs among the commands
         for reply_to, indices in by_stream.items():
-            xadd: list[bytes | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
+            xadd: list[bytes | Parts | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
             for n, i in enumerate(indices):
                 reply = replies[i][1]
                 if reply.trace is not None:
                     reply.trace[REPLY_WRITE] = self._redis_clock.now_ns()
-                xadd += [b"d%d" % n, encode_reply(reply)]
+                xadd += [b"d%d" % n, reply_payload(reply)]
             xadds.append(len(commands))
             commands.append(xadd)
             if now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:

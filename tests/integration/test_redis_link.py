@@ -17,6 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fleet.envelope import RequestEnvelope, WireTensor, decode_request, request_payload
+from fleet.parts import Parts
 from fleet.redis_clients import async_client
 from fleet.redis_link import _BIG_ARG, RedisLink, entry_field, raise_first
 from fleet.redis_server import LocalServer, start_server
@@ -70,6 +72,36 @@ def test_long_arguments_are_written_from_their_own_buffers_and_arrive_whole(
         finally:
             await link.aclose()
             await client.delete(key, f"{key}:s")
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_out_of_band_envelope_goes_out_as_its_parts_and_reads_back_whole(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    """An envelope with large tensors (fleet/envelope.py) is one argument written from its head and its
+    tensors' own buffers; Redis stores the joined bytes, which decode to the same tensors."""
+    image = os.urandom(3 * 224 * 224 * 4)
+    body = memoryview(b"head" + image)[4:]  # an input as the gateway has it: a view of the body
+    env = RequestEnvelope(id="g:1", model="m", version=1, inputs=[WireTensor("I", "FP32", (3, 224, 224), body),
+                          WireTensor("S", "INT32", (1,), b"\x01\x00\x00\x00")], reply_to="r", enqueued_at_us=1)
+    payload = request_payload(env)
+    assert isinstance(payload, Parts)
+
+    async def main() -> None:
+        client = async_client(redis_server.url)
+        link = RedisLink(client)
+        key = f"{key_prefix}:oob"
+        try:
+            await link.execute([("XADD", key, "*", "d", payload), ("XADD", key, "*", "d", b"small")])
+            (read,) = await link.execute([("XRANGE", key, "-", "+")])
+            [[_, first], [_, second]] = read
+            assert entry_field(first, b"d") == payload.join() and entry_field(second, b"d") == b"small"
+            back = decode_request(entry_field(first, b"d"))
+            assert [bytes(t.data) for t in back.inputs] == [image, b"\x01\x00\x00\x00"]
+        finally:
+            await link.aclose()
+            await client.delete(key)
             await client.aclose()
 
     asyncio.run(main())
