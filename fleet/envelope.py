@@ -9,9 +9,13 @@ msgpack never uses (0xC1), the head's length (4 bytes, little-endian), the msgpa
 size where its bytes would be, then the tensors' bytes one after another. It is written as `Parts`
 (fleet/parts.py: the head and the tensors' own buffers, never joined by the gateway or the worker), and
 decoded into views of the payload: msgpack's `bin` is a copy each way, four copies of every tensor
-between a request's body and the model and back. Smaller envelopes are one msgpack map, as before; both
-forms are always decoded, so a gateway and a worker of either side of this change understand each other's
-small envelopes, and each other's large ones once both have it.
+between a request's body and the model and back (redis-py's callers, and the response cache, join them).
+Smaller envelopes are one msgpack map, as before.
+
+Both forms are always decoded. Across a rolling upgrade: a request says whether its sender reads
+out-of-band replies ("ob"; a sender from before the form does not say so, and is answered in band), so
+workers upgraded first answer old gateways and jobs as before; a worker from before the form cannot read
+a large out-of-band request, so workers go first (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ class RequestEnvelope:
     # A sequence model's request (sequence batching): its correlation id and START/END flags. None, and
     # absent on the wire, otherwise.
     sequence: SequenceFlags | None = None
+    # Whether its sender reads out-of-band replies: every sender since that form ("ob" on the wire); a
+    # request from an older one decodes False and is answered in band.
+    reads_out_of_band: bool = True
 
     def batch_rows(self, batched: bool) -> int:
         """Rows along the batch axis: the first dim of the first input for batching models, else 1."""
@@ -99,6 +106,9 @@ class ReplyEnvelope:
     # final False; the last may be `empty` (the model sent the final flag without a response).
     final: bool = True
     empty: bool = False
+    # Not on the wire: whether large outputs may go out of band (False: its reader predates that form,
+    # its request's `reads_out_of_band`).
+    out_of_band: bool = field(default=True, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -114,13 +124,13 @@ def _pack_tensors(tensors: list[WireTensor]) -> list[list[Any]]:
     return [[t.name, t.datatype, list(t.shape), t.data] for t in tensors]
 
 
-def _payload(m: dict[str, Any], key: str, tensors: list[WireTensor]) -> bytes | Parts:
+def _payload(m: dict[str, Any], key: str, tensors: list[WireTensor], out_of_band: bool = True) -> bytes | Parts:
     """`m` with `tensors` under `key`, packed: in band (one msgpack map) or, from OUT_OF_BAND_BYTES, out of
     band (the head, then the tensors' own buffers)."""
     size = 0
     for t in tensors:  # inlined: per envelope on the request path
-        size += len(t.data) if type(t.data) is bytes else t.data.nbytes  # type: ignore[union-attr]
-    if size < OUT_OF_BAND_BYTES:
+        size += len(t.data) if type(t.data) is bytes else memoryview(t.data).nbytes
+    if size < OUT_OF_BAND_BYTES or not out_of_band:
         m[key] = _pack_tensors(tensors)
         packed: bytes = msgpack.packb(m, use_bin_type=True)
         return packed
@@ -175,6 +185,8 @@ def request_payload(env: RequestEnvelope) -> bytes | Parts:
         m["bc"] = env.bls_chain
     if env.sequence is not None:
         m["sq"] = [env.sequence.id, env.sequence.start, env.sequence.end]
+    if env.reads_out_of_band:
+        m["ob"] = 1
     return _payload(m, "i", env.inputs)
 
 
@@ -241,6 +253,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
             trace=_trace(m["tr"]) if "tr" in m else None,
             bls_chain=_chain(m["bc"]) if "bc" in m else [],
             sequence=_sequence(m["sq"]) if "sq" in m else None,
+            reads_out_of_band=m.get("ob") == 1,
         )
     except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise InvalidInput(f"malformed request envelope: {exc}") from exc
@@ -267,7 +280,7 @@ def reply_payload(rep: ReplyEnvelope) -> bytes | Parts:
     if rep.error_code:
         packed: bytes = msgpack.packb(m, use_bin_type=True)
         return packed
-    return _payload(m, "o", rep.outputs or [])
+    return _payload(m, "o", rep.outputs or [], rep.out_of_band)
 
 
 def decode_reply(payload: bytes) -> ReplyEnvelope:

@@ -5,8 +5,8 @@ Shared by the gateway (HTTP /infer) and the bulk-job runner (a JSON Lines job's 
 format the same way. Pure: fleet and numpy only.
 
 `parse_infer` turns an HTTP body into envelope tensors, checked against the model config so a bad
-request never reaches a worker. Binary inputs are views of the body (no Python lists; msgpack copies them
-once, into the envelope);
+request never reaches a worker. Binary inputs are views of the body (no Python lists; a small one is copied
+once, into the envelope's msgpack, a large one is written to Redis from the body itself: fleet/envelope.py);
 JSON `data` is packed once with numpy. `render_infer` does the reverse for the reply.
 """
 
@@ -170,7 +170,7 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regi
                 raise InvalidInput(f"input '{name}': binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
                 raise InvalidInput(f"unexpected end of binary data for input '{name}'")
-            data = binary[offset : offset + size]  # a view of the body: msgpack copies it once, into the envelope
+            data = binary[offset : offset + size]  # a view of the body, never copied for a large envelope
             offset += size
             if ts.datatype.name == "BYTES":
                 tensors.deserialize_bytes(data, count)  # checks the framing; the worker decodes again

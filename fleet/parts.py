@@ -6,14 +6,16 @@ from __future__ import annotations
 
 
 class Parts(tuple[bytes | memoryview, ...]):
-    """The buffers of one value, in order. A memoryview among them is byte-formatted, 1-D and contiguous
-    (`byte_view`), so its length is its size in bytes and a socket takes it as it is."""
+    """The buffers of one value, in order. A memoryview among them should be byte-formatted, 1-D and
+    contiguous (`byte_view`), as a socket takes it."""
 
     __slots__ = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self)
+        # A view's size in bytes, not its length in elements: what a RESP bulk length or a content-length
+        # says must be what is written.
+        return sum(p.nbytes if type(p) is memoryview else len(p) for p in self)
 
     def join(self) -> bytes:
         return b"".join(self)
@@ -21,6 +23,10 @@ class Parts(tuple[bytes | memoryview, ...]):
 
 def byte_view(data: bytes | memoryview) -> bytes | memoryview:
     """`data` as bytes or a 1-D byte view of the same memory (one copy only where it is not contiguous)."""
-    if type(data) is bytes or (data.format == "B" and data.ndim == 1 and data.c_contiguous):  # type: ignore[union-attr]
+    if type(data) is bytes:
         return data
-    return data.cast("B") if data.c_contiguous else bytes(data)  # type: ignore[union-attr]
+    view = data if type(data) is memoryview else memoryview(data)
+    if view.format == "B" and view.ndim == 1 and view.c_contiguous:
+        return view
+    # (an empty view of another shape cannot be cast)
+    return view.cast("B") if view.c_contiguous and view.nbytes else bytes(view)

@@ -128,7 +128,13 @@ class ResponseCache:
         except RedisError as exc:
             log.warning("response cache lookup failed: %s", exc)
             return None
-        return decode_reply(raw) if raw is not None else None
+        if raw is None:
+            return None
+        try:
+            return decode_reply(raw)
+        except Exception as exc:  # an entry this gateway cannot read is a miss, never a failed request
+            log.warning("response cache entry for %s cannot be decoded: %s", key, exc)
+            return None
 
     def insert_later(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int, lookup_ns: int) -> None:
         """Store a successful reply off the request path, then count the miss (lookup + insert)."""
@@ -141,8 +147,9 @@ class ResponseCache:
     async def _insert_and_count(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int,
                                 lookup_ns: int) -> None:
         started = time.perf_counter_ns()
+        # In band: gateways of either side of the out-of-band envelope share the cache (fleet/envelope.py).
         stored = ReplyEnvelope(id="", model_version=reply.model_version, outputs=reply.outputs,
-                               parameters=reply.parameters)
+                               parameters=reply.parameters, out_of_band=False)
         try:
             await self._insert(keys=self.keys, args=[key, encode_reply(stored), self.budget_bytes])
             took = lookup_ns + time.perf_counter_ns() - started

@@ -49,7 +49,7 @@ def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpe
         if to_arrays else {}
     return InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
                          request_id=env.client_id, wire=wire, bls_chain=env.bls_chain, key=env.id,
-                         reply_to=env.reply_to, version=env.version)
+                         reply_to=env.reply_to, version=env.version, reads_out_of_band=env.reads_out_of_band)
 
 
 def _internal(env: RequestEnvelope, message: str) -> ReplyEnvelope:
@@ -108,7 +108,8 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
     if result.error is not None:
         return error_reply(env, result.error)
     if result.empty:
-        return ReplyEnvelope(id=env.id, model_version=env.version, outputs=[], empty=True)
+        return ReplyEnvelope(id=env.id, model_version=env.version, outputs=[], empty=True,
+                             out_of_band=env.reads_out_of_band)
     produced = result.outputs or {}
     wire = result.wire_outputs or {}
     names = list(wire) or list(produced)
@@ -150,7 +151,8 @@ def _encode_checked(spec: ModelSpec, env: RequestEnvelope, result: ItemResult) -
         # A copy, not a view (tensors.wire_view): the reply is written later, in the background, while the
         # instance runs on, and a model may hand back memory it changes again (a buffer, a reused output).
         outputs.append(WireTensor(name, ts.datatype.name, tuple(arr.shape), tensors.to_bytes(arr, ts.datatype)))
-    return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters)
+    return ReplyEnvelope(id=env.id, model_version=env.version, outputs=outputs, parameters=result.parameters,
+                         out_of_band=env.reads_out_of_band)
 
 
 def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],

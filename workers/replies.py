@@ -35,7 +35,7 @@ def reply_of(item: InferenceItem, frame: dict[str, Any], *, final: bool) -> Repl
     outputs = [WireTensor(name, datatype, tuple(shape), data) for name, datatype, shape, data in frame.get("o") or []
                if wanted is None or name in wanted]
     return ReplyEnvelope(id=item.key, model_version=item.version, outputs=outputs,
-                         parameters=frame.get("p") or {}, final=final)
+                         parameters=frame.get("p") or {}, final=final, out_of_band=item.reads_out_of_band)
 
 
 # KEYS: the model's custom-metrics hash, its fence (zset: folded part -> when); ARGV: this part's field, blob.

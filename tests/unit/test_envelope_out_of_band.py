@@ -170,3 +170,28 @@ def test_a_long_binary_http_body_is_its_json_header_and_the_outputs_own_buffers(
     assert [o["parameters"]["binary_data_size"] for o in json.loads(joined[:hlen])["outputs"]] == [LONG_BLOBS, 10]
     short, _ = render_infer("b", 1, req, [WireTensor("A", "UINT8", (10,), b), WireTensor("B", "UINT8", (10,), b)], {})
     assert isinstance(short, bytes)
+
+
+def test_a_request_says_whether_its_sender_reads_out_of_band_replies() -> None:
+    """Every sender since the out-of-band form says so ("ob"); a request from an older one (no "ob")
+    decodes False, and a reply marked for such a reader stays one msgpack map however large."""
+    env = _request([])
+    assert msgpack.unpackb(encode_request(env))["ob"] == 1 and decode_request(encode_request(env)).reads_out_of_band
+    old = msgpack.packb({**BASE, "i": []})  # as a gateway from before the form encodes it
+    assert decode_request(old).reads_out_of_band is False
+    env.reads_out_of_band = False
+    assert "ob" not in msgpack.unpackb(encode_request(env))
+    big = [WireTensor("O", "UINT8", (OUT_OF_BAND_BYTES,), b"\x03" * OUT_OF_BAND_BYTES)]
+    in_band = reply_payload(ReplyEnvelope(id="a", outputs=big, out_of_band=False))
+    assert isinstance(in_band, bytes)
+    assert msgpack.unpackb(in_band)["o"] == [["O", "UINT8", [OUT_OF_BAND_BYTES], big[0].data]]
+
+
+def test_byte_view_and_sizes_of_other_buffers() -> None:
+    from fleet.parts import byte_view
+
+    assert byte_view(memoryview(np.zeros((0, 3), np.float32))) == b""  # an empty view of another shape
+    wide = memoryview(np.arange(4, dtype=np.int32))
+    assert Parts((b"ab", wide)).nbytes == 18  # a view's size in bytes, not its length in elements
+    payload = request_payload(_request([WireTensor("A", "UINT8", (OUT_OF_BAND_BYTES,), bytearray(OUT_OF_BAND_BYTES))]))
+    assert isinstance(payload, Parts) and payload.nbytes == len(payload.join())

@@ -67,3 +67,34 @@ def test_run_batch_decodes_inputs_for_a_backend_that_does_not_take_wire() -> Non
     assert not backend.takes_wire
     (reply,) = run_batch(SPEC, backend, [env("a", (1.5, 2))]).replies
     assert reply.outputs is not None and struct.unpack("<2f", reply.outputs[0].data) == (3.0, 4.0)
+
+
+def test_a_request_from_a_sender_that_reads_only_in_band_is_answered_in_band() -> None:
+    """Across a rolling upgrade (fleet/envelope.py): a request without "ob" came from a gateway or job that
+    cannot read out-of-band replies, so its reply (and the item a decoupled model answers through) say so."""
+    from fleet.envelope import OUT_OF_BAND_BYTES, decode_request, encode_request, reply_payload
+
+    old, new = env("old", (1, 2)), env("new", (3, 4))
+    old.reads_out_of_band = False
+    items: list[InferenceItem] = []
+
+    class Big(InProcessBackend):
+        def execute(self, batch: list[InferenceItem]) -> list[ItemResult]:
+            items.extend(batch)
+            return [ItemResult(outputs={"OUT": np.zeros((1, OUT_OF_BAND_BYTES // 4), np.float32)}) for _ in batch]
+
+        def close(self) -> None:
+            pass
+
+    wired = [decode_request(encode_request(e)) for e in (old, new)]  # as the worker reads them
+    assert [e.reads_out_of_band for e in wired] == [False, True]
+    spec = parse_config('backend: "python"\nmax_batch_size: 4\n'
+                        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+                        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]', source="m", model_name="m")
+    replies = run_batch(spec, Big(), wired).replies
+    assert all(r.ok for r in replies)
+    assert [r.out_of_band for r in replies] == [False, True]
+    assert [i.reads_out_of_band for i in items] == [False, True]
+    old_reply, new_reply = (reply_payload(r) for r in replies)
+    assert isinstance(old_reply, bytes) and old_reply[0] != 0xC1  # one msgpack map, as an old gateway reads
+    assert not isinstance(new_reply, bytes)

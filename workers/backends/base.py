@@ -40,6 +40,7 @@ class InferenceItem:
     reply_to: str = ""  # where its replies go (a decoupled model's are written as they come)
     version: int = 0
     lane: int = 0  # where it waited (0: the highest priority; the last: bulk); set for generation engines
+    reads_out_of_band: bool = True  # its caller reads out-of-band replies (fleet/envelope.py)
 
 
 @dataclass(slots=True)
