@@ -189,12 +189,12 @@ class InferHandler:
         if result.header_length is not None:
             # Refers to the uncompressed JSON, as in Triton.
             out.append((b"inference-header-content-length", b"%d" % result.header_length))
-        body = result.body
+        rendered = result.body
         out_encoding = response_encoding(accept)
         if out_encoding is not None:
-            body = compress(body.join() if isinstance(body, Parts) else body, out_encoding)
+            rendered = compress(rendered.join() if isinstance(rendered, Parts) else rendered, out_encoding)
             out.append((b"content-encoding", out_encoding.encode()))
-        return InferAnswer(200, out, body, trace)
+        return InferAnswer(200, out, rendered, trace)
 
 
 class InferFastPath:

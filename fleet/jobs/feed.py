@@ -229,7 +229,12 @@ class Feed:
                 self.last_id = entry_id
                 for name, payload in fields.items():
                     if name[:1] == b"d":
-                        self._on_reply(decode_reply(payload))
+                        try:
+                            reply = decode_reply(payload)
+                        except Exception:  # as the broker does: a corrupt entry must not end the job; the
+                            log.exception("dropping an undecodable reply")  # request is resent at its timeout
+                            continue
+                        self._on_reply(reply)
 
     def _on_reply(self, reply: ReplyEnvelope) -> None:
         group = self.by_id.pop(reply.id, None)

@@ -1,6 +1,7 @@
 """The bulk job runner against a real Redis: the window bounds rows from submission until written (a stuck
 head cannot make answered rows pile up), a lost reply never stalls a job (its request is sent again
-once its lane entry is gone; one still queued is left alone), a job whose first lines all fail fails
+once its lane entry is gone; one still queued is left alone; one that cannot be decoded is dropped and its
+request sent again), a job whose first lines all fail fails
 fast with its most common error, a line the envelope cannot carry fails alone, and a cancelled job
 leaves no output behind.
 
@@ -27,7 +28,7 @@ from fleet.jobs.runner import JobOptions, JobRunner
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from fleet.repository import scan
-from tests.support.lane_worker import ANSWER, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker, answer_all
+from tests.support.lane_worker import ANSWER, GARBLE_REPLY, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker, answer_all
 from tests.support.model_repo import python_config, write_model
 
 MODEL = "quad"
@@ -185,6 +186,18 @@ def test_a_lost_reply_is_sent_again_and_the_job_completes(make_job: Callable[...
     check_output(job, items)
     record = job.store.get(job.id)
     assert record is not None and record["done"] == len(items) and record["failed"] == 0
+
+
+def test_a_reply_that_cannot_be_decoded_is_dropped_and_its_request_sent_again(make_job: Callable[..., Job]) -> None:
+    items = inputs(12)
+    job = make_job(items, window_rows=16, reply_timeout_s=0.3)
+    garbled = f"{job.id}:4+{MAX_BATCH}"
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+    serve_until(job, worker, lambda env, sends: GARBLE_REPLY if env.id == garbled and sends == 1 else ANSWER,
+                lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and worker.sent[garbled] == 2, dict(worker.sent)
+    check_output(job, items)
 
 
 def line(values: list[float], **extra: Any) -> str:

@@ -14,6 +14,7 @@ import redis
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, decode_request, encode_reply
 
 ANSWER, HOLD, LOSE_REQUEST, LOSE_REPLY = "answer", "hold", "lose request", "lose reply"
+GARBLE_REPLY = "garble reply"
 
 # KEYS[1] = reply stream; ARGV[1] = the encoded reply. Written and deleted atomically: the reply is lost
 # before its reader can see it, as when its stream is trimmed or lost in a restart without AOF.
@@ -38,7 +39,8 @@ def answer_all(env: RequestEnvelope, sends: int) -> str:
 class LaneWorker:
     """Reads one lane and handles each new request as `decide(env, times its request id was sent)` says:
     ANSWER, HOLD (leave it queued; `release` answers it later), LOSE_REQUEST (delete it from the lane
-    unanswered) or LOSE_REPLY (take it off the lane and answer it, but the reply is lost)."""
+    unanswered), LOSE_REPLY (take it off the lane and answer it, but the reply is lost) or GARBLE_REPLY
+    (take it off the lane and answer it with an entry no envelope decoder reads)."""
 
     def __init__(self, client: redis.Redis, stream: str) -> None:
         self.client = client
@@ -64,6 +66,9 @@ class LaneWorker:
                 self.client.xdel(self.stream, entry_id)
             elif action == LOSE_REPLY:
                 self.client.eval(_LOSE_REPLY, 1, env.reply_to, encode_reply(doubled(env)))
+                self.client.xdel(self.stream, entry_id)
+            elif action == GARBLE_REPLY:  # an out-of-band marker with a head longer than the entry
+                self.client.xadd(env.reply_to, {b"d0": b"\xc1\xff\xff\x00\x00garbage"})
                 self.client.xdel(self.stream, entry_id)
             else:
                 self.answer(entry_id, env)
