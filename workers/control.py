@@ -2,8 +2,8 @@
 
 `ModelHost.run` reconciles after every nudge (a load or unload call publishes on `fleet:control`), after
 each of its own loads and unloads, and every few seconds anyway (every `repository_poll_secs` in poll
-mode): it works out the targets, builds each target's entry once per generation (parsing, overrides,
-auto-complete), and applies what workers/reconcile.py says.
+mode): it reads the targets and each target's entry, built once per generation (parsing, overrides,
+auto-complete: workers/targets.py), and applies what workers/reconcile.py says.
 
 * A unit (model version at a generation) loads in a thread, one at a time; its config (as completed)
   is published to `Keys.model_configs` before the unit is advertised, so a gateway that sees it ready
@@ -24,7 +24,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -34,24 +33,19 @@ from redis.exceptions import RedisError
 from fleet.admission import lane_count
 from fleet.cancellation import raise_if_cancelled
 from fleet.clock import SystemClock
-from fleet.errors import ConfigError, InvalidInput
+from fleet.errors import ConfigError
 from fleet.gc_tuning import freeze_after_startup
 from fleet.keys import Keys
 from fleet.model_control import (
     BOOT_GEN,
     ControlMode,
     ControlRecord,
-    Target,
-    decode_records,
-    desired_targets,
-    fingerprint,
     startup_names,
 )
-from fleet.paths import contained
 from fleet.placement import instance_device, placement_problem
 from fleet.redis_clients import async_client
 from fleet.redis_time import RedisClock
-from fleet.repository import Completer, ModelEntry, Repository, load_model, scan
+from fleet.repository import Completer, ModelEntry
 from fleet.settings import Settings
 from workers.backends.base import BlsHandler, LoadContext, ModelWrites
 from workers.backends.decoupled import Emit
@@ -64,13 +58,10 @@ from workers.loop_config import LoopConfig
 from workers.rate_limiter import RateLimiter
 from workers.reconcile import Load, Unit, UnitState, reconcile
 from workers.sequence_tensors import SequenceTensors
+from workers.targets import Targets
 from workers.watchdog import HungHandler
 
 log = logging.getLogger("workers")
-
-
-def repo_dirs(repo: Repository | None) -> list[tuple[str, Path]]:
-    return sorted(repo.dirs.items()) if repo is not None else []
 
 
 async def _unknown() -> bool:
@@ -121,16 +112,13 @@ class ModelHost:
         self.settings = settings
         self.ctx = ctx
         self.mode = ControlMode(settings.model_control_mode)
-        self.completer = completer
         self.units: dict[Unit, Served] = {}
         self.failed: dict[Unit, str] = {}
         # model -> (generation, why this worker does not serve it): a config that cannot be built, a
         # device that does not fit, a name found in two repositories.
         self.problems: dict[str, tuple[str, str]] = {}
         self.seen: dict[str, str] = {}  # model -> the generation this worker last reconciled
-        self._entries: dict[tuple[str, str], ModelEntry | str] = {}  # (model, gen) -> entry or why not
-        self._boot: Repository | None = None  # none mode: the repository as found at start
-        self._boot_gens: dict[str, str] = {}
+        self.targets = Targets(settings, self.mode, ctx.keys, ctx.worker_id, ctx.client, completer)
         self._wake = asyncio.Event()
         self._jobs: set[asyncio.Task[None]] = set()  # unloads (cancelled at stop)
         self._loads: set[asyncio.Task[None]] = set()  # loads (finished at stop: a thread cannot be cancelled)
@@ -187,7 +175,7 @@ class ModelHost:
         operator's later unload is not undone by a worker restarting)."""
         if self.mode is not ControlMode.EXPLICIT or not self.settings.load_models:
             return
-        repo = await asyncio.to_thread(self._scan)
+        repo = await asyncio.to_thread(self.targets.scan)
         for name in startup_names(self.settings.load_models, repo.dirs):
             await self.ctx.client.hsetnx(self.ctx.keys.models(), name, ControlRecord(BOOT_GEN, True).encode())
 
@@ -233,13 +221,13 @@ class ModelHost:
     # ------------------------------------------------------------------ reconciling
 
     async def reconcile_once(self) -> None:
-        targets, problems = await self._targets()
+        targets, problems = await self.targets.read()
         problems = dict(problems)
         seen = {name: gen for name, (gen, _) in problems.items()}
         desired: dict[tuple[str, int], str] = {}
         entries: dict[str, ModelEntry] = {}
         for name, target in sorted(targets.items()):
-            built = await self._entry(target)
+            built = await self.targets.entry(target)
             seen[name] = target.gen
             if isinstance(built, str):
                 problems[name] = (target.gen, built)
@@ -257,7 +245,7 @@ class ModelHost:
             entries[name] = built
             desired.update({(name, v): target.gen for v in built.versions})
         self.failed = {u: why for u, why in self.failed.items() if desired.get((u.model, u.version)) == u.gen}
-        self._entries = {k: v for k, v in self._entries.items() if k[0] in targets and targets[k[0]].gen == k[1]}
+        self.targets.keep_only(targets)
         actions = reconcile(desired, {u: s.state for u, s in self.units.items()}, set(self.failed))
         for action in actions:
             if self._stopping:
@@ -273,73 +261,6 @@ class ModelHost:
         self.seen = seen
         if actions:
             self.ctx.beat_now()
-
-    def _scan(self) -> Repository:
-        return scan(list(self.settings.model_repositories), auto_complete=self.settings.auto_complete_config)
-
-    async def _targets(self) -> tuple[dict[str, Target], dict[str, tuple[str, str]]]:
-        """The targets, and (generation, why) for the models this worker cannot serve whatever it does:
-        a name two repositories hold, a control record naming a model its repositories lack."""
-        missing: dict[str, tuple[str, str]] = {}
-        if self.mode is ControlMode.NONE:
-            if self._boot is None:
-                self._boot = await asyncio.to_thread(self._scan)
-                self._boot_gens = await asyncio.to_thread(lambda: {n: fingerprint(p) for n, p in repo_dirs(self._boot)})
-            repo = self._boot
-            targets = desired_targets(self.mode, repo.dirs, {}, self._boot_gens)
-        elif self.mode is ControlMode.POLL:
-            repo = await asyncio.to_thread(self._scan)
-            gens = await asyncio.to_thread(lambda: {n: fingerprint(p) for n, p in repo.dirs.items()})
-            targets = desired_targets(self.mode, repo.dirs, {}, gens)
-        else:
-            repo = await asyncio.to_thread(self._scan)
-            records = decode_records(await self.ctx.client.hgetall(self.ctx.keys.models()))
-            targets = desired_targets(self.mode, repo.dirs, records)
-            missing = {n: (r.gen, f"failed to load '{n}': not found in the model repositories of worker "
-                                  f"{self.ctx.worker_id}")
-                       for n, r in records.items() if r.load and n not in targets}
-        problems = {n: (BOOT_GEN, why) for n, why in repo.errors.items() if n not in repo.dirs}
-        return targets, problems | missing
-
-    async def _entry(self, target: Target) -> ModelEntry | str:
-        """The target's entry, built once per generation; a string says why it cannot be built."""
-        key = (target.name, target.gen)
-        if key not in self._entries:
-            try:
-                model_dir = await self._write_files(target) if target.files else target.model_dir
-                assert model_dir is not None
-                self._entries[key] = await asyncio.to_thread(
-                    load_model, model_dir, name=target.name, override_json=target.config_override,
-                    complete=self.completer)
-            except (ConfigError, InvalidInput) as exc:
-                log.error("model '%s' cannot be loaded: %s", target.name, exc.message)
-                self._entries[key] = f"failed to load '{target.name}': {exc.message}"
-            except Exception as exc:  # a completer running user code can raise anything
-                log.exception("model '%s' cannot be loaded", target.name)
-                self._entries[key] = f"failed to load '{target.name}': {exc}"
-        return self._entries[key]
-
-    async def _write_files(self, target: Target) -> Path:
-        """A load call's `file:` overrides, written to a directory of this load's own (paths confined)."""
-        root = self.settings.model_load_dir.resolve()
-        base = contained(root, f"{self.ctx.worker_id}/{target.name}/{target.gen}")
-        if base.parent.parent.parent != root:  # a name with a separator in it: never a model name
-            raise InvalidInput(f"model name '{target.name}' cannot name a directory")
-        raw: dict[bytes, bytes] = await self.ctx.client.hgetall(  # type: ignore[assignment]
-            self.ctx.keys.model_files(target.name, target.gen))
-
-        def write() -> None:
-            base.mkdir(parents=True, exist_ok=True)
-            for rel, content in raw.items():
-                path = contained(base, rel.decode())
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(content)
-
-        if len(raw) != len(target.files):
-            raise InvalidInput(f"the files of load generation {target.gen} are gone ({len(raw)} of "
-                               f"{len(target.files)} found)")
-        await asyncio.to_thread(write)
-        return base
 
     @staticmethod
     def _spawn(job: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
