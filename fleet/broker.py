@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait, raise_if_cancelled
-from fleet.envelope import ReplyEnvelope, decode_reply
+from fleet.envelope import ReplyEnvelope, readable_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
 from fleet.keys import Keys
 from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
@@ -338,10 +338,8 @@ class Broker:
                 next_touch = time.monotonic() + REPLY_TTL_S / 4
 
     def _deliver(self, payload: bytes) -> None:
-        try:
-            reply = decode_reply(payload)
-        except Exception:  # a corrupt entry must not stop the reader
-            log.exception("dropping an undecodable reply")
+        reply = readable_reply(payload, "a reply")  # a corrupt entry must not stop the reader
+        if reply is None:
             return
         if reply.trace is not None:
             reply.trace[REPLY_RECEIVED] = self.redis_clock.now_ns()

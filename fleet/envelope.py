@@ -20,6 +20,7 @@ a large out-of-band request, so workers go first (docs/deployment.md).
 
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,14 +28,14 @@ from typing import Any
 import msgpack
 
 from fleet.errors import InvalidInput, ServingError
-from fleet.parts import Parts, byte_view
+from fleet.parts import LONG_BUFFER, Parts, byte_view, joined
 
-# The tensors' bytes from which an envelope carries them out of band: the Redis link's threshold for
-# writing an argument from its own buffer (fleet/redis_link.py), below which joining costs less than a
-# writev's extra buffers.
-OUT_OF_BAND_BYTES = 1 << 15
-_OUT_OF_BAND = 0xC1  # "never used" in msgpack: a msgpack envelope starts with a map
-_PREFIX = struct.Struct("<BI")  # the marker, the head's length
+log = logging.getLogger(__name__)
+
+# The tensors' bytes from which an envelope carries them out of band.
+OUT_OF_BAND_BYTES = LONG_BUFFER
+_OUT_OF_BAND = b"\xc1"  # "never used" in msgpack: a msgpack envelope starts with a map
+_PREFIX = struct.Struct("<cI")  # the marker, the head's length
 
 
 @dataclass(slots=True)
@@ -140,10 +141,6 @@ def _payload(m: dict[str, Any], key: str, tensors: list[WireTensor], out_of_band
     return Parts((_PREFIX.pack(_OUT_OF_BAND, len(head)) + head, *data))
 
 
-def _joined(payload: bytes | Parts) -> bytes:
-    return payload.join() if isinstance(payload, Parts) else payload
-
-
 def _unpack_tensors(raw: Any, data: memoryview | None, start: int) -> list[WireTensor]:
     """The tensors of a head: their bytes in it, or (`data`: the whole payload) after it from `start`."""
     if data is None:
@@ -161,7 +158,7 @@ def _unpack_tensors(raw: Any, data: memoryview | None, start: int) -> list[WireT
 
 def encode_request(env: RequestEnvelope) -> bytes:
     """The request as one bytes value (for clients that take nothing else: redis-py, msgpack frames)."""
-    return _joined(request_payload(env))
+    return joined(request_payload(env))
 
 
 def request_payload(env: RequestEnvelope) -> bytes | Parts:
@@ -221,7 +218,7 @@ def _unpack(payload: bytes | memoryview) -> Any:
 
 def _unpack_envelope(payload: bytes) -> tuple[Any, memoryview | None, int]:
     """(head, the payload as a view if its tensors are out of band else None, where they start)."""
-    if payload[:1] != b"\xc1":
+    if payload[:1] != _OUT_OF_BAND:
         return _unpack(payload), None, 0
     if len(payload) < _PREFIX.size:
         raise ValueError("an out-of-band envelope shorter than its prefix")
@@ -261,7 +258,7 @@ def decode_request(payload: bytes) -> RequestEnvelope:
 
 def encode_reply(rep: ReplyEnvelope) -> bytes:
     """The reply as one bytes value (for clients that take nothing else: redis-py, the response cache)."""
-    return _joined(reply_payload(rep))
+    return joined(reply_payload(rep))
 
 
 def reply_payload(rep: ReplyEnvelope) -> bytes | Parts:
@@ -300,3 +297,13 @@ def decode_reply(payload: bytes) -> ReplyEnvelope:
     else:
         rep.outputs = _unpack_tensors(m.get("o") or [], data, start)
     return rep
+
+
+def readable_reply(payload: bytes, what: str) -> ReplyEnvelope | None:
+    """The reply, or None (logged, naming `what`) for an entry no decoder here reads, corrupt or from a
+    newer fleet: a reader drops it and carries on (its request times out, or is sent again)."""
+    try:
+        return decode_reply(payload)
+    except Exception:
+        log.exception("dropping %s that cannot be decoded", what)
+        return None

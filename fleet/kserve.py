@@ -23,7 +23,7 @@ from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
-from fleet.parts import Parts, byte_view
+from fleet.parts import LONG_BUFFER, Parts, byte_view
 from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
@@ -38,8 +38,8 @@ RESERVED_PARAMETERS = frozenset(
 )
 
 # Binary outputs this long go out from their own buffers after the JSON header (fleet/parts.py), not
-# joined into one body: as long as an envelope's tensors go out of band (fleet/envelope.py).
-LONG_BLOBS = 1 << 15
+# joined into one body.
+LONG_BLOBS = LONG_BUFFER
 
 
 MAX_ID_CHARS = 1024  # echoed in the response and carried through Redis: bounded
@@ -399,6 +399,6 @@ def render_infer(
                               f"cannot represent") from None
     if not blobs:
         return header, None
-    if sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in blobs) >= LONG_BLOBS:
+    if Parts(blobs).nbytes >= LONG_BLOBS:
         return Parts((header, *map(byte_view, blobs))), len(header)
     return b"".join([header, *blobs]), len(header)

@@ -4,6 +4,11 @@ one argument of a command (fleet/redis_link.py) straight from those buffers."""
 
 from __future__ import annotations
 
+# A buffer this long is written from itself (a socket writev) rather than copied into a bigger one: the
+# Redis link's long arguments, an envelope's out-of-band tensors, a long HTTP body's outputs. Below it,
+# a copy costs less than another buffer in the writev.
+LONG_BUFFER = 1 << 15
+
 
 class Parts(tuple[bytes | memoryview, ...]):
     """The buffers of one value, in order. A memoryview among them should be byte-formatted, 1-D and
@@ -19,6 +24,11 @@ class Parts(tuple[bytes | memoryview, ...]):
 
     def join(self) -> bytes:
         return b"".join(self)
+
+
+def joined(value: bytes | Parts) -> bytes:
+    """`value` as one bytes, for a writer that takes nothing else (redis-py, gzip, ASGI)."""
+    return value.join() if isinstance(value, Parts) else value
 
 
 def byte_view(data: bytes | memoryview) -> bytes | memoryview:

@@ -44,7 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fleet.parts import Parts
+from fleet.parts import LONG_BUFFER, Parts
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
 
@@ -58,7 +58,7 @@ Command = Sequence[bytes | memoryview | Parts | str | int | float]
 _READ_BYTES = 1 << 16
 # An argument this long is written from its own buffer (a socket writev) instead of being copied into the
 # packed command and then into the round trip's buffer: two copies fewer of a tensor's envelope.
-_BIG_ARG = 1 << 15
+_BIG_ARG = LONG_BUFFER
 
 
 class RedisLink:

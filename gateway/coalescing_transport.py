@@ -37,14 +37,17 @@ class CoalescingTransport:
     def write_whole(self, data: bytes, body: bytes | Parts | None = None) -> None:
         """A response in one piece: out now, unless writes of this loop turn wait to go first. A long `body`
         goes from its own buffers after `data` (one writev, not a copy into one buffer)."""
-        pieces = [data] if body is None else [data, *body] if isinstance(body, Parts) else [data, body]
+        if body is None:  # the common case, per response: no list built
+            if self._pending:
+                self._pending.append(data)
+            elif not self._transport.is_closing():
+                self._transport.write(data)
+            return
+        pieces = [data, *body] if isinstance(body, Parts) else [data, body]
         if self._pending:
             self._pending += pieces
         elif not self._transport.is_closing():
-            if body is None:
-                self._transport.write(data)
-            else:
-                self._transport.writelines(pieces)
+            self._transport.writelines(pieces)
 
     def write_eof(self) -> None:
         self._flush()

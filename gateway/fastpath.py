@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fleet import log_context
 from fleet.content_encoding import compress, decompress, response_encoding
 from fleet.errors import InvalidInput, ServingError, TooLarge
-from fleet.parts import Parts
+from fleet.parts import Parts, joined
 from fleet.trace_points import HTTP_RECV_END, HTTP_RECV_START, HTTP_SEND_END, HTTP_SEND_START
 from gateway.errors import status_for
 from gateway.routes import parse_version
@@ -192,7 +192,7 @@ class InferHandler:
         rendered = result.body
         out_encoding = response_encoding(accept)
         if out_encoding is not None:
-            rendered = compress(rendered.join() if isinstance(rendered, Parts) else rendered, out_encoding)
+            rendered = compress(joined(rendered), out_encoding)
             out.append((b"content-encoding", out_encoding.encode()))
         return InferAnswer(200, out, rendered, trace)
 
@@ -235,8 +235,7 @@ async def _send(send: Send, answer: InferAnswer) -> None:
     if trace is not None:
         trace.stamp(HTTP_SEND_START)
     await send({"type": "http.response.start", "status": answer.status, "headers": answer_headers(answer)})
-    body = answer.body
-    await send({"type": "http.response.body", "body": body.join() if isinstance(body, Parts) else body})
+    await send({"type": "http.response.body", "body": joined(answer.body)})
     if trace is not None:
         trace.stamp(HTTP_SEND_END)
         trace.finish()

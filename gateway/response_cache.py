@@ -25,7 +25,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fleet.envelope import ReplyEnvelope, decode_reply, encode_reply
+from fleet.envelope import ReplyEnvelope, encode_reply, readable_reply
 from fleet.errors import ConfigError, InvalidInput
 from fleet.kserve import ParsedInfer
 from fleet.latency_stats import bucket_deltas
@@ -128,13 +128,8 @@ class ResponseCache:
         except RedisError as exc:
             log.warning("response cache lookup failed: %s", exc)
             return None
-        if raw is None:
-            return None
-        try:
-            return decode_reply(raw)
-        except Exception as exc:  # an entry this gateway cannot read is a miss, never a failed request
-            log.warning("response cache entry for %s cannot be decoded: %s", key, exc)
-            return None
+        # An entry this gateway cannot read is a miss, never a failed request.
+        return readable_reply(raw, f"the response cache's entry {key}") if raw is not None else None
 
     def insert_later(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int, lookup_ns: int) -> None:
         """Store a successful reply off the request path, then count the miss (lookup + insert)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from fleet.admission import bulk_lane, level_lane
-from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, decode_reply, encode_request
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_request, readable_reply
 from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
@@ -229,12 +229,10 @@ class Feed:
                 self.last_id = entry_id
                 for name, payload in fields.items():
                     if name[:1] == b"d":
-                        try:
-                            reply = decode_reply(payload)
-                        except Exception:  # as the broker does: a corrupt entry must not end the job; the
-                            log.exception("dropping an undecodable reply")  # request is resent at its timeout
-                            continue
-                        self._on_reply(reply)
+                        # A corrupt entry must not end the job: its request is sent again at its timeout.
+                        reply = readable_reply(payload, "a job's reply")
+                        if reply is not None:
+                            self._on_reply(reply)
 
     def _on_reply(self, reply: ReplyEnvelope) -> None:
         group = self.by_id.pop(reply.id, None)
