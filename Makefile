@@ -28,8 +28,13 @@ up: $(STAMP) models
 perf-analyzer:
 	../shared/tools/install-perf-analyzer .tools/perf_analyzer
 
+# Two test processes (pytest-xdist), each test file whole in one of them (its module fixtures start once).
+# The suite mostly waits on real processes (starting, killed, timing out), so two take ~60 % of the time
+# one does on two cores. `make test TEST_WORKERS=0` runs it in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) models perf-analyzer
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # compose.yaml for real (tests/compose/): its own Docker daemon, images built here, the stack up, faults,
 # down. Minutes, so not part of `make test`; .ci/run runs both.

@@ -77,35 +77,36 @@ def test_generate_and_generate_stream_agree(cluster: Cluster) -> None:
 
 
 def test_openai_client_completions_and_chat(cluster: Cluster) -> None:
-    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list()] == ["tiny"]
-    ref = generate(cluster, {"text_input": PROMPT, "max_tokens": 10, "exclude_input_in_output": True})
-    done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10)
-    assert done.choices[0].text == ref["text_output"] and done.choices[0].finish_reason == "length"
-    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 10)
-    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stream=True)
-    assert "".join(chunk.choices[0].text for chunk in streamed) == ref["text_output"]
-    ids = client.completions.create(model="tiny", prompt=[504, 3575, 282, 4649, 314], max_tokens=10)
-    assert ids.choices[0].text == ref["text_output"]  # the same prompt as token ids
+    # Closed at the end: its connection pool would otherwise leave a socket for a later test's collection.
+    with openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        ref = generate(cluster, {"text_input": PROMPT, "max_tokens": 10, "exclude_input_in_output": True})
+        done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10)
+        assert done.choices[0].text == ref["text_output"] and done.choices[0].finish_reason == "length"
+        assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 10)
+        streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == ref["text_output"]
+        ids = client.completions.create(model="tiny", prompt=[504, 3575, 282, 4649, 314], max_tokens=10)
+        assert ids.choices[0].text == ref["text_output"]  # the same prompt as token ids
 
-    messages = [{"role": "user", "content": "Hello there"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
-    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-    assert chat.usage is not None and chat.usage.completion_tokens == 8 and chat.usage.prompt_tokens > 10
-    parts: list[str] = []
-    usage = None
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,  # type: ignore[arg-type]
-                                                stream=True, stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].delta.content:
-            parts.append(chunk.choices[0].delta.content)
-        usage = chunk.usage or usage
-    assert "".join(parts) == chat.choices[0].message.content
-    assert usage is not None and usage.total_tokens == chat.usage.total_tokens
+        messages = [{"role": "user", "content": "Hello there"}]
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+        assert chat.usage is not None and chat.usage.completion_tokens == 8 and chat.usage.prompt_tokens > 10
+        parts: list[str] = []
+        usage = None
+        for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                                    stream=True, stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+        assert "".join(parts) == chat.choices[0].message.content
+        assert usage is not None and usage.total_tokens == chat.usage.total_tokens
 
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="only n = 1"):
-        client.completions.create(model="tiny", prompt="x", n=2)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="only n = 1"):
+            client.completions.create(model="tiny", prompt="x", n=2)
 
 
 def test_guide_interface_input_ids_over_http_and_grpc(cluster: Cluster) -> None:

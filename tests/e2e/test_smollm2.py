@@ -31,8 +31,8 @@ def test_smollm2_batched_tokens_equal_alone(system: RunningSystem) -> None:
 
 
 def test_smollm2_chat_through_the_openai_client(system: RunningSystem) -> None:
-    client = openai.OpenAI(base_url=f"http://{system.url}/v1", api_key="unused", max_retries=0)
-    answer = client.chat.completions.create(model="smollm2", max_tokens=24,
-                                            messages=[{"role": "user", "content": "What is 2+2?"}])
+    with openai.OpenAI(base_url=f"http://{system.url}/v1", api_key="unused", max_retries=0) as client:
+        answer = client.chat.completions.create(model="smollm2", max_tokens=24,
+                                                messages=[{"role": "user", "content": "What is 2+2?"}])
     assert "4" in (answer.choices[0].message.content or "")
     assert answer.choices[0].finish_reason == "stop"  # it ended with its end-of-turn token
