@@ -12,8 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from fleet.redis_server import LocalServer, start_server
+
+# The properties are what the tests check, not how fast an example runs: with the suite in two processes
+# (`make test`), one example can stall behind the other process's start of a whole system, and Hypothesis's
+# default 200 ms deadline would fail it (a test that sets its own deadline keeps it).
+settings.register_profile("fleet", deadline=None)
+settings.load_profile("fleet")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Start the whole system as `make up` does (`fleet up`: embedded Redis, gateway, worker) once per
-session, serving this project's repository and Triton's example repository, and stop it by PID."""
+test session (once in each pytest-xdist process that runs an e2e file), serving this project's
+repository and Triton's example repository, and stop it by PID."""
 
 from __future__ import annotations
 
