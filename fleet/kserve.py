@@ -23,7 +23,7 @@ from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_config import ModelSpec, TensorSpec
-from fleet.parts import LONG_BUFFER, Parts, byte_view
+from fleet.parts import LONG_BUFFER, Parts, byte_view, total_bytes
 from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
@@ -399,6 +399,6 @@ def render_infer(
                               f"cannot represent") from None
     if not blobs:
         return header, None
-    if Parts(blobs).nbytes >= LONG_BLOBS:
+    if total_bytes(blobs) >= LONG_BLOBS:
         return Parts((header, *map(byte_view, blobs))), len(header)
     return b"".join([header, *blobs]), len(header)

@@ -4,6 +4,8 @@ one argument of a command (fleet/redis_link.py) straight from those buffers."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # A buffer this long is written from itself (a socket writev) rather than copied into a bigger one: the
 # Redis link's long arguments, an envelope's out-of-band tensors, a long HTTP body's outputs. Below it,
 # a copy costs less than another buffer in the writev.
@@ -18,12 +20,16 @@ class Parts(tuple[bytes | memoryview, ...]):
 
     @property
     def nbytes(self) -> int:
-        # A view's size in bytes, not its length in elements: what a RESP bulk length or a content-length
-        # says must be what is written.
-        return sum(p.nbytes if type(p) is memoryview else len(p) for p in self)
+        return total_bytes(self)
 
     def join(self) -> bytes:
         return b"".join(self)
+
+
+def total_bytes(buffers: Iterable[bytes | memoryview]) -> int:
+    """The bytes `buffers` hold: a view's size in bytes, not its length in elements, since what a RESP bulk
+    length or a content-length says must be what is written."""
+    return sum(p.nbytes if type(p) is memoryview else len(p) for p in buffers)
 
 
 def joined(value: bytes | Parts) -> bytes:
