@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from fleet.model_config import BatchInputKind
+from fleet.model_spec import BatchInputKind
 
 __all__ = ["batch_input_parts", "merge", "scatter", "split"]
 

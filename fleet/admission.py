@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleet.model_config import ModelSpec, QueuePolicy
+from fleet.model_spec import ModelSpec, QueuePolicy
 
 __all__ = ["Admission", "admit", "bulk_lane", "lane_count", "lane_policy", "level_lane"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
-from fleet.model_config import ModelSpec, TensorSpec
+from fleet.model_spec import ModelSpec, TensorSpec
 
 
 def parse_generate(body: bytes, spec: ModelSpec) -> ParsedInfer:

@@ -22,7 +22,7 @@ from batching.sequences import no_correlation_id
 from fleet import tensors
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
-from fleet.model_config import ModelSpec, TensorSpec
+from fleet.model_spec import ModelSpec, TensorSpec
 from fleet.parts import LONG_BUFFER, Parts, byte_view, total_bytes
 from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind

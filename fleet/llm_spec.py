@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from batching.continuous import ContinuousConfig
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 
 LLM_BACKEND = "llm"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 
 _KIND = pb.ModelInstanceGroup.Kind
 

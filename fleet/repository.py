@@ -23,7 +23,8 @@ from types import MappingProxyType
 from typing import Any
 
 from fleet.errors import ConfigError
-from fleet.model_config import CONFIG_FILENAME, ModelSpec, load_config, parse_config_proto, spec_from_proto
+from fleet.model_config import CONFIG_FILENAME, load_config, parse_config_proto, spec_from_proto
+from fleet.model_spec import ModelSpec
 
 _VERSION_DIR = re.compile(r"[1-9][0-9]{0,18}")
 _MAX_VERSION = 2**63 - 1

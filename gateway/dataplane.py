@@ -26,7 +26,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, request_payload
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, Overloaded, Unsupported, from_code
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.llm_stats import has_generation, render_generation
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.parts import Parts
 from fleet.stats import render_model_stats
 from fleet.tensor_regions import Regions

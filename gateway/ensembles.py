@@ -29,7 +29,7 @@ from fleet.errors import InferenceFailed, ModelNotReady
 from fleet.keys import Keys
 from fleet.kserve import ParsedInfer, check_input, check_input_set
 from fleet.latency_stats import bucket_deltas
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from gateway.catalog import Catalog
 from gateway.counters import Counters
 

@@ -25,7 +25,7 @@ from batching.sequences import no_start
 from fleet.envelope import SequenceFlags
 from fleet.errors import InvalidInput, ModelNotReady, SequenceLost
 from fleet.keys import Keys
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from gateway.catalog import Catalog
 
 

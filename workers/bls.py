@@ -39,7 +39,8 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, request_p
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotFound, ModelNotReady, ServingError, Unsupported
 from fleet.keys import Keys
 from fleet.kserve import check_input, check_input_set
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from fleet.redis_clients import async_client
 from fleet.settings import Settings
 from workers.backends.base import LoadContext

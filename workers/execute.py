@@ -15,7 +15,7 @@ from fleet.config_checks import WILDCARD_DIM
 from fleet.datatypes import Datatype
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
 from fleet.errors import InferenceFailed, PoisonRequest, ServingError
-from fleet.model_config import ModelSpec, TensorSpec
+from fleet.model_spec import ModelSpec, TensorSpec
 from fleet.reshape import client_shape, model_shape
 from workers.backends.base import Backend, InferenceItem, ItemResult, failed
 

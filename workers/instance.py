@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batching.plan import Batch
-from fleet.model_config import InstanceLimit
+from fleet.model_spec import InstanceLimit
 from workers.backends.base import Backend
 from workers.execute import BatchOutcome
 from workers.rate_limiter import RateLimiter

@@ -33,7 +33,7 @@ from fleet.clock import Clock
 from fleet.envelope import decode_request, encode_request, error_reply
 from fleet.errors import InvalidInput, ModelNotReady, RequestTimeout
 from fleet.llm_spec import is_llm
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
 from fleet.trace_points import (

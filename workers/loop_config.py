@@ -8,7 +8,7 @@ from batching.plan import SchedulerConfig
 from batching.policy import BatchPolicy
 from fleet.admission import bulk_lane
 from fleet.llm_spec import is_llm, llm_settings
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.custody import CustodyConfig
 
 

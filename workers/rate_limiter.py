@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import redis
 
 from fleet.errors import ConfigError
-from fleet.model_config import InstanceLimit, ResourceNeed
+from fleet.model_spec import InstanceLimit, ResourceNeed
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from batching.policy import Pending
 from batching.sequences import Refuse, SequenceGate, Verdict, no_correlation_id
 from fleet.envelope import RequestEnvelope
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.backends.base import ItemResult
 from workers.sequence_tensors import SequenceTensors
 

@@ -19,7 +19,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from fleet import tensors
 from fleet.datatypes import Datatype, from_config
 from fleet.envelope import RequestEnvelope, WireTensor
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.backends.base import Backend
 from workers.execute import run_batch
 

@@ -42,7 +42,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_re
 from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import InputItem
 from fleet.jobs.jsonl_input import DEFAULT_MAX_LINE_BYTES, JsonlInput
-from fleet.model_config import ModelSpec, TensorSpec
+from fleet.model_spec import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import IO
 from fleet.errors import InvalidInput
 from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem, RawLine
 from fleet.jobs.lines import line_parser, parse_item
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 
 CHUNK_BYTES = 1 << 20  # count(), the resume line count and skipping a too-long line read this much at a time
 DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # Settings.max_job_line_bytes' default

@@ -17,7 +17,7 @@ from fleet.generate_body import parse_generate_doc
 from fleet.jobs.items import InputItem, RawLine
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.llm_spec import is_llm
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 
 __all__ = ["LineParser", "line_parser", "parse_generation_line", "parse_infer_line", "parse_item"]

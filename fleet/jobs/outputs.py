@@ -26,7 +26,7 @@ from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem
-from fleet.model_config import ModelSpec, TensorSpec
+from fleet.model_spec import ModelSpec, TensorSpec
 from fleet.tensor_json import json_array
 
 OUTPUT_KINDS = ("jsonl", "npy", "npz")

@@ -34,7 +34,7 @@ from fleet.jobs.formats import open_input, open_output, remove_output
 from fleet.jobs.jsonl_input import DEFAULT_MAX_LINE_BYTES
 from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, TERMINAL, JobStore
 from fleet.keys import Keys
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.repository import scan
 from fleet.settings import Settings
 

@@ -33,7 +33,7 @@ from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput, Unsupported
 from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
 
 # A typed contents field -> (the datatype Triton names it by, the input datatypes it may carry).

@@ -19,7 +19,7 @@ from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Jo
 from fleet.jobs.recovery import queue_run
 from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from fleet.paths import contained, inside_any
 from fleet.settings import Settings
 

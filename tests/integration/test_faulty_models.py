@@ -18,7 +18,8 @@ import redis
 from fleet.envelope import RequestEnvelope, WireTensor
 from fleet.errors import PoisonRequest
 from fleet.keys import Keys
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from fleet.redis_server import LocalServer
 from tests.support.system import InProcessSystem, in_process_system
 from workers.backends.base import LoadContext

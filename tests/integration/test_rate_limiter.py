@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.errors import ConfigError
-from fleet.model_config import InstanceLimit, ResourceNeed
+from fleet.model_spec import InstanceLimit, ResourceNeed
 from fleet.redis_server import LocalServer
 from fleet.settings import Settings
 from tests.support.system import in_process_system

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleet.admission import admit, bulk_lane, lane_count, lane_policy, level_lane
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from tests.support.model_repo import python_config
 
 

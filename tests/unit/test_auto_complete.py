@@ -13,7 +13,8 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec, parse_config_proto, spec_from_proto
+from fleet.model_config import parse_config_proto, spec_from_proto
+from fleet.model_spec import ModelSpec
 from tests.support.model_repo import TRITON_EXAMPLES
 from workers.auto_complete import complete_config
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fleet.errors import ErrorCode, InvalidInput
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from workers.backends.base import InferenceItem, run_merged
 
 

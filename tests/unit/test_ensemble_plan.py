@@ -8,7 +8,8 @@ import pytest
 from fleet.ensemble import EnsembleRun, plan
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 
 
 def model(name: str, inputs: dict[str, str], outputs: dict[str, str]) -> ModelSpec:

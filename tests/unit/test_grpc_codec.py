@@ -25,7 +25,8 @@ from fleet.cli import build_parser, settings_from_args
 from fleet.envelope import WireTensor
 from fleet.errors import ErrorCode, InvalidInput, ServingError
 from fleet.kserve import ParsedInfer, parse_infer
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from fleet.settings import Settings
 from gateway.errors import GRPC_STATUS, STATUS
 from gateway.grpc.calls import response_encoding

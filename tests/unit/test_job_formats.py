@@ -27,7 +27,8 @@ from fleet.jobs.formats import (
     remove_output,
     unpack,
 )
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from tests.support.model_repo import python_config
 
 MULTI = """backend: "python"

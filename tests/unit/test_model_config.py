@@ -14,7 +14,8 @@ from tritonclient.grpc import model_config_pb2 as pb
 from fleet.datatypes import BY_NAME
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec, VersionPolicy, load_config, parse_config
+from fleet.model_config import load_config, parse_config
+from fleet.model_spec import ModelSpec, VersionPolicy
 from tests.support.model_repo import TRITON_EXAMPLES, python_config
 
 NATIVE_DOUBLE = (TRITON_EXAMPLES / "../../anchors/triton/native_repo/double").resolve()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from fleet.placement import instance_device, placement_problem
 
 

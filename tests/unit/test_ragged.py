@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batching.merge import batch_input_parts, merge, scatter, split
-from fleet.model_config import BatchInputKind, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import BatchInputKind
 from workers.backends.base import InferenceItem, InProcessBackend, batch_tensors, run_merged
 
 K = BatchInputKind

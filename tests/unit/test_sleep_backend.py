@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec, parse_config
+from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from workers.backends import load_backend
 from workers.backends.base import InferenceItem, LoadContext
 

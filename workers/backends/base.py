@@ -23,7 +23,7 @@ from batching.merge import batch_input_parts, merge, scatter, split
 from fleet.config_checks import WILDCARD_DIM
 from fleet.envelope import WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, ServingError
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.custom_metrics import CustomMetricsBook
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from fleet import tensors
 from fleet.errors import ConfigError, InvalidInput, ServingError
 from fleet.llm_spec import LlmSettings, llm_settings
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, LoadContext
 from workers.generation.engine import Engine, Generation
 from workers.generation.metrics import GenerationMetrics

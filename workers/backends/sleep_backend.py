@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from fleet.errors import ConfigError
-from fleet.model_config import ModelSpec
+from fleet.model_spec import ModelSpec
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, LoadContext, run_merged
 
 
