@@ -3,7 +3,7 @@
     ServingError (code)
     ├── InvalidInput            INVALID_ARG   bad JSON, shape, datatype, unknown input
     ├── TooLarge                TOO_LARGE     a body (or upload, or job line) over its byte limit
-    ├── ModelNotFound           UNKNOWN_MODEL unknown model name (HTTP 400 as Triton's core; gRPC NOT_FOUND)
+    ├── ModelNotFound           UNKNOWN_MODEL unknown model name (HTTP 404, gRPC NOT_FOUND, as tritonserver 2.51)
     ├── VersionNotFound         NOT_FOUND     known model, unknown version
     ├── ModelNotReady           UNAVAILABLE   no ready worker / version not ready
     ├── QueueFull               UNAVAILABLE   max_queue_size reached

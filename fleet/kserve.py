@@ -20,6 +20,7 @@ import numpy as np
 
 from batching.sequences import no_correlation_id
 from fleet import tensors
+from fleet.classification import requested_classes
 from fleet.envelope import SequenceFlags, WireTensor
 from fleet.errors import InferenceFailed, InvalidInput, Unsupported
 from fleet.model_spec import ModelSpec, TensorSpec
@@ -57,6 +58,8 @@ class ParsedInfer:
     timeout_us: int = 0
     shm_outputs: dict[str, RegionSlice] = field(default_factory=dict)  # outputs written into shared memory
     sequence: SequenceFlags | None = None  # a sequence model's correlation id and flags (sequence_flags)
+    # Outputs requested as their top K classes (the classification extension, fleet/classification.py).
+    classification: dict[str, int] = field(default_factory=dict)
 
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
@@ -284,20 +287,22 @@ def check_parameters(params: dict[str, Any], spec: ModelSpec) -> tuple[dict[str,
 
 
 def _parse_outputs(doc: dict[str, Any], spec: ModelSpec, regions: Regions | None
-                   ) -> tuple[list[str] | None, frozenset[str], dict[str, RegionSlice]]:
+                   ) -> tuple[list[str] | None, frozenset[str], dict[str, RegionSlice], dict[str, int]]:
     raw = doc.get("outputs")
     if raw is None or raw == []:
-        return None, frozenset(), {}  # Triton: no output listed (or an empty list) means every output
+        return None, frozenset(), {}, {}  # Triton: no output listed (or an empty list) means every output
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be an array")
     names: list[str] = []
     binary: set[str] = set()
     in_regions: dict[str, RegionSlice] = {}
+    classes: dict[str, int] = {}
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput("each requested output needs a 'name'")
         name = item["name"]
-        if spec.output(name) is None:
+        ts = spec.output(name)
+        if ts is None:
             raise InvalidInput(f"unexpected inference output '{name}' for model '{spec.name}'")
         if name in names:
             # Its two entries could ask for different binary_data (older Triton cores: "already requested").
@@ -308,15 +313,16 @@ def _parse_outputs(doc: dict[str, Any], spec: ModelSpec, regions: Regions | None
         target = output_to_region(regions, name, params)
         if target is not None:
             in_regions[name] = target
-        if "classification" in params:
-            raise Unsupported("the classification extension is not supported by fleet")
+        count = requested_classes(params, name, ts.datatype.name)
+        if count:
+            classes[name] = count
         is_binary = params.get("binary_data", False)
         if not isinstance(is_binary, bool):
             raise InvalidInput(f"output '{name}': parameter 'binary_data' must be a boolean")
         if is_binary:
             binary.add(name)
         names.append(name)
-    return names, frozenset(binary), in_regions
+    return names, frozenset(binary), in_regions, classes
 
 
 def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions: Regions | None = None
@@ -352,10 +358,10 @@ def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, re
     _check_text(client_id, "request 'id'")
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
     inputs = _parse_inputs(doc, spec, binary, regions)
-    outputs, binary_outputs, in_regions = _parse_outputs(doc, spec, regions)
+    outputs, binary_outputs, in_regions, classes = _parse_outputs(doc, spec, regions)
     sequence = sequence_flags(doc.get("parameters") or {}, spec, inputs)
     return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us,
-                       in_regions, sequence)
+                       in_regions, sequence, classes)
 
 
 def render_infer(

@@ -185,6 +185,7 @@ def _tensor(io: Any, is_input: bool) -> TensorSpec:
         allow_ragged_batch=is_input and io.allow_ragged_batch,
         is_shape_tensor=io.is_shape_tensor,
         reshape=tuple(io.reshape.shape) if io.HasField("reshape") else None,
+        label_filename="" if is_input else io.label_filename,
     )
 
 

@@ -29,6 +29,7 @@ class TensorSpec:
     allow_ragged_batch: bool = False
     is_shape_tensor: bool = False
     reshape: tuple[int, ...] | None = None  # None: no reshape; () is a valid (scalar) reshape
+    label_filename: str = ""  # an output's class labels, one per line, in the model's directory
 
 
 class BatchInputKind(StrEnum):

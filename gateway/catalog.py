@@ -23,7 +23,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.ensemble import EnsemblePlan, plan
-from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, VersionNotFound
+from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, NotFound, VersionNotFound
 from fleet.gpu_metrics import GpuReading, decode_readings
 from fleet.model_config import spec_from_proto
 from fleet.model_control import Target
@@ -124,9 +124,12 @@ class Catalog:
         """The model and the version a request goes to; raises the Triton-shaped lookup errors."""
         view = self.views.get(name)
         if view is None:
-            if name in self.targets or name in self.repository.dirs:
+            if name in self.targets:
                 raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions"
                                     f"{self._why_not(name)}")
+            if name in self.repository.dirs:
+                # In the repository, not loaded (or unloaded): Triton's 404, not a 503 to retry on.
+                raise NotFound(f"Request for unknown model: '{name}' has no available versions")
             raise ModelNotFound(name)
         if version:
             v = int(version)
@@ -141,8 +144,6 @@ class Catalog:
         return view, ready[-1]
 
     def _why_not(self, name: str) -> str:
-        if name not in self.targets:
-            return " (unloaded)"
         reason = self.failures.get(name) or self.ensemble_problems.get(name)
         return f": {reason}" if reason else " (no ready worker serves it)"
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,9 +21,20 @@ from batching.sequences import no_correlation_id
 from fleet import log_context
 from fleet.admission import Admission, admit
 from fleet.broker import Broker
+from fleet.classification import classify, read_labels
 from fleet.clock import Clock, SystemClock
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, request_payload
-from fleet.errors import InferenceFailed, InvalidInput, ModelNotReady, Overloaded, Unsupported, from_code
+from fleet.errors import (
+    InferenceFailed,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    NotFound,
+    Overloaded,
+    Unsupported,
+    VersionNotFound,
+    from_code,
+)
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.llm_stats import has_generation, render_generation
 from fleet.model_spec import ModelSpec
@@ -57,6 +68,8 @@ class DataPlane:
         self.regions = regions  # shared-memory regions tensors may name (gateway/shared_memory.py)
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # inference requests of this process, HTTP and gRPC, admitted and not answered
+        # (model, config generation, output) -> its class labels, read once from the model's directory.
+        self._labels: dict[tuple[str, str, str], tuple[str, ...]] = {}
 
     def admit(self) -> None:
         """Take one of the process's `max_in_flight` places (every protocol takes from the same count);
@@ -90,7 +103,36 @@ class DataPlane:
                   caller_timeout_s: float | None = None, gen: str = "") -> ReplyEnvelope:
         """A decoded request of version `v` of `model`, for every protocol: answered from the response
         cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
-        generation of the config it was validated with (a reload must not answer from the old one)."""
+        generation of the config it was validated with (a reload must not answer from the old one).
+        Outputs requested as classes are answered as their top classes (fleet/classification.py)."""
+        reply = await self._answer(model, v, spec, req, trace, caller_timeout_s, gen)
+        # (A decoupled model's responses are classified as they come, in `responses`.)
+        return reply if spec.decoupled else self._classified(model, spec, req, reply)
+
+    def _classified(self, model: str, spec: ModelSpec, req: ParsedInfer, reply: ReplyEnvelope) -> ReplyEnvelope:
+        """`reply` with the outputs `req` asked classes of replaced by them: a new reply (the one computed may
+        be the response cache's, which keeps the tensors themselves)."""
+        if not req.classification or not reply.outputs:
+            return reply
+        batched = spec.max_batch_size > 0
+        return replace(reply, outputs=[
+            classify(o, req.classification[o.name], batched, self._labels_of(model, spec, o.name))
+            if o.name in req.classification else o for o in reply.outputs])
+
+    def _labels_of(self, model: str, spec: ModelSpec, output: str) -> tuple[str, ...]:
+        ts = spec.output(output)
+        view = self.catalog.views.get(model)
+        if ts is None or not ts.label_filename or view is None:
+            return ()
+        key = (model, view.gen, output)
+        labels = self._labels.get(key)
+        if labels is None:
+            # A model whose files came over model control has no directory here: classes without labels.
+            labels = self._labels[key] = read_labels(view.entry.path / ts.label_filename)
+        return labels
+
+    async def _answer(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
+                      caller_timeout_s: float | None, gen: str) -> ReplyEnvelope:
         if self.cache is None or not spec.response_cache or req.sequence is not None:
             return await self._compute(model, v, spec, req, trace, caller_timeout_s)
         started = time.perf_counter_ns()
@@ -160,7 +202,7 @@ class DataPlane:
             reply = await first
             while True:
                 finished = reply.final
-                yield reply
+                yield self._classified(model, spec, req, reply) if reply.ok else reply
                 if finished:
                     return
                 reply = await later.get()
@@ -260,7 +302,12 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any
                            version: str | None) -> dict[str, Any]:
     """The statistics extension: every READY version (or the one asked for), summed across workers."""
     if name:
-        view, v = catalog.resolve(name, version)
+        try:
+            view, v = catalog.resolve(name, version)
+        except (ModelNotFound, NotFound):  # Triton's statistics answer these INVALID_ARG (400), in its words
+            raise InvalidInput(f"requested model '{name}' is not available") from None
+        except VersionNotFound:
+            raise InvalidInput(f"requested model version is not available for model '{name}'") from None
         targets = [(name, [v])]
     else:
         targets = [(n, catalog.ready_versions(n)) for n in sorted(catalog.views)]

@@ -20,7 +20,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.FAILED_PRECONDITION: 409,
     ErrorCode.TOO_LARGE: 413,
-    ErrorCode.UNKNOWN_MODEL: 400,
+    ErrorCode.UNKNOWN_MODEL: 404,  # tritonserver 2.51: 404 for metadata, config and infer (ready: 400)
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.UNKNOWN: 400,

@@ -69,7 +69,13 @@ def repository_index(catalog: Catalog, only_ready: bool) -> list[dict[str, Any]]
             elif units:
                 items.extend({"name": name, "version": str(v), "state": "UNLOADING"} for v in sorted(versions))
             elif name in catalog.unloaded:
-                items.append({"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
+                # One entry per version, as Triton lists an unloaded model (its name alone if none is known).
+                entry = catalog.repository.models.get(name)
+                known = sorted(versions | set(entry.versions if entry is not None else ()))
+                if not known:
+                    items.append({"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
+                items.extend({"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
+                             for v in known)
             else:
                 items.append({"name": name})
             continue

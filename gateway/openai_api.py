@@ -48,8 +48,8 @@ def _state(request: Request) -> GatewayState:
 def openai_error(exc: ServingError) -> Response:
     status = status_for(exc.code)
     code: str | int = status
-    if isinstance(exc, ModelNotFound):  # Triton answers 400; OpenAI's clients expect 404 model_not_found
-        status, code = 404, "model_not_found"
+    if isinstance(exc, ModelNotFound):  # (404 as Triton's) OpenAI's clients expect code model_not_found
+        code = "model_not_found"
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": exc.message, "type": kind, "param": "model" if status == 404 else None,
                                    "code": code}}, status_code=status)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleet.errors import InvalidInput, ModelNotReady, NotFound, VersionNotFound
+from fleet.errors import InvalidInput, ModelNotFound, ModelNotReady, NotFound, VersionNotFound
 from fleet.generate_body import parse_generate
 from fleet.kserve import ParsedInfer
 from gateway import model_info
@@ -23,9 +23,11 @@ from gateway.generate import events, raise_reply, render_generate, single
 from gateway.state import GatewayState
 
 SERVER_VERSION = "2.51.0"
-# Not cuda_shared_memory: its routes answer (nothing registered), but registering is refused.
-EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration", "binary_tensor_data",
-              "parameters", "statistics", "system_shared_memory", "logging", "trace"]
+# Triton 2.51's list, in its order, less cuda_shared_memory: its routes answer (nothing registered), but
+# registering is refused.
+EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+              "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data", "parameters",
+              "statistics", "trace", "logging"]
 
 
 def state_of(request: Request) -> GatewayState:
@@ -81,7 +83,7 @@ async def model_ready(request: Request) -> Response:
     st = state_of(request)
     try:
         st.catalog.resolve(request.path_params["name"], _version(request))
-    except ModelNotReady:
+    except (ModelNotReady, ModelNotFound, NotFound):  # Triton: 400 for an unknown or unloaded model too
         return JSONResponse({"error": "Model version not ready"}, status_code=400)
     return json_response({"name": request.path_params["name"], "ready": True})
 

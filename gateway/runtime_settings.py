@@ -18,7 +18,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from fleet.cancellation import cancel_and_wait
-from fleet.errors import BrokerUnavailable
+from fleet.errors import BrokerUnavailable, InvalidInput
 from fleet.keys import Keys
 from fleet.log_settings import CHANNEL_MESSAGE as LOGGING
 from fleet.log_settings import parse_log_update, read_log_settings, store_log_update
@@ -89,11 +89,11 @@ class RuntimeSettings:
 
     async def trace_settings(self, model: str | None = None, update: Any = None) -> dict[str, Any]:
         """GET (None) or POST (the settings to change) /v2[/models/MODEL]/trace/setting: the settings in
-        force for `model` (None or "": the global ones) after it. Raises ModelNotFound for a model the
-        repository lacks, InvalidInput / Unsupported for a bad update, BrokerUnavailable without Redis."""
+        force for `model` (None or "": the global ones) after it. Raises InvalidInput for a model not
+        loaded (as Triton) or a bad update, Unsupported for one it cannot take, BrokerUnavailable without Redis."""
         model = model or None
-        if model is not None:
-            self._catalog.view(model)  # ModelNotFound, with Triton's text
+        if model is not None and model not in self._catalog.views:
+            raise InvalidInput(f"Request for unknown model : {model}")  # Triton's INVALID_ARG, in its words
         changes = TraceUpdate() if update is None else parse_trace_update(_plain(update),
                                                                           str(self.tracer.file.path))
         # Else nothing to change (an empty body; gRPC asks for the settings that way): a read, which must

@@ -29,9 +29,10 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from fleet import tensors
+from fleet.classification import requested_classes
 from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
-from fleet.errors import InvalidInput, Unsupported
+from fleet.errors import InvalidInput
 from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
 from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
@@ -155,15 +156,17 @@ def input_data(tensor: Any, params: dict[str, Any], dt: Datatype, shape: list[in
     return data
 
 
-def _outputs(request: Any, spec: ModelSpec, regions: Regions | None) -> tuple[list[str] | None,
-                                                                               dict[str, RegionSlice]]:
+def _outputs(request: Any, spec: ModelSpec, regions: Regions | None
+             ) -> tuple[list[str] | None, dict[str, RegionSlice], dict[str, int]]:
     if not request.outputs:
-        return None, {}  # none listed: every output
+        return None, {}, {}  # none listed: every output
     names: list[str] = []
     in_regions: dict[str, RegionSlice] = {}
+    classes: dict[str, int] = {}
     for item in request.outputs:
         name = item.name
-        if spec.output(name) is None:
+        ts = spec.output(name)
+        if ts is None:
             raise InvalidInput(f"unexpected inference output '{name}' for model '{spec.name}'")
         if name in names:  # as over HTTP (fleet/kserve.py): never merged silently
             raise InvalidInput(f"output '{name}' is requested more than once")
@@ -172,10 +175,11 @@ def _outputs(request: Any, spec: ModelSpec, regions: Regions | None) -> tuple[li
         target = output_to_region(regions, name, params)
         if target is not None:
             in_regions[name] = target
-        if "classification" in params:
-            raise Unsupported("the classification extension is not supported by fleet")
+        count = requested_classes(params, name, ts.datatype.name)
+        if count:
+            classes[name] = count
         names.append(name)
-    return names, in_regions
+    return names, in_regions, classes
 
 
 def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> ParsedInfer:
@@ -204,10 +208,10 @@ def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> Pars
         raise InvalidInput(f"unexpected additional input data for model '{spec.name}': more raw_input_contents "
                            f"than inputs that take them")
     check_input_set(spec, inputs, batch)
-    outputs, in_regions = _outputs(request, spec, regions)
+    outputs, in_regions, classes = _outputs(request, spec, regions)
     return ParsedInfer(client_id=client_id, inputs=inputs, outputs=outputs, binary_outputs=frozenset(),
                        binary_default=True, parameters=passthrough, priority=priority, timeout_us=timeout_us,
-                       shm_outputs=in_regions, sequence=sequence_flags(params, spec, inputs))
+                       shm_outputs=in_regions, sequence=sequence_flags(params, spec, inputs), classification=classes)
 
 
 def encode_infer(model: str, version: int, req: ParsedInfer, outputs: list[WireTensor],

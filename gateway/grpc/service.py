@@ -21,6 +21,7 @@ from fleet.errors import (
     ErrorCode,
     ModelNotFound,
     ModelNotReady,
+    NotFound,
     ServingError,
     Unsupported,
     VersionNotFound,
@@ -64,7 +65,7 @@ class InferenceService:
         version = request_version(request.version)
         try:
             self.state.catalog.resolve(request.name, version)
-        except (ModelNotFound, VersionNotFound, ModelNotReady):
+        except (ModelNotFound, NotFound, VersionNotFound, ModelNotReady):
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
 

@@ -85,6 +85,18 @@ def test_unknown_models_and_versions(client: tg.InferenceServerClient) -> None:
         client.get_model_metadata("simple", "9")
     assert (err.value.status(), err.value.message()) == \
         ("StatusCode.NOT_FOUND", "Request for unknown model: 'simple' version 9 is not found")
+    # Statistics answer both INVALID_ARGUMENT, in tritonserver 2.51's words.
+    for (model, version), message in ((("nope", ""), "requested model 'nope' is not available"),
+                                      (("simple", "9"), "requested model version is not available for model 'simple'")):
+        with pytest.raises(InferenceServerException) as err:
+            client.get_inference_statistics(model, version)
+        assert (err.value.status(), err.value.message()) == ("StatusCode.INVALID_ARGUMENT", message)
+
+
+def test_classes_over_grpc(client: tg.InferenceServerClient) -> None:
+    a = np.array([[3, 9, -2, 9, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    r = client.infer("simple", simple_inputs(a, a), outputs=[tg.InferRequestedOutput("OUTPUT1", class_count=2)])
+    assert r.as_numpy("OUTPUT1").tolist() == [[b"0:0", b"0:1"]]  # OUTPUT1 = a - a: every value 0, lowest index first
 
 
 @pytest.mark.parametrize("model,dtype,npdt", [("simple", "INT32", np.int32), ("simple_int8", "INT8", np.int8)])

@@ -218,15 +218,16 @@ def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster
     time.sleep(0.3)
     client.unload_model("slow")
     assert not client.is_model_ready("slow")
-    with pytest.raises(InferenceServerException, match="has no available versions"):
+    with pytest.raises(InferenceServerException, match="has no available versions") as unloaded:
         x = th.InferInput("IN", [1], "FP32")
         x.set_data_from_numpy(np.array([1.0], np.float32))
         client.infer("slow", [x])
+    assert unloaded.value.status() == "404"  # as tritonserver answers: not a 503 a client would retry on
     for t in threads:
         t.join(30)
     assert sorted(r for r in results if isinstance(r, float)) == [float(i) for i in range(8)], results
     deadline = time.monotonic() + 20
-    while index_of(client)["slow"] != [{"name": "slow", "state": "UNAVAILABLE", "reason": "unloaded"}]:
+    while index_of(client)["slow"] != [{"name": "slow", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]:
         assert time.monotonic() < deadline, index_of(client)["slow"]
         time.sleep(0.2)
 

@@ -36,7 +36,50 @@ def infer(client: http.InferenceServerClient, model: str, arrays: dict[str, np.n
 def test_health_and_server_metadata(client: http.InferenceServerClient) -> None:
     assert client.is_server_live() and client.is_server_ready()
     meta = client.get_server_metadata()
-    assert "statistics" in meta["extensions"] and "binary_tensor_data" in meta["extensions"]
+    # tritonserver 2.51's list, less cuda_shared_memory (refused here).
+    assert meta["extensions"] == ["classification", "sequence", "model_repository",
+                                  "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
+                                  "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "trace",
+                                  "logging"]
+
+
+def test_an_unknown_model_is_answered_as_tritonserver_answers(system: RunningSystem,
+                                                              client: http.InferenceServerClient) -> None:
+    """The statuses and words of tritonserver 2.51, compared call by call with tritonclient."""
+    for call in (lambda: client.get_model_metadata("nope"), lambda: client.get_model_config("nope")):
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found") as e:
+            call()
+        assert e.value.status() == "404"
+    assert not client.is_model_ready("nope")
+    with pytest.raises(urllib.error.HTTPError) as refused:  # Triton: 400, as for a model not ready
+        urllib.request.urlopen(f"http://{system.url}/v2/models/nope/ready", timeout=30)
+    assert refused.value.code == 400 and json.loads(refused.value.read()) == {"error": "Model version not ready"}
+
+
+def test_statistics_of_an_unknown_model_or_version_are_tritons_400(client: http.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="requested model 'nope' is not available") as e:
+        client.get_inference_statistics("nope")
+    assert e.value.status() == "400"
+    with pytest.raises(InferenceServerException,
+                       match="requested model version is not available for model 'simple'") as e:
+        client.get_inference_statistics("simple", "9")
+    assert e.value.status() == "400"
+
+
+def test_classes_of_an_integer_output(client: http.InferenceServerClient) -> None:
+    """tritonclient's class_count on Triton's `simple` (OUTPUT0 = INPUT0 + INPUT1, INT32 [16])."""
+    a = np.array([[3, 9, -2, 9, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        i = http.InferInput(name, [1, 16], "INT32")
+        i.set_data_from_numpy(a)
+        inputs.append(i)
+    for binary in (True, False):
+        result = client.infer("simple", inputs, outputs=[http.InferRequestedOutput("OUTPUT0", binary_data=binary,
+                                                                                   class_count=3)])
+        assert result.get_output("OUTPUT0")["datatype"] == "BYTES"
+        got = [[c if isinstance(c, bytes) else c.encode() for c in row] for row in result.as_numpy("OUTPUT0").tolist()]
+        assert got == [[b"18:1", b"18:3", b"6:0"]]  # (tritonclient reads JSON strings as str)
 
 
 EXPECTED_MODELS = ["add_sub", "minilm", "mlp", "simple", "simple_identity", "simple_int8", "simple_string"]
@@ -157,7 +200,7 @@ def simple_body(**override: object) -> bytes:
 
 
 @pytest.mark.parametrize("path,body,status,fragment", [
-    ("/v2/models/nope/infer", simple_body(), 400, "unknown model"),
+    ("/v2/models/nope/infer", simple_body(), 404, "unknown model"),  # tritonserver 2.51: 404
     ("/v2/models/simple/versions/9/infer", simple_body(), 404, "version"),
     ("/v2/models/simple/infer", b"{oops", 400, "JSON"),
     ("/v2/models/simple/infer", simple_body(inputs=[]), 400, "inputs"),

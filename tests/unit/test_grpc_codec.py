@@ -325,7 +325,7 @@ def test_every_rpc_is_served_or_listed_as_not_yet() -> None:
 def test_every_error_code_has_a_grpc_status() -> None:
     assert set(GRPC_STATUS) == set(ErrorCode) == set(STATUS)
     assert GRPC_STATUS[ErrorCode.UNKNOWN_MODEL] == grpc.StatusCode.NOT_FOUND
-    assert STATUS[ErrorCode.UNKNOWN_MODEL] == 400  # HTTP stays as Triton's current core answers
+    assert STATUS[ErrorCode.UNKNOWN_MODEL] == 404  # what tritonserver 2.51 answers over HTTP
     assert GRPC_STATUS[ErrorCode.INVALID_ARG] == grpc.StatusCode.INVALID_ARGUMENT
     assert GRPC_STATUS[ErrorCode.UNAVAILABLE] == grpc.StatusCode.UNAVAILABLE
     assert GRPC_STATUS[ErrorCode.UNSUPPORTED] == grpc.StatusCode.UNIMPLEMENTED

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from fleet.errors import ModelNotFound, ModelNotReady, VersionNotFound
+from fleet.errors import ModelNotFound, ModelNotReady, NotFound, VersionNotFound
 from fleet.model_control import (
     BOOT_GEN,
     ControlMode,
@@ -153,9 +153,9 @@ def test_the_index_says_why_and_names_a_model_never_loaded(tmp_path: Path) -> No
     assert index["loaded"] == {"name": "loaded", "version": "1", "state": "READY"}
     assert index["broken"]["state"] == "UNAVAILABLE" and index["broken"]["reason"] == "initialize raised"
     assert index["never"] == {"name": "never"}
-    assert index["gone"] == {"name": "gone", "state": "UNAVAILABLE", "reason": "unloaded"}
+    assert index["gone"] == {"name": "gone", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     assert [i["name"] for i in repository_index(catalog, True)] == ["loaded"]
-    with pytest.raises(ModelNotReady, match="unloaded"):
+    with pytest.raises(NotFound, match="'gone' has no available versions$"):  # Triton's 404, not a 503
         catalog.resolve("gone", None)
     with pytest.raises(ModelNotFound):
         catalog.resolve("nothing", None)
