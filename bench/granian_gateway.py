@@ -42,7 +42,7 @@ _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 
 
 # ---------------------------------------------------------------------------------------------- the app
-def rsgi_app() -> Any:
+def build_rsgi_app() -> Any:
     """The RSGI application granian imports (`granian_gateway:rsgi_app` with FLEET_GW_ARGS set)."""
     sys.path.insert(0, str(ROOT))
     from fleet.cli import build_parser, settings_from_args
@@ -63,7 +63,7 @@ def rsgi_app() -> Any:
             self.ready = loop.create_task(start())
 
         def __rsgi_del__(self, loop: Any) -> None:
-            pass
+            pass  # (the process ends here: the broker's reply stream expires by its TTL)
 
         async def __rsgi__(self, scope: Any, proto: Any) -> None:
             await self.ready
@@ -111,7 +111,7 @@ def rsgi_app() -> Any:
 
 
 if os.environ.get("FLEET_GW_ARGS"):  # imported by granian
-    rsgi_app = rsgi_app()  # (the name granian is given)
+    rsgi_app = build_rsgi_app()
 
 
 # ---------------------------------------------------------------------------------------------- the runs
@@ -132,11 +132,11 @@ def start_granian(gw_pid: int, port: int, lib: Path, out: Path) -> subprocess.Po
             env[key] = value
     env["FLEET_GW_ARGS"] = shlex.join(argv)
     env["PYTHONPATH"] = f"{lib}{os.pathsep}{Path(__file__).parent}"
-    log = (out / "granian.log").open("wb")
-    return subprocess.Popen([sys.executable, "-m", "granian", "--interface", "rsgi", "--loop", "uvloop", "--workers",
-                             "1", "--runtime-threads", "1", "--host", HOST, "--port", str(port), "--no-ws",
-                             "granian_gateway:rsgi_app"], cwd=ROOT, env=env, stdout=log, stderr=log,
-                            start_new_session=True)
+    with (out / "granian.log").open("wb") as log:  # (the child keeps its own copy of the descriptor)
+        return subprocess.Popen([sys.executable, "-m", "granian", "--interface", "rsgi", "--loop", "uvloop",
+                                 "--workers", "1", "--runtime-threads", "1", "--host", HOST, "--port", str(port),
+                                 "--no-ws", "granian_gateway:rsgi_app"], cwd=ROOT, env=env, stdout=log, stderr=log,
+                                start_new_session=True)
 
 
 def served_pid(granian: subprocess.Popen[bytes]) -> int:
@@ -145,14 +145,11 @@ def served_pid(granian: subprocess.Popen[bytes]) -> int:
     return int(out.split()[0])
 
 
-def counts(port: int, model: str) -> int:
+def counts(port: int, model: str) -> tuple[int, int]:
+    """(requests, batches) the model's statistics count, over its versions."""
     with urllib.request.urlopen(f"http://{HOST}:{port}/v2/models/{model}/stats", timeout=5) as r:
-        return sum(int(s["inference_count"]) for s in json.load(r)["model_stats"])
-
-
-def batches(port: int, model: str) -> int:
-    with urllib.request.urlopen(f"http://{HOST}:{port}/v2/models/{model}/stats", timeout=5) as r:
-        return sum(int(s["execution_count"]) for s in json.load(r)["model_stats"])
+        stats = json.load(r)["model_stats"]
+    return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
 
 
 def cpu_us(pid: int) -> float:
@@ -161,12 +158,12 @@ def cpu_us(pid: int) -> float:
 
 
 def run(label: str, port: int, pid: int, model: str, conc: int, out: Path) -> str:
-    n0, b0, c0 = counts(port, model), batches(port, model), cpu_us(pid)
+    (n0, b0), c0 = counts(port, model), cpu_us(pid)
     text = subprocess.run([str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"{HOST}:{port}", "-b", "1",
                            "--concurrency-range", str(conc), "--measurement-interval", "3000",
                            "--stability-percentage", "20", "--max-trials", "12"],
                           capture_output=True, text=True, timeout=300).stdout
-    c1, n1, b1 = cpu_us(pid), counts(port, model), batches(port, model)
+    c1, (n1, b1) = cpu_us(pid), counts(port, model)
     (out / f"{label}_{model}_c{conc}_{int(time.time())}.txt").write_text(text)
 
     def grab(pattern: str) -> str:
@@ -194,7 +191,8 @@ def main() -> int:
     fleet.start()
     granian: subprocess.Popen[bytes] | None = None
     try:
-        assert fleet.proc is not None
+        if fleet.proc is None:
+            return 1
         own = gateway_pid(fleet.proc.pid)
         granian = start_granian(own, args.port + 100, args.granian_lib, args.out)
         deadline = time.monotonic() + 60

@@ -6,8 +6,9 @@ entry (the first dimension when the model batches), the K largest values in desc
 BYTES string "value:index" or, when the output names a `label_filename`, "value:index:label" (the label on
 line `index` of that file). A float value is written as C++'s std::to_string writes it ("%f"), an integer as
 its digits. The output becomes BYTES with shape [batch, min(K, elements per entry)] ([min(K, elements)]
-without a batch dimension). Only numeric outputs can be classified (not BYTES, BOOL, FP16 or BF16), and an
-entry of more than MAX_ELEMENTS values is refused, as Triton 2.51 refuses it.
+without a batch dimension). Only numeric outputs can be classified (not BYTES, BOOL, FP16 or BF16). An entry
+of more than MAX_ELEMENTS values is refused, as Triton releases after 2.51 refuse it: the sort runs on the
+gateway's event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 
-# Triton refuses to classify an entry with more values than this ("classification output tensor too large").
+# Later Tritons refuse to classify an entry with more values ("classification output tensor too large").
 MAX_ELEMENTS = 1_000_000
 _FLOATS = {"FP32", "FP64"}
 _INTEGERS = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
@@ -33,9 +34,9 @@ def check_classifiable(datatype: str) -> None:
         raise InvalidInput(f"class result not available for output due to unsupported type '{datatype}'")
 
 
-def classify(output: WireTensor, count: int, batched: bool, labels: Sequence[str] = ()) -> WireTensor:
+def classify(output: WireTensor, count: int, batched: bool, labels: Sequence[bytes] = ()) -> WireTensor:
     """`output` replaced by its top `count` classes per batch entry (`batched`: its first dimension is the
-    batch), labelled from `labels` where it has a line for the class."""
+    batch), labelled from `labels` where it has a non-empty line for the class."""
     check_classifiable(output.datatype)
     values = tensors.from_bytes(output.data, tensors.lookup(output.datatype), output.shape)
     batch = int(output.shape[0]) if batched and output.shape else 0
@@ -44,16 +45,17 @@ def classify(output: WireTensor, count: int, batched: bool, labels: Sequence[str
     if per_entry > MAX_ELEMENTS:
         raise InvalidInput("classification output tensor too large")
     k = min(count, per_entry)
+    # Descending by value, the lower index first among equal values (Triton's sort leaves ties in no set
+    # order): a stable ascending sort of each reversed row, read backwards.
+    top = (per_entry - 1) - np.argsort(rows[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :k]
+    picked = np.take_along_axis(rows, top, axis=1)
     floats = output.datatype in _FLOATS
     classes: list[bytes] = []
-    for row in rows:
-        # Descending by value, the lower index first among equal values (Triton's sort leaves ties in no
-        # set order): a stable ascending sort of the reversed row, read backwards.
-        order = (per_entry - 1) - np.argsort(row[::-1], kind="stable")[::-1][:k]
-        for index in order.tolist():
-            value = f"{float(row[index]):f}" if floats else str(int(row[index]))
-            label = labels[index] if index < len(labels) else ""
-            classes.append(f"{value}:{index}:{label}".encode() if label else f"{value}:{index}".encode())
+    for indices, row in zip(top.tolist(), picked.tolist(), strict=True):
+        for index, value in zip(indices, row, strict=True):
+            text = b"%f:%d" % (value, index) if floats else b"%d:%d" % (value, index)
+            label = labels[index] if index < len(labels) else b""
+            classes.append(text + b":" + label if label else text)
     shape = (batch, k) if batch else (k,)
     return WireTensor(output.name, "BYTES", shape, tensors.serialize_bytes(np.array(classes, dtype=object)))
 
@@ -70,10 +72,13 @@ def requested_classes(params: dict[str, object], name: str, datatype: str) -> in
     return count
 
 
-def read_labels(path: Path) -> tuple[str, ...]:
-    """The class labels of a `label_filename`, one per line (empty when the file cannot be read: classes are
-    then answered as "value:index", as Triton answers an output without labels)."""
+def read_labels(path: Path) -> tuple[bytes, ...]:
+    """The class labels of a `label_filename`: its lines as Triton reads them (split at "\\n" only, as
+    std::getline does, bytes as they are). Empty when the file cannot be read: classes are then answered as
+    "value:index", as for an output without labels."""
     try:
-        return tuple(path.read_text(encoding="utf-8").splitlines())
-    except (OSError, UnicodeDecodeError):
+        data = path.read_bytes()
+    except OSError:
         return ()
+    lines = data.split(b"\n")
+    return tuple(lines[:-1] if lines and lines[-1] == b"" else lines)

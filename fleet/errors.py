@@ -5,7 +5,9 @@
     ├── TooLarge                TOO_LARGE     a body (or upload, or job line) over its byte limit
     ├── ModelNotFound           UNKNOWN_MODEL unknown model name (HTTP 404, gRPC NOT_FOUND, as tritonserver 2.51)
     ├── VersionNotFound         NOT_FOUND     known model, unknown version
-    ├── ModelNotReady           UNAVAILABLE   no ready worker / version not ready
+    ├── NotFound                NOT_FOUND     a resource that is not there (a job, a region)
+    │   └── ModelUnloaded       NOT_FOUND     a model unloaded since it was loaded (as tritonserver 2.51)
+    ├── ModelNotReady           UNAVAILABLE   a loaded model no ready worker serves now / version not ready
     ├── QueueFull               UNAVAILABLE   max_queue_size reached
     ├── RequestTimeout          UNAVAILABLE   queue timeout (Triton REJECT)
     ├── DeadlineExceeded        DEADLINE_EXCEEDED  the gateway gave up waiting for a reply
@@ -84,6 +86,13 @@ class VersionNotFound(ServingError):
 
 class NotFound(ServingError):
     code = ErrorCode.NOT_FOUND
+
+
+class ModelUnloaded(NotFound):
+    """A repository model loaded once and unloaded since: Triton's NOT_FOUND, never a 503 to retry on."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Request for unknown model: '{name}' has no available versions")
 
 
 class NotReadyYet(ServingError):

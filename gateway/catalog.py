@@ -23,7 +23,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.ensemble import EnsemblePlan, plan
-from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, NotFound, VersionNotFound
+from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, ModelUnloaded, VersionNotFound
 from fleet.gpu_metrics import GpuReading, decode_readings
 from fleet.model_config import spec_from_proto
 from fleet.model_control import Target
@@ -127,10 +127,9 @@ class Catalog:
             if name in self.targets:
                 raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions"
                                     f"{self._why_not(name)}")
-            if name in self.repository.dirs:
-                # In the repository, not loaded (or unloaded): Triton's 404, not a 503 to retry on.
-                raise NotFound(f"Request for unknown model: '{name}' has no available versions")
-            raise ModelNotFound(name)
+            if name in self.unloaded:
+                raise ModelUnloaded(name)
+            raise ModelNotFound(name)  # (a repository model never loaded, too: Triton does not know it yet)
         if version:
             v = int(version)
             if (name, v) in self.ready:

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -27,12 +28,8 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, request_payload
 from fleet.errors import (
     InferenceFailed,
     InvalidInput,
-    ModelNotFound,
-    ModelNotReady,
-    NotFound,
     Overloaded,
     Unsupported,
-    VersionNotFound,
     from_code,
 )
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
@@ -69,7 +66,7 @@ class DataPlane:
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # inference requests of this process, HTTP and gRPC, admitted and not answered
         # (model, config generation, output) -> its class labels, read once from the model's directory.
-        self._labels: dict[tuple[str, str, str], tuple[str, ...]] = {}
+        self._labels: dict[tuple[str, str, str], tuple[bytes, ...]] = {}
 
     def admit(self) -> None:
         """Take one of the process's `max_in_flight` places (every protocol takes from the same count);
@@ -105,9 +102,7 @@ class DataPlane:
         cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
         generation of the config it was validated with (a reload must not answer from the old one).
         Outputs requested as classes are answered as their top classes (fleet/classification.py)."""
-        reply = await self._answer(model, v, spec, req, trace, caller_timeout_s, gen)
-        # (A decoupled model's responses are classified as they come, in `responses`.)
-        return reply if spec.decoupled else self._classified(model, spec, req, reply)
+        return self._classified(model, spec, req, await self._answer(model, v, spec, req, trace, caller_timeout_s, gen))
 
     def _classified(self, model: str, spec: ModelSpec, req: ParsedInfer, reply: ReplyEnvelope) -> ReplyEnvelope:
         """`reply` with the outputs `req` asked classes of replaced by them: a new reply (the one computed may
@@ -119,15 +114,20 @@ class DataPlane:
             classify(o, req.classification[o.name], batched, self._labels_of(model, spec, o.name))
             if o.name in req.classification else o for o in reply.outputs])
 
-    def _labels_of(self, model: str, spec: ModelSpec, output: str) -> tuple[str, ...]:
+    def _labels_of(self, model: str, spec: ModelSpec, output: str) -> tuple[bytes, ...]:
+        """The labels of `output` of `model` at the config `spec` (read once per config generation)."""
         ts = spec.output(output)
         view = self.catalog.views.get(model)
-        if ts is None or not ts.label_filename or view is None:
+        # A model whose files came over model control has no directory here (Path()): classes without labels;
+        # nor while a reload swaps the config the request was validated with.
+        if ts is None or not ts.label_filename or view is None or view.entry.spec is not spec \
+                or view.entry.path == Path():
             return ()
         key = (model, view.gen, output)
         labels = self._labels.get(key)
         if labels is None:
-            # A model whose files came over model control has no directory here: classes without labels.
+            # The model's earlier generations' labels go: a reload reads its file anew.
+            self._labels = {k: got for k, got in self._labels.items() if k[0] != model or k[1] == view.gen}
             labels = self._labels[key] = read_labels(view.entry.path / ts.label_filename)
         return labels
 
@@ -192,7 +192,16 @@ class DataPlane:
         """A decoupled model's replies, each as its worker writes it; the last is final (and `empty` when
         the model sent the final flag alone). A response that is an error is yielded like the others;
         what fails the request before any response (admission, Redis) is raised. Closed early (the
-        caller went away), the request is cancelled: dropped if queued, `is_cancelled()` in the model."""
+        caller went away), the request is cancelled: dropped if queued, `is_cancelled()` in the model.
+        Outputs requested as classes come as their top classes."""
+        async with aclosing(self._responses(model, v, spec, req, caller_timeout_s)) as responses:
+            async for reply in responses:
+                yield self._classified(model, spec, req, reply) if reply.ok else reply
+
+    async def _responses(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
+                         caller_timeout_s: float | None) -> AsyncGenerator[ReplyEnvelope, None]:
+        """`responses` as the workers wrote them (`run` classifies what `_single` makes of them once, after
+        the response cache has kept them as they are)."""
         sub = self._submission(model, v, spec, req, None, caller_timeout_s)
         route = None if req.sequence is None else await self._sequence_route(sub, spec)
         first = self._submit(sub, streamed=True, route=route)
@@ -202,7 +211,7 @@ class DataPlane:
             reply = await first
             while True:
                 finished = reply.final
-                yield self._classified(model, spec, req, reply) if reply.ok else reply
+                yield reply
                 if finished:
                     return
                 reply = await later.get()
@@ -228,7 +237,7 @@ class DataPlane:
                       caller_timeout_s: float | None) -> ReplyEnvelope:
         """A decoupled model through a one-reply protocol (infer): its one response, else an error."""
         got: list[ReplyEnvelope] = []
-        async with aclosing(self.responses(model, v, spec, req, caller_timeout_s)) as responses:
+        async with aclosing(self._responses(model, v, spec, req, caller_timeout_s)) as responses:
             async for reply in responses:  # an error reply ends the request at once (closed: cancelled)
                 if not reply.ok:
                     raise from_code(reply.error_code, reply.error_message)
@@ -300,15 +309,18 @@ class _Submission:
 
 async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any, name: str | None,
                            version: str | None) -> dict[str, Any]:
-    """The statistics extension: every READY version (or the one asked for), summed across workers."""
+    """The statistics extension: every ready version of every model, or of the model asked for (or the one
+    version asked for), summed across workers. A model or version that is not ready is refused as Triton
+    refuses it: INVALID_ARG, in its words."""
     if name:
-        try:
-            view, v = catalog.resolve(name, version)
-        except (ModelNotFound, NotFound):  # Triton's statistics answer these INVALID_ARG (400), in its words
-            raise InvalidInput(f"requested model '{name}' is not available") from None
-        except VersionNotFound:
-            raise InvalidInput(f"requested model version is not available for model '{name}'") from None
-        targets = [(name, [v])]
+        ready = catalog.ready_versions(name)
+        if not ready:
+            raise InvalidInput(f"requested model '{name}' is not available")
+        if version:
+            if not version.isdigit() or int(version) not in ready:
+                raise InvalidInput(f"requested model version is not available for model '{name}'")
+            ready = [int(version)]
+        targets = [(name, ready)]
     else:
         targets = [(n, catalog.ready_versions(n)) for n in sorted(catalog.views)]
         targets = [(n, vs) for n, vs in targets if vs]
@@ -324,6 +336,4 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any
             if has_generation(decoded, v):  # a generative model's own figures (fleet/llm_stats.py)
                 doc["generation"] = render_generation(decoded, v, set(catalog.serving.get((n, v), [])))
             out.append(doc)
-    if name and not out:
-        raise ModelNotReady(f"model '{name}' has no ready version")
     return {"model_stats": out}

@@ -71,11 +71,11 @@ def repository_index(catalog: Catalog, only_ready: bool) -> list[dict[str, Any]]
             elif name in catalog.unloaded:
                 # One entry per version, as Triton lists an unloaded model (its name alone if none is known).
                 entry = catalog.repository.models.get(name)
-                known = sorted(versions | set(entry.versions if entry is not None else ()))
-                if not known:
+                if entry is not None and entry.versions:
+                    items.extend({"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
+                                 for v in entry.versions)
+                else:
                     items.append({"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
-                items.extend({"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": "unloaded"}
-                             for v in known)
             else:
                 items.append({"name": name})
             continue

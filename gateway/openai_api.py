@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from fleet import tensors
 from fleet.envelope import ReplyEnvelope
-from fleet.errors import InvalidInput, ModelNotFound, ServingError, from_code
+from fleet.errors import InvalidInput, ModelNotFound, ModelUnloaded, ServingError, from_code
 from fleet.generate_body import parse_generate_doc
 from fleet.llm_spec import is_llm
 from gateway.errors import status_for
@@ -48,7 +48,7 @@ def _state(request: Request) -> GatewayState:
 def openai_error(exc: ServingError) -> Response:
     status = status_for(exc.code)
     code: str | int = status
-    if isinstance(exc, ModelNotFound):  # (404 as Triton's) OpenAI's clients expect code model_not_found
+    if isinstance(exc, (ModelNotFound, ModelUnloaded)):  # 404 as Triton's; OpenAI's clients read this code
         code = "model_not_found"
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": exc.message, "type": kind, "param": "model" if status == 404 else None,

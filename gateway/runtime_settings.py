@@ -89,11 +89,13 @@ class RuntimeSettings:
 
     async def trace_settings(self, model: str | None = None, update: Any = None) -> dict[str, Any]:
         """GET (None) or POST (the settings to change) /v2[/models/MODEL]/trace/setting: the settings in
-        force for `model` (None or "": the global ones) after it. Raises InvalidInput for a model not
-        loaded (as Triton) or a bad update, Unsupported for one it cannot take, BrokerUnavailable without Redis."""
+        force for `model` (None or "": the global ones) after it. Raises InvalidInput for a model with no
+        ready version (as Triton) or a bad update, Unsupported for one it cannot take, BrokerUnavailable
+        without Redis."""
         model = model or None
-        if model is not None and model not in self._catalog.views:
-            raise InvalidInput(f"Request for unknown model : {model}")  # Triton's INVALID_ARG, in its words
+        if model is not None and not self._catalog.ready_versions(model):
+            # Triton asks whether the model is ready, and answers INVALID_ARG in these words when it is not.
+            raise InvalidInput(f"Request for unknown model : {model}")
         changes = TraceUpdate() if update is None else parse_trace_update(_plain(update),
                                                                           str(self.tracer.file.path))
         # Else nothing to change (an empty body; gRPC asks for the settings that way): a read, which must

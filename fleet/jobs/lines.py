@@ -59,6 +59,9 @@ def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "
         log.exception("job input %s line %d: unexpected parser failure", source, line)
         return InputItem(index, line, end_offset, None,
                          error="the line could not be read as a KServe v2 infer request body")
+    if parsed.classification:  # a job writes each output's tensor: none would be answered as classes
+        return InputItem(index, line, end_offset, None,
+                         error="the classification extension is not supported in bulk jobs")
     first = parsed.inputs[0].shape
     rows = max(1, first[0]) if spec.max_batch_size > 0 and first else 1
     return InputItem(index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters,

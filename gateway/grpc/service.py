@@ -21,7 +21,7 @@ from fleet.errors import (
     ErrorCode,
     ModelNotFound,
     ModelNotReady,
-    NotFound,
+    ModelUnloaded,
     ServingError,
     Unsupported,
     VersionNotFound,
@@ -65,7 +65,7 @@ class InferenceService:
         version = request_version(request.version)
         try:
             self.state.catalog.resolve(request.name, version)
-        except (ModelNotFound, NotFound, VersionNotFound, ModelNotReady):
+        except (ModelNotFound, ModelUnloaded, VersionNotFound, ModelNotReady):
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
 

@@ -72,7 +72,7 @@ async def create(request: Request) -> Response:
     doc = _load_job_request(await _job_request_body(request))
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), str):
         raise InvalidInput("a job needs at least {\"model\": ..., \"input\": ...}")
-    view = st.catalog.view(doc["model"])  # unknown model: 400, as for inference
+    view = st.catalog.view(doc["model"])  # unknown model: 404, as for inference
     versions = view.entry.versions
     raw_version = str(doc.get("version") or "")
     if raw_version:

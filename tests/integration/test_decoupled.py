@@ -58,6 +58,10 @@ def test_decoupled_responses_reach_the_caller(redis_server: LocalServer, key_pre
             assert r.status_code == 500 and "exactly 1 response" in r.json()["error"], r.text
             r = await s.client.post("/v2/models/square/infer", json=infer_body("IN", 1))
             assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [1], r.text
+            # Its one response's output as its top classes: classified once, like any model's.
+            r = await s.client.post("/v2/models/square/infer", json={
+                **infer_body("IN", 1), "outputs": [{"name": "OUT", "parameters": {"classification": 1}}]})
+            assert r.status_code == 200 and r.json()["outputs"][0]["data"] == ["1:0"], r.text
             r = await s.client.post("/v2/models/square/infer", json=infer_body("IN", 3))
             assert r.status_code == 500 and "produced 3 responses" in r.json()["error"], r.text
 

@@ -157,8 +157,25 @@ def test_no_ready_worker_is_503(redis_server: LocalServer, key_prefix: str) -> N
         assert (await s.client.get("/v2/health/ready")).status_code == 400
         assert (await s.client.get("/v2/health/live")).status_code == 200
         assert (await s.client.get("/v2/models/doubler/ready")).status_code == 400
+        # Statistics of a model no worker serves: Triton's INVALID_ARG, not a 503.
+        r = await s.client.get("/v2/models/doubler/stats")
+        assert (r.status_code, r.json()) == (400, {"error": "requested model 'doubler' is not available"})
 
     run(redis_server, key_prefix, body, worker=False)
+
+
+@pytest.mark.parametrize("path,status", [
+    ("/v2/models/nope/ready", 400), ("/v2/models/doubler/versions/7/ready", 400),  # Triton: "not ready", 400
+    ("/v2/models/doubler/versions//ready", 404), ("/v2/models/doubler/versions/x/ready", 404),  # no such route
+])
+def test_readiness_of_what_is_not_there(redis_server: LocalServer, key_prefix: str, path: str, status: int) -> None:
+    async def body(s: InProcessSystem) -> None:
+        r = await s.client.get(path)
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json() == {"error": "Model version not ready"}
+
+    run(redis_server, key_prefix, body)
 
 
 def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: LocalServer, key_prefix: str) -> None:
@@ -181,7 +198,7 @@ def test_requests_enqueued_before_a_worker_exists_are_served(redis_server: Local
 
 
 @pytest.mark.parametrize("path,status", [
-    ("/v2/models/nope", 400), ("/v2/models/doubler/versions/7", 404), ("/v2/models/doubler/versions/x", 404),
+    ("/v2/models/nope", 404), ("/v2/models/doubler/versions/7", 404), ("/v2/models/doubler/versions/x", 404),
     ("/v2/nothing/here", 404),
 ])
 def test_lookup_errors(redis_server: LocalServer, key_prefix: str, path: str, status: int) -> None:

@@ -3,6 +3,8 @@ as the BYTES strings Triton's front ends write ("value:index[:label]", C++'s std
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -46,7 +48,7 @@ def test_integers_are_written_as_their_digits() -> None:
 
 def test_labels_name_the_classes_that_have_one() -> None:
     out = classify(wire(np.array([[0.1, 0.7, 0.2, 0.9]], np.float32), "FP32"), 4, batched=True,
-                   labels=["cat", "dog", ""])
+                   labels=[b"cat", b"dog", b""])
     assert classes(out) == ["0.900000:3", "0.700000:1:dog", "0.200000:2", "0.100000:0:cat"]
 
 
@@ -83,13 +85,14 @@ def test_no_count_or_zero_asks_for_the_tensor_itself() -> None:
     assert requested_classes({"classification": 3}, "OUT", "UINT16") == 3
 
 
-def test_labels_are_read_one_per_line(tmp_path: object) -> None:
-    from pathlib import Path
-
-    path = Path(str(tmp_path)) / "labels.txt"
-    path.write_text("cat\ndog\n\nbird\n")
-    assert read_labels(path) == ("cat", "dog", "", "bird")
-    assert read_labels(path.with_name("missing.txt")) == ()
+def test_labels_are_read_as_tritons_getline_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "labels.txt"
+    path.write_bytes(b"cat\ndog\n\nbird\x85x\r\n\xff\n")
+    # Split at "\n" only: a CRLF line keeps its "\r", other line breaks and bytes that are not UTF-8 stay.
+    assert read_labels(path) == (b"cat", b"dog", b"", b"bird\x85x\r", b"\xff")
+    path.write_bytes(b"a\nb")
+    assert read_labels(path) == (b"a", b"b")
+    assert read_labels(tmp_path / "missing.txt") == ()
 
 
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=3, max_side=6),

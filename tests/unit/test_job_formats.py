@@ -110,6 +110,18 @@ def test_jsonl_items_errors_and_positions(jsonl: Path) -> None:
     src.close()
 
 
+def test_a_line_asking_for_classes_is_its_own_error(tmp_path: Path) -> None:
+    """A job writes each output's tensor: a line asking for classes (classification) is refused, not
+    answered with the tensor."""
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        json.dumps(request(outputs=[{"name": "OUT", "parameters": {"classification": 2}}])), json.dumps(request())])
+    src = open_input(path, BATCHED)
+    classes, plain = list(src.read())
+    assert classes.inputs is None and classes.error == "the classification extension is not supported in bulk jobs"
+    assert plain.error is None and plain.inputs is not None
+    src.close()
+
+
 def test_jsonl_resume_matches_full_read(jsonl: Path) -> None:
     src = open_input(jsonl, BATCHED)
     items = list(src.read())
