@@ -112,7 +112,7 @@ class Catalog:
     def view(self, name: str) -> ModelView:
         view = self.views.get(name)
         if view is None:
-            raise ModelNotFound(name)
+            raise ModelUnloaded(name) if name in self.unloaded else ModelNotFound(name)
         return view
 
     def ready_versions(self, name: str) -> list[int]:
@@ -127,9 +127,9 @@ class Catalog:
             if name in self.targets:
                 raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions"
                                     f"{self._why_not(name)}")
-            if name in self.unloaded:
-                raise ModelUnloaded(name)
-            raise ModelNotFound(name)  # (a repository model never loaded, too: Triton does not know it yet)
+            # tritonserver 2.51: "has no available versions" once loaded and unloaded; a repository model never
+            # loaded "is not found", as one that is not there.
+            raise ModelUnloaded(name) if name in self.unloaded else ModelNotFound(name)
         if version:
             v = int(version)
             if (name, v) in self.ready:

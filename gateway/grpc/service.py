@@ -193,10 +193,11 @@ class InferenceService:
 
 
     async def infer_stream(self, request: Any, timeout_s: float | None) -> AsyncGenerator[StreamAnswer, None]:
-        """One ModelInferRequest of a stream: its one response, or each of a decoupled model's as it
-        comes. With the request parameter `triton_enable_empty_final_response` (Triton's), every
-        response carries `triton_final_response`, and a final flag sent alone is an empty response;
-        without it, a final flag alone sends nothing."""
+        """One ModelInferRequest of a stream: its one response (marked `triton_final_response`, as
+        tritonserver marks it), or each of a decoupled model's as it comes. With the request parameter
+        `triton_enable_empty_final_response` (Triton's), every response of a decoupled model carries
+        `triton_final_response`, and a final flag sent alone is an empty response; without it, a final
+        flag alone sends nothing."""
         flag = request.parameters.get(EMPTY_FINAL)
         empty_final = flag is not None and flag.WhichOneof("parameter_choice") == "bool_param" and flag.bool_param
         if flag is not None:
@@ -206,7 +207,8 @@ class InferenceService:
         view, v = catalog.resolve(request.model_name, request_version(request.model_version))
         spec = view.entry.spec
         if not spec.decoupled:
-            yield StreamAnswer(_marked(await self.infer(request, timeout_s), empty_final, True), None, True)
+            # tritonserver 2.51 marks a non-decoupled model's one stream response final, flag or not.
+            yield StreamAnswer(_marked(await self.infer(request, timeout_s), True, True), None, True)
             return
         req = decode_infer(request, spec, dataplane.regions)
         async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):

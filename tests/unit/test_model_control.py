@@ -157,5 +157,9 @@ def test_the_index_says_why_and_names_a_model_never_loaded(tmp_path: Path) -> No
     assert [i["name"] for i in repository_index(catalog, True)] == ["loaded"]
     with pytest.raises(NotFound, match="'gone' has no available versions$"):  # Triton's 404, not a 503
         catalog.resolve("gone", None)
+    with pytest.raises(NotFound, match="'gone' has no available versions$"):  # its metadata and config too
+        catalog.view("gone")
+    with pytest.raises(ModelNotFound, match="'never' is not found"):  # never loaded: as one not there
+        catalog.resolve("never", None)
     with pytest.raises(ModelNotFound):
         catalog.resolve("nothing", None)
