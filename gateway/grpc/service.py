@@ -193,11 +193,10 @@ class InferenceService:
 
 
     async def infer_stream(self, request: Any, timeout_s: float | None) -> AsyncGenerator[StreamAnswer, None]:
-        """One ModelInferRequest of a stream: its one response (marked `triton_final_response`, as
-        tritonserver marks it), or each of a decoupled model's as it comes. With the request parameter
-        `triton_enable_empty_final_response` (Triton's), every response of a decoupled model carries
-        `triton_final_response`, and a final flag sent alone is an empty response; without it, a final
-        flag alone sends nothing."""
+        """One ModelInferRequest of a stream: its one response, or each of a decoupled model's as it comes,
+        every one marked `triton_final_response` (true on the last), as tritonserver 2.51 marks them. With
+        the request parameter `triton_enable_empty_final_response` (Triton's), a final flag the model sent
+        alone is an empty response marked final; without it, that flag sends nothing."""
         flag = request.parameters.get(EMPTY_FINAL)
         empty_final = flag is not None and flag.WhichOneof("parameter_choice") == "bool_param" and flag.bool_param
         if flag is not None:
@@ -219,7 +218,7 @@ class InferenceService:
                 yield StreamAnswer(_marked(response, True, True) if empty_final else None, None, True)
             else:
                 response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
-                yield StreamAnswer(_marked(response, empty_final, reply.final), None, reply.final)
+                yield StreamAnswer(_marked(response, True, reply.final), None, reply.final)
 
 
 EMPTY_FINAL = "triton_enable_empty_final_response"

@@ -89,11 +89,17 @@ def test_grpc_stream_of_a_decoupled_model(cluster: Cluster) -> None:
         for n in (2, 4):
             client.async_stream_infer("ticker", [int32("N", n)], request_id=f"t{n}")
         ticks: dict[str, list[int]] = {"t2": [], "t4": []}
+        finals: dict[str, list[bool]] = {"t2": [], "t4": []}
         while len(ticks["t2"]) < 2 or len(ticks["t4"]) < 4:
             result, error = results.get(timeout=30)
             assert error is None, error
-            ticks[result.get_response().id].append(int(result.as_numpy("TICK")[0]))
+            response = result.get_response()
+            ticks[response.id].append(int(result.as_numpy("TICK")[0]))
+            finals[response.id].append(response.parameters["triton_final_response"].bool_param)
         assert ticks == {"t2": [0, 1], "t4": [0, 1, 2, 3]}
+        # Marked as tritonserver 2.51 marks them without the parameter: each one, the last (sent with the
+        # final flag by this model) final.
+        assert finals == {"t2": [False, True], "t4": [False, False, False, True]}
 
         # An unknown input is that request's error; the stream stays open.
         client.async_stream_infer("square", [int32("NOPE", 1)], request_id="bad")
