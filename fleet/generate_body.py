@@ -17,7 +17,7 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
+from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters, request_tag, sequence_flags
 from fleet.model_spec import ModelSpec, TensorSpec
 
 
@@ -49,9 +49,10 @@ def parse_generate_doc(doc: dict[str, Any], spec: ModelSpec) -> ParsedInfer:
             params[key] = value
             continue
         tensor = _tensor(spec, ts, value)
-        _, _, batch = check_input(spec, inputs, key, tensor.datatype, list(tensor.shape), batch)
+        _, _, batch = check_input(spec, inputs, key, tensor.datatype, list(tensor.shape), batch,
+                                  request_tag(client_id))
         inputs.append(tensor)
-    check_input_set(spec, inputs, batch)
+    check_input_set(spec, inputs, batch, request_tag(client_id))
     passthrough, priority, timeout_us, _ = check_parameters(params, spec)
     return ParsedInfer(client_id, inputs, None, frozenset(), False, passthrough, priority, timeout_us,
                        sequence=sequence_flags(params, spec, inputs))

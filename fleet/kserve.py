@@ -81,15 +81,39 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return bytes(view[:n]), view[n:]
 
 
-def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int]) -> None:
+# What tritonserver 2.51 adds to a shape error when the model batches.
+_BATCH_NOTE = (". NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+               "prepended to each input shape. If you want to specify the full shape including the batch dim in "
+               "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
+               "more info on max_batch_size.")
+
+
+def request_tag(request_id: str) -> str:
+    """The prefix tritonserver's core puts on the errors it finds in a request's inputs."""
+    return f"[request id: {request_id or '<id_unknown>'}] "
+
+
+def untagged(message: str) -> str:
+    """`message` without its request_tag, if it has one."""
+    if message.startswith("[request id: "):
+        end = message.find("] ")
+        if end > 0:
+            return message[end + 2:]
+    return message
+
+
+def _dims(dims: list[int]) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"  # as Triton writes a shape: no spaces
+
+
+def _check_shape(spec: ModelSpec, ts: TensorSpec, shape: list[int], tag: str) -> None:
     dims = list(ts.dims)
     body = shape[1:] if spec.max_batch_size > 0 else shape
     ok = len(body) == len(dims) and all(d == -1 or d == s for d, s in zip(dims, body, strict=True))
     if not ok:
         want = ([-1] if spec.max_batch_size > 0 else []) + dims
-        raise InvalidInput(
-            f"unexpected shape for input '{ts.name}' for model '{spec.name}'. Expected {want}, got {shape}"
-        )
+        raise InvalidInput(f"{tag}unexpected shape for input '{ts.name}' for model '{spec.name}'. Expected "
+                           f"{_dims(want)}, got {_dims(shape)}{_BATCH_NOTE if spec.max_batch_size > 0 else ''}")
 
 
 def _parse_shape(raw: Any, name: str) -> list[int]:
@@ -100,23 +124,45 @@ def _parse_shape(raw: Any, name: str) -> list[int]:
     return raw
 
 
+def check_input_names(spec: ModelSpec, names: list[str], tag: str) -> None:
+    """A request's input names as tritonserver checks them first, in its words (`tag`: request_tag): no
+    name twice, then as many inputs as the model takes, its required ones included."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidInput(f"{tag}input '{name}' already exists in request")
+        seen.add(name)
+    required = [t.name for t in spec.inputs if not t.optional]
+    if len(required) <= len(names) <= len(spec.inputs):
+        return
+    given = "[" + ",".join(f"'{n}'" for n in sorted(seen)) + "]"
+    # Triton's own rendering: its list drops its "[" when nothing is missing.
+    missing = ",".join(f"'{n}'" for n in required if n not in seen)
+    expected = (f"{len(spec.inputs)} inputs" if len(required) == len(spec.inputs)
+                else f"number of inputs between {len(required)} and {len(spec.inputs)}")
+    raise InvalidInput(f"{tag}expected {expected} but got {len(names)} inputs for model '{spec.name}'. Got "
+                       f"input(s) {given}, but missing required input(s) {'[' + missing if missing else ''}]. "
+                       f"Please provide all required input(s).")
+
+
 def check_input(spec: ModelSpec, given: list[WireTensor], name: str, datatype: Any, raw_shape: Any,
-                batch: int | None) -> tuple[TensorSpec, list[int], int | None]:
+                batch: int | None, tag: str = "") -> tuple[TensorSpec, list[int], int | None]:
     """One input's header against the model, before its data (HTTP's JSON and gRPC's protobuf alike): an
     input of the model not already in `given`, its datatype, its shape (dims, batch dimension, the batch
-    size of the inputs before it: `batch`). Returns (its config, its shape, the batch size so far)."""
+    size of the inputs before it: `batch`). Returns (its config, its shape, the batch size so far). `tag`:
+    request_tag, on the errors tritonserver's core words so."""
     ts = spec.input(name)
     if ts is None:
         raise InvalidInput(f"unexpected inference input '{name}' for model '{spec.name}'")
     if any(t.name == name for t in given):
-        raise InvalidInput(f"input '{name}' is given more than once")
+        raise InvalidInput(f"{tag}input '{name}' already exists in request")
     if datatype != ts.datatype.name:
         raise InvalidInput(
-            f"inference input '{name}' data-type is '{datatype}', but model '{spec.name}' "
+            f"{tag}inference input '{name}' data-type is '{datatype}', but model '{spec.name}' "
             f"expects '{ts.datatype.name}'"
         )
     shape = _parse_shape(raw_shape, name)
-    _check_shape(spec, ts, shape)
+    _check_shape(spec, ts, shape, tag)
     if spec.max_batch_size > 0:
         if not shape or shape[0] < 1:
             raise InvalidInput(f"input '{name}': the batch dimension must be at least 1")
@@ -127,32 +173,31 @@ def check_input(spec: ModelSpec, given: list[WireTensor], name: str, datatype: A
     return ts, shape, batch
 
 
-def check_input_set(spec: ModelSpec, given: list[WireTensor], batch: int | None) -> None:
+def check_input_set(spec: ModelSpec, given: list[WireTensor], batch: int | None, tag: str = "") -> None:
     """The request's inputs as a whole: every required one given, the batch within max_batch_size."""
-    names = {t.name for t in given}
-    missing = [t.name for t in spec.inputs if not t.optional and t.name not in names]
-    if missing:
-        raise InvalidInput(f"expected {len(spec.inputs)} inputs but got {len(given)} inputs for model "
-                           f"'{spec.name}'; missing {missing}")
+    check_input_names(spec, [t.name for t in given], tag)
     if spec.max_batch_size > 0 and batch is not None and batch > spec.max_batch_size:
         raise InvalidInput(
-            f"inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'"
+            f"{tag}inference request batch-size must be <= {spec.max_batch_size} for '{spec.name}'"
         )
 
 
-def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
-                  ) -> list[WireTensor]:
+def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None,
+                  tag: str) -> list[WireTensor]:
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
+    if not isinstance(raw_inputs, list):
+        raise InvalidInput("the request must have a non-empty 'inputs' array")
+    if not all(isinstance(raw, dict) and isinstance(raw.get("name"), str) for raw in raw_inputs):
+        raise InvalidInput("each input needs a 'name'")
+    check_input_names(spec, [raw["name"] for raw in raw_inputs], tag)
+    if not raw_inputs:  # (a model whose inputs are all optional: still one input to batch by)
         raise InvalidInput("the request must have a non-empty 'inputs' array")
     out: list[WireTensor] = []
     offset = 0
     batch: int | None = None
     for raw in raw_inputs:
-        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-            raise InvalidInput("each input needs a 'name'")
         name = raw["name"]
-        ts, shape, batch = check_input(spec, out, name, raw.get("datatype"), raw.get("shape"), batch)
+        ts, shape, batch = check_input(spec, out, name, raw.get("datatype"), raw.get("shape"), batch, tag)
         params = raw.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(f"input '{name}': parameters must be an object")
@@ -187,7 +232,7 @@ def _parse_inputs(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regi
         out.append(WireTensor(name, ts.datatype.name, tuple(shape), data))
     if offset != len(binary):
         raise InvalidInput(f"unexpected additional input data for model '{spec.name}'")
-    check_input_set(spec, out, batch)
+    check_input_set(spec, out, batch, tag)
     return out
 
 
@@ -357,7 +402,7 @@ def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, re
         raise InvalidInput("request 'id' must be a string")
     _check_text(client_id, "request 'id'")
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
-    inputs = _parse_inputs(doc, spec, binary, regions)
+    inputs = _parse_inputs(doc, spec, binary, regions, request_tag(client_id))
     outputs, binary_outputs, in_regions, classes = _parse_outputs(doc, spec, regions)
     sequence = sequence_flags(doc.get("parameters") or {}, spec, inputs)
     return ParsedInfer(client_id, inputs, outputs, binary_outputs, binary_default, passthrough, priority, timeout_us,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.jobs.items import InputItem, RawLine
-from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
+from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read, untagged
 from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
@@ -52,7 +52,9 @@ def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "
     try:
         parsed = parse(raw.body, spec)
     except ServingError as exc:
-        return InputItem(index, line, end_offset, None, error=exc.message)
+        # Without the online route's "[request id: ...]" prefix: a job counts its lines' errors by message,
+        # and each line's own id would make every one of them different.
+        return InputItem(index, line, end_offset, None, error=untagged(exc.message))
     except RecursionError:
         return InputItem(index, line, end_offset, None, error="failed to parse the request JSON: nested too deeply")
     except Exception:  # a parser bug must cost one line, and its message (Python internals) stays in the log

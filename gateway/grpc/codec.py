@@ -33,7 +33,16 @@ from fleet.classification import requested_classes
 from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_input, check_input_set, check_parameters, sequence_flags
+from fleet.kserve import (
+    MAX_ID_CHARS,
+    ParsedInfer,
+    check_input,
+    check_input_names,
+    check_input_set,
+    check_parameters,
+    request_tag,
+    sequence_flags,
+)
 from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
 
@@ -192,7 +201,9 @@ def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> Pars
     for key in _NO_EFFECT:
         params.pop(key, None)
     passthrough, priority, timeout_us, _ = check_parameters(params, spec)
-    if not request.inputs:
+    tag = request_tag(client_id)
+    check_input_names(spec, [t.name for t in request.inputs], tag)
+    if not request.inputs:  # (a model whose inputs are all optional: still one input to batch by)
         raise InvalidInput("the request must have a non-empty 'inputs' array")
     raw_contents = request.raw_input_contents
     has_raw = len(raw_contents) > 0
@@ -200,14 +211,14 @@ def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> Pars
     inputs: list[WireTensor] = []
     batch: int | None = None
     for tensor in request.inputs:
-        ts, shape, batch = check_input(spec, inputs, tensor.name, tensor.datatype, list(tensor.shape), batch)
+        ts, shape, batch = check_input(spec, inputs, tensor.name, tensor.datatype, list(tensor.shape), batch, tag)
         data = input_data(tensor, parameters_dict(tensor.parameters), ts.datatype, shape, raw, has_raw, spec.name,
                           regions)
         inputs.append(WireTensor(tensor.name, ts.datatype.name, tuple(shape), data))
     if next(raw, None) is not None:
         raise InvalidInput(f"unexpected additional input data for model '{spec.name}': more raw_input_contents "
                            f"than inputs that take them")
-    check_input_set(spec, inputs, batch)
+    check_input_set(spec, inputs, batch, tag)
     outputs, in_regions, classes = _outputs(request, spec, regions)
     return ParsedInfer(client_id=client_id, inputs=inputs, outputs=outputs, binary_outputs=frozenset(),
                        binary_default=True, parameters=passthrough, priority=priority, timeout_us=timeout_us,

@@ -308,7 +308,11 @@ def test_a_job_whose_every_line_has_the_wrong_shape_fails_fast_and_submit_exits_
     source.write_text((line + "\n") * 60_000)
     done = submit_cli(system, str(source), "--model", "mlp", "--server-path", "-o", str(tmp_path / "out.jsonl"))
     assert done.returncode == 1, done.stdout + done.stderr
-    shape = "unexpected shape for input 'INPUT0' for model 'mlp'. Expected [-1, 256], got [256]"
+    shape = ("unexpected shape for input 'INPUT0' for model 'mlp'. Expected [-1,256], got "
+             "[256]. NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+             "prepended to each input shape. If you want to specify the full shape including the batch dim in your "
+             "input dims config, try setting max_batch_size to zero. See the model configuration docs for more info "
+             "on max_batch_size.")
     assert f"the first 100 lines all failed; most common error (100 lines): {shape}" in done.stdout, done.stdout
     record = jobs.get(done.stdout.splitlines()[0].strip())
     assert record["state"] == "failed" and record["done"] == record["failed"] < 60_000, record
@@ -326,8 +330,9 @@ def test_submit_exits_3_when_some_lines_failed_and_lists_the_most_common_errors(
     assert done.returncode == 3, done.stdout + done.stderr
     assert "completed: 303 done, 3 failed" in done.stdout
     table = done.stdout[done.stdout.index("failed items by error, most common first:"):].splitlines()
-    assert table[1].split(None, 1) == ["2", "unexpected shape for input 'INPUT0' for model 'mlp'. Expected "
-                                       "[-1, 256], got [1, 3]"]
+    count, error = table[1].split(None, 1)
+    assert count == "2" and error.startswith("unexpected shape for input 'INPUT0' for model 'mlp'. Expected "
+                                             "[-1,256], got [1,3]. NOTE: ")
     assert table[2].split(None, 1)[0] == "1" and "must be an object" in table[2]
     lines = read_output(out)
     errors = [d["error"] for d in lines if "error" in d]

@@ -207,7 +207,13 @@ def line(values: list[float], **extra: Any) -> str:
 
 GOOD = line([1.0, 2.0, 3.0, 4.0])
 WRONG_SHAPE = line([1.0, 2.0, 3.0])  # IN is [-1, 4]: every line like this fails the same way
-SHAPE_ERROR = f"unexpected shape for input 'IN' for model '{MODEL}'. Expected [-1, 4], got [1, 3]"
+# A line's error is what the online route answers for the same body (tritonserver's words), without its
+# "[request id: ...]" prefix.
+SHAPE_ERROR = (f"unexpected shape for input 'IN' for model '{MODEL}'. Expected [-1,4], got "
+               f"[1,3]. NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+               f"prepended to each input shape. If you want to specify the full shape including the batch dim in your "
+               f"input dims config, try setting max_batch_size to zero. See the model configuration docs for more info "
+               f"on max_batch_size.")
 
 
 def test_a_job_whose_first_lines_all_fail_fails_fast_with_its_most_common_error(

@@ -555,3 +555,13 @@ def test_a_block_is_written_as_its_rows(tmp_path: Path) -> None:
     out.finish()
     np.testing.assert_array_equal(np.load(path), [[r] * 4 for r in range(4)] + [[0] * 4] * 2)
     np.testing.assert_array_equal(np.load(f"{path}.failed.npy"), [False] * 4 + [True] * 2)
+
+
+def test_lines_that_fail_alike_share_one_message_whatever_their_ids(tmp_path: Path) -> None:
+    """A job counts its failed lines by message: the online route's "[request id: ...]" prefix is left out."""
+    bad = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+    src = open_input(write_jsonl(tmp_path / "in.jsonl", [json.dumps({**bad, "id": f"r{i}"}) for i in range(3)]),
+                     BATCHED)
+    errors = {item.error for item in src.read()}
+    src.close()
+    assert len(errors) == 1 and next(iter(errors)).startswith("unexpected shape for input 'IN'")
