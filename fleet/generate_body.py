@@ -17,7 +17,8 @@ import numpy as np
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.kserve import ParsedInfer, check_input, check_input_set, check_parameters, request_tag, sequence_flags
+from fleet.input_checks import check_input, check_input_set, request_tag
+from fleet.kserve import ParsedInfer, check_parameters, sequence_flags
 from fleet.model_spec import ModelSpec, TensorSpec
 
 

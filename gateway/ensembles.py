@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable
 from fleet.ensemble import EnsembleRun, Step
 from fleet.envelope import ReplyEnvelope, WireTensor
 from fleet.errors import InferenceFailed, ModelNotReady
+from fleet.input_checks import check_input, check_input_set
 from fleet.keys import Keys
-from fleet.kserve import ParsedInfer, check_input, check_input_set
+from fleet.kserve import ParsedInfer
 from fleet.latency_stats import bucket_deltas
 from fleet.model_spec import ModelSpec
 from gateway.catalog import Catalog

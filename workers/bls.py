@@ -37,8 +37,8 @@ from fleet.admission import admit
 from fleet.broker import Broker
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, request_payload
 from fleet.errors import InferenceFailed, InvalidInput, ModelNotFound, ModelNotReady, ServingError, Unsupported
+from fleet.input_checks import check_input, check_input_set
 from fleet.keys import Keys
-from fleet.kserve import check_input, check_input_set
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
 from fleet.redis_clients import async_client

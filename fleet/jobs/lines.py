@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
+from fleet.input_checks import untagged
 from fleet.jobs.items import InputItem, RawLine
-from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read, untagged
+from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json

@@ -33,16 +33,8 @@ from fleet.classification import requested_classes
 from fleet.datatypes import Datatype
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.kserve import (
-    MAX_ID_CHARS,
-    ParsedInfer,
-    check_input,
-    check_input_names,
-    check_input_set,
-    check_parameters,
-    request_tag,
-    sequence_flags,
-)
+from fleet.input_checks import check_input, check_input_names, check_input_set, request_tag
+from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_parameters, sequence_flags
 from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
 
