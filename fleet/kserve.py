@@ -5,9 +5,10 @@ Shared by the gateway (HTTP /infer) and the bulk-job runner (a JSON Lines job's 
 format the same way. Pure: fleet and numpy only.
 
 `parse_infer` turns an HTTP body into envelope tensors, checked against the model config so a bad
-request never reaches a worker (the input checks every protocol shares: fleet/input_checks.py). Binary inputs are views of the body (no Python lists; a small one is copied
-once, into the envelope's msgpack, a large one is written to Redis from the body itself: fleet/envelope.py);
-JSON `data` is packed once with numpy. `render_infer` does the reverse for the reply.
+request never reaches a worker (the input checks every protocol shares: fleet/input_checks.py). Binary
+inputs are views of the body (no Python lists; a small one is copied once, into the envelope's msgpack, a
+large one is written to Redis from the body itself: fleet/envelope.py); JSON `data` is packed once with
+numpy. `render_infer` does the reverse for the reply.
 """
 
 from __future__ import annotations
