@@ -22,7 +22,6 @@ Only 127.0.0.1 is contacted; every run is bounded by perf_analyzer's --max-trial
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -30,12 +29,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from served import DEFAULT_PA, HOST, ROOT, Fleet  # bench/served.py
+from procs import children, cpu_ticks  # bench/procs.py
+from served import DEFAULT_PA, HOST, ROOT, Fleet, counts  # bench/served.py
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
@@ -116,8 +115,7 @@ if os.environ.get("FLEET_GW_ARGS"):  # imported by granian
 
 # ---------------------------------------------------------------------------------------------- the runs
 def gateway_pid(fleet_pid: int) -> int:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(fleet_pid)], capture_output=True, text=True).stdout
-    return next(int(line.split()[0]) for line in out.splitlines() if " fleet gateway " in f" {line} ")
+    return next(pid for pid, argv in children(fleet_pid) if b"gateway" in argv[3:4])  # python -m fleet gateway
 
 
 def start_granian(gw_pid: int, port: int, lib: Path, out: Path) -> subprocess.Popen[bytes]:
@@ -139,31 +137,24 @@ def start_granian(gw_pid: int, port: int, lib: Path, out: Path) -> subprocess.Po
                                 start_new_session=True)
 
 
-def served_pid(granian: subprocess.Popen[bytes]) -> int:
-    """granian's worker process (the one that runs Python's event loop)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(granian.pid)], capture_output=True, text=True).stdout
-    return int(out.split()[0])
-
-
-def counts(port: int, model: str) -> tuple[int, int]:
-    """(requests, batches) the model's statistics count, over its versions."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/v2/models/{model}/stats", timeout=5) as r:
-        stats = json.load(r)["model_stats"]
-    return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
-
-
 def cpu_us(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1e6 / CLK_TCK
+    return cpu_ticks(pid) * 1e6 / CLK_TCK
+
+
+def stats(port: int, model: str) -> tuple[int, int]:
+    got = counts(port, model)
+    if got is None:
+        raise SystemExit(f"no statistics of '{model}' on 127.0.0.1:{port}")
+    return got
 
 
 def run(label: str, port: int, pid: int, model: str, conc: int, out: Path) -> str:
-    (n0, b0), c0 = counts(port, model), cpu_us(pid)
+    (n0, b0), c0 = stats(port, model), cpu_us(pid)
     text = subprocess.run([str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"{HOST}:{port}", "-b", "1",
                            "--concurrency-range", str(conc), "--measurement-interval", "3000",
                            "--stability-percentage", "20", "--max-trials", "12"],
                           capture_output=True, text=True, timeout=300).stdout
-    c1, (n1, b1) = cpu_us(pid), counts(port, model)
+    c1, (n1, b1) = cpu_us(pid), stats(port, model)
     (out / f"{label}_{model}_c{conc}_{int(time.time())}.txt").write_text(text)
 
     def grab(pattern: str) -> str:
@@ -196,16 +187,12 @@ def main() -> int:
         own = gateway_pid(fleet.proc.pid)
         granian = start_granian(own, args.port + 100, args.granian_lib, args.out)
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                counts(args.port + 100, models[0])
-                break
-            except OSError:
-                if time.monotonic() > deadline or granian.poll() is not None:
-                    print(f"granian did not start: see {args.out / 'granian.log'}", file=sys.stderr)
-                    return 1
-                time.sleep(0.5)
-        rsgi = served_pid(granian)
+        while counts(args.port + 100, models[0]) is None:
+            if time.monotonic() > deadline or granian.poll() is not None:
+                print(f"granian did not start: see {args.out / 'granian.log'}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        rsgi = children(granian.pid)[0][0]  # granian's worker: the process that runs Python's event loop
         rows = ["| gateway | model | C | infer/s | p50 ms | p99 ms | mean batch | gateway CPU µs/request |",
                 "|---|---|---|---|---|---|---|---|"]
         for n in range(args.passes):
