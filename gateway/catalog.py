@@ -142,6 +142,15 @@ class Catalog:
             raise ModelNotReady(f"Request for unknown model: '{name}' has no available versions{self._why_not(name)}")
         return view, ready[-1]
 
+    def is_ready(self, name: str, version: str | None) -> bool:
+        """Whether `resolve` would find a ready version: as Triton's ModelIsReady, any failed lookup (unknown
+        model or version, unloaded, not ready) is "not ready", never an error."""
+        try:
+            self.resolve(name, version)
+        except (ModelNotFound, ModelUnloaded, VersionNotFound, ModelNotReady):
+            return False
+        return True
+
     def _why_not(self, name: str) -> str:
         reason = self.failures.get(name) or self.ensemble_problems.get(name)
         return f": {reason}" if reason else " (no ready worker serves it)"

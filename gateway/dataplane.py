@@ -102,7 +102,11 @@ class DataPlane:
         cache when the model enables it and the fleet has one, else queued (`queued`). `gen`: the
         generation of the config it was validated with (a reload must not answer from the old one).
         Outputs requested as classes are answered as their top classes (fleet/classification.py)."""
-        return self._classified(model, spec, req, await self._answer(model, v, spec, req, trace, caller_timeout_s, gen))
+        if self.cache is None or not spec.response_cache or req.sequence is not None:
+            reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
+        else:
+            reply = await self._cached(self.cache, model, v, spec, req, trace, caller_timeout_s, gen)
+        return self._classified(model, spec, req, reply)
 
     def _classified(self, model: str, spec: ModelSpec, req: ParsedInfer, reply: ReplyEnvelope) -> ReplyEnvelope:
         """`reply` with the outputs `req` asked classes of replaced by them: a new reply (the one computed may
@@ -131,21 +135,20 @@ class DataPlane:
             labels = self._labels[key] = read_labels(view.entry.path / ts.label_filename)
         return labels
 
-    async def _answer(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,
-                      caller_timeout_s: float | None, gen: str) -> ReplyEnvelope:
-        if self.cache is None or not spec.response_cache or req.sequence is not None:
-            return await self._compute(model, v, spec, req, trace, caller_timeout_s)
+    async def _cached(self, cache: ResponseCache, model: str, v: int, spec: ModelSpec, req: ParsedInfer,
+                      trace: Trace | None, caller_timeout_s: float | None, gen: str) -> ReplyEnvelope:
+        """From the response cache, else computed and inserted (as the worker wrote it)."""
         started = time.perf_counter_ns()
         key = cache_key(model, v, req, gen)
-        hit = await self.cache.lookup(key)
+        hit = await cache.lookup(key)
         lookup_ns = time.perf_counter_ns() - started
         stats_key = self.broker.keys.stats(model)
         if hit is not None:
             rows = req.inputs[0].shape[0] if spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape else 1
-            self.cache.count_hit(stats_key, v, rows, time.perf_counter_ns() - started, lookup_ns)
+            cache.count_hit(stats_key, v, rows, time.perf_counter_ns() - started, lookup_ns)
             return hit
         reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
-        self.cache.insert_later(key, reply, stats_key, v, lookup_ns)
+        cache.insert_later(key, reply, stats_key, v, lookup_ns)
         return reply
 
     async def _compute(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,

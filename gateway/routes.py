@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fleet.errors import InvalidInput, ModelNotFound, ModelNotReady, ModelUnloaded, NotFound, VersionNotFound
+from fleet.errors import InvalidInput, NotFound, VersionNotFound
 from fleet.generate_body import parse_generate
 from fleet.kserve import ParsedInfer
 from gateway import model_info
@@ -82,11 +82,8 @@ async def model_metadata(request: Request) -> Response:
 async def model_ready(request: Request) -> Response:
     st = state_of(request)
     version = _version(request)  # a malformed version is the 404 of every model route, before the lookup
-    try:
-        st.catalog.resolve(request.path_params["name"], version)
-    except (ModelNotReady, ModelNotFound, ModelUnloaded, VersionNotFound):
-        # Triton's ModelIsReady takes any failed lookup for "not ready": 400 for each.
-        return JSONResponse({"error": "Model version not ready"}, status_code=400)
+    if not st.catalog.is_ready(request.path_params["name"], version):
+        return JSONResponse({"error": "Model version not ready"}, status_code=400)  # Triton's answer to each
     return json_response({"name": request.path_params["name"], "ready": True})
 
 

@@ -19,12 +19,8 @@ from fleet import log_context
 from fleet.errors import (
     DeadlineExceeded,
     ErrorCode,
-    ModelNotFound,
-    ModelNotReady,
-    ModelUnloaded,
     ServingError,
     Unsupported,
-    VersionNotFound,
 )
 from fleet.trace_points import (
     GRPC_SEND_END,
@@ -62,12 +58,7 @@ class InferenceService:
     async def ModelReady(self, request: Any, context: Any) -> Any:
         # As tritonserver: an unknown model or version is not ready (no error); a version that is not a
         # number is one.
-        version = request_version(request.version)
-        try:
-            self.state.catalog.resolve(request.name, version)
-        except (ModelNotFound, ModelUnloaded, VersionNotFound, ModelNotReady):
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=self.state.catalog.is_ready(request.name, request_version(request.version)))
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         return pb.ServerMetadataResponse(name="triton", version=SERVER_VERSION, extensions=EXTENSIONS)

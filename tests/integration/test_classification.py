@@ -32,18 +32,14 @@ def live(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) ->
     assert "label_filename" in (repo / "labelled" / "config.pbtxt").read_text()
     (repo / "labelled" / "labels.txt").write_text("\n".join(LABELS) + "\n")
     shutil.copytree(ROOT / "model_repository" / "simple_identity", repo / "simple_identity")
-    system = GrpcSystem(redis_server.url, [repo])
-    try:
+    with GrpcSystem(redis_server.url, [repo]) as system:
         yield system
-    finally:
-        system.close()
 
 
 @pytest.fixture
 def client(live: GrpcSystem) -> Iterator[tg.InferenceServerClient]:
-    c = tg.InferenceServerClient(live.target)
-    yield c
-    c.close()
+    with tg.InferenceServerClient(live.target) as c:
+        yield c
 
 
 VALUES = np.array([[3.0, -1.0, 7.5, 0.25, 9.0, 2.0, 9.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0]], np.float32)

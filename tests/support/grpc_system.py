@@ -75,6 +75,12 @@ class GrpcSystem:
         raw = self.redis.hgetall(self.keys.stats(model))
         return {k.decode(): int(v) for k, v in raw.items()}
 
+    def __enter__(self) -> GrpcSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         try:
