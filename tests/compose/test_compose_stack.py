@@ -232,11 +232,12 @@ async def infer_slow(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, 
     return r.status_code, (r.json()["outputs"][0]["data"] if r.status_code == 200 else [])
 
 
-async def until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+async def until(check: Callable[[], bool], timeout_s: float, what: str,
+                detail: Callable[[], str] = lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}. {detail()}")
         await asyncio.sleep(0.1)
 
 
@@ -257,36 +258,50 @@ def consumers_holding(s: Stack) -> dict[str, int]:
 def test_a_killed_worker_container_s_requests_are_answered_by_the_other_replica(up: Stack) -> None:
     workers = up.containers("worker-cpu")
     assert len(workers) == WORKERS
-    victim = workers[0]
+    victim, others = workers[0], workers[1:]
     n = 200
 
     async def main() -> tuple[list[tuple[int, list[float]]], int, float]:
-        up.docker("pause", *workers)  # both frozen: every request queues in the stream first
+        # Both frozen while every request queues in the stream; then the victim alone runs, so it is sure
+        # to hold requests when it is killed (with both running, a slow CI host once polled 20 s without
+        # catching the victim holding any). The other replica wakes only after the kill: whatever it
+        # answers, it answers by claiming the victim's messages or reading what the victim left queued.
+        up.docker("pause", *workers)
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
             tasks = [asyncio.ensure_future(infer_slow(client, up.url, i)) for i in range(n)]
-            await asyncio.sleep(1.0)
-            up.docker("unpause", *workers)
+            stream = Keys().queue(SLOW, version=1)
+            await until(lambda: up.redis_cli("XLEN", stream).strip() == str(n), 60, f"{n} queued requests")
+            up.docker("unpause", victim)
             holds: dict[str, int] = {}
 
             def victim_holds() -> bool:
+                holds.clear()
                 holds.update(consumers_holding(up))
                 return sum(v for k, v in holds.items() if k.startswith(victim[:12])) > 0
 
-            await until(victim_holds, 20, "the victim container to hold requests")
+            await until(victim_holds, 30, "the victim container to hold requests",
+                        lambda: f"holding: {holds}; victim {victim[:12]}\n{worker_logs(up)}")
             held = sum(v for k, v in holds.items() if k.startswith(victim[:12]))
             up.docker("kill", victim)
             killed_at = time.monotonic()
+            up.docker("unpause", *others)
             results = await asyncio.gather(*tasks)
             return results, held, time.monotonic() - killed_at
 
     results, held, recovery_s = asyncio.run(main())
-    assert [status for status, _ in results] == [200] * n
+    assert [status for status, _ in results] == [200] * n, worker_logs(up)
     assert [data for _, data in results] == [[float(i), float(-i)] for i in range(n)]
     state = json.loads(up.docker("inspect", victim).stdout)[0]["State"]
     assert not state["Running"]  # answered by the other replica, not by the victim coming back
     stack.log(f"worker container killed holding {held} requests: all {n} answered {recovery_s:.1f} s after")
     up.compose("up", "-d", "--no-recreate", "--scale", f"worker-cpu={WORKERS}", *SERVICES)
     wait_healthy(up, 120)
+
+
+def worker_logs(s: Stack) -> str:
+    """The worker containers' last lines, for a failure's message (the module's teardown prints the
+    services' logs only after `down` has removed them)."""
+    return s.compose("logs", "--no-color", "--tail", "40", "worker-cpu", check=False).stdout[-8000:]
 
 
 def test_restart_redis_keeps_the_queued_requests(up: Stack) -> None:
