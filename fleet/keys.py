@@ -46,6 +46,11 @@ class Keys:
     def stats(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:stats"
 
+    def stats_log(self, model: str) -> str:
+        """Stream: each executed batch's increments, as its worker wrote them beside its replies, until
+        someone folds them into the stats hash (fleet/stats.py FOLD_STATS)."""
+        return f"{self.prefix}:{{{model}}}:stats:log"
+
     def custom_metrics(self, model: str) -> str:
         """Hash: worker id -> that worker's part of the model's Python custom metrics (msgpack,
         fleet/custom_metrics.py); gateways add the parts up (gateway/custom_metrics.py)."""

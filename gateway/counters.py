@@ -11,7 +11,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fleet.stats import field
+from fleet.stats import LAST_INFERENCE, field
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Counters:
         for name, value in deltas.items():
             pipe.hincrby(key, field(version, name), value)
         if last_inference:
-            pipe.hset(key, field(version, "last_inference"), int(time.time() * 1000))
+            pipe.hset(key, field(version, LAST_INFERENCE), int(time.time() * 1000))
         try:
             await pipe.execute()
         except RedisError as exc:

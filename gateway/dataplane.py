@@ -32,11 +32,12 @@ from fleet.errors import (
     Unsupported,
     from_code,
 )
+from fleet.keys import Keys
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.llm_stats import has_generation, render_generation
 from fleet.model_spec import ModelSpec
 from fleet.parts import Parts
-from fleet.stats import render_model_stats
+from fleet.stats import fold_args, render_model_stats
 from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.catalog import Catalog
@@ -310,7 +311,7 @@ class _Submission:
     now_us: int
 
 
-async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any, name: str | None,
+async def model_statistics(catalog: Catalog, client: aioredis.Redis, keys: Keys, name: str | None,
                            version: str | None) -> dict[str, Any]:
     """The statistics extension: every ready version of every model, or of the model asked for (or the one
     version asked for), summed across workers. A model or version that is not ready is refused as Triton
@@ -329,8 +330,9 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, key_of: Any
         targets = [(n, vs) for n, vs in targets if vs]
     pipe = client.pipeline(transaction=False)
     for n, _ in targets:
-        pipe.hgetall(key_of(n))
-    raws = await pipe.execute()
+        pipe.eval(*fold_args(keys, n))  # the batches the workers logged, into the hash first (fleet/stats.py)
+        pipe.hgetall(keys.stats(n))
+    raws = (await pipe.execute())[1::2]
     out: list[dict[str, object]] = []
     for (n, versions), raw in zip(targets, raws, strict=True):
         decoded = {k.decode(): int(val) for k, val in raw.items()}

@@ -1,7 +1,8 @@
 """What /metrics and the status page read of each model in Redis, queued in the caller's pipeline and
-taken back from its results: the stats hash, the dead-letter stream's length, and per version and lane
-the stream's length and what the workers' group has delivered and not acknowledged (XPENDING's count).
-One place, so that both figures of "waiting" (unread) and "in flight" (delivered) agree."""
+taken back from its results: the stats hash (its log folded in first), the dead-letter stream's length,
+and per version and lane the stream's length and what the workers' group has delivered and not
+acknowledged (XPENDING's count). One place, so that both figures of "waiting" (unread) and "in flight"
+(delivered) agree."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from fleet.admission import lane_count
 from fleet.keys import GROUP, Keys
+from fleet.stats import fold_args
 from fleet.status_build import StreamReading
 from gateway.catalog import Catalog
 
@@ -42,6 +44,7 @@ def streams_of(catalog: Catalog, name: str) -> list[tuple[int, int]]:
 
 
 def queue_reads(pipe: Any, keys: Keys, name: str, streams: list[tuple[int, int]]) -> None:
+    pipe.eval(*fold_args(keys, name))  # the batches the workers logged, into the hash first (fleet/stats.py)
     pipe.hgetall(keys.stats(name))
     pipe.xlen(keys.dead(name))
     for version, lane in streams:
@@ -52,7 +55,7 @@ def queue_reads(pipe: Any, keys: Keys, name: str, streams: list[tuple[int, int]]
 def take_reads(results: Iterator[Any], name: str, streams: list[tuple[int, int]]) -> ModelQueues:
     """What queue_reads queued, from the pipeline's results (raise_on_error=False: an error reply, such
     as no stream or group yet, counts 0)."""
-    stats, dead = next(results), next(results)
+    _folded, stats, dead = next(results), next(results), next(results)
     readings = []
     for version, lane in streams:
         length, pending = next(results), next(results)

@@ -109,7 +109,7 @@ class GatewayState:
         self.jobs.client.close()
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
-        return await model_statistics(self.catalog, self.client, self.keys.stats, name, version)
+        return await model_statistics(self.catalog, self.client, self.keys, name, version)
 
     async def refresh_readiness(self) -> None:
         """Follow model control's desired state and the workers' heartbeats (gateway/model_control.py)."""

@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import DEAD_LETTERED, BatchSample, field, increments
+from fleet.stats import DEAD_LETTERED, BatchSample, fold_args, log_entry
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,6 @@ ORPHAN_REPLY_TTL_S = 3600
 TTL_REFRESH_S = 60.0
 
 __all__ = ["Claimed", "MessageId", "StreamConsumer", "Written"]
-
-# KEYS[1] = stats hash; ARGV = last_inference field ("" = leave), its value, then field/delta pairs.
-_COUNT_BATCH = """
-if ARGV[1] ~= "" then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 0
-"""
 
 # Keepalive: restart the idle time of the messages this consumer still owns (XCLAIM JUSTID to itself:
 # no delivery counted), and say which are no longer its own: pending for another consumer (it claimed
@@ -170,7 +163,11 @@ class StreamConsumer:
         statistics and acknowledge `acks` (messages whose replies an earlier write got through), in one
         round trip; each command's own result is checked, so a reply Redis refused (out of memory, a
         wrong-type key) is reported as not written while the others are."""
-        commands: list[Command] = []
+        # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
+        # reply, and must find its request counted (the log is folded into the hash on every read).
+        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", *entry)
+                                   for entry in map(log_entry, samples) if entry]
+        counts = len(commands)
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):
             by_stream.setdefault(reply_to, []).append(index)
@@ -191,14 +188,6 @@ class StreamConsumer:
                 self._ttl_set[reply_to] = now
         if len(self._ttl_set) > 1000:
             self._ttl_set = {k: t for k, t in self._ttl_set.items() if now - t < TTL_REFRESH_S}
-        first_sample = len(commands)
-        for sample in samples:
-            # One server-side script call instead of ~17 HINCRBYs (all on the model's one hash key).
-            args: list[bytes | str | int] = []
-            for name, delta in increments(sample).items():
-                args += [name, delta]
-            last = field(sample.version, "last_inference") if sample.requests_ok else ""
-            commands.append(("EVAL", _COUNT_BATCH, 1, self._keys.stats(self.model), last, sample.finished_ms, *args))
         first_ack = len(commands)
         commands += self._ack_commands(acks)
         results = await self._writer.execute(commands)
@@ -210,9 +199,9 @@ class StreamConsumer:
                 errors.append(result)
             else:
                 written.update(indices)
-        counted = not any(isinstance(r, BaseException) for r in results[first_sample:first_ack])
+        counted = not any(isinstance(r, BaseException) for r in results[:counts])
         acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
-        errors += [r for r in results[first_sample:] if isinstance(r, BaseException)]
+        errors += [r for r in results[:counts] + results[first_ack:] if isinstance(r, BaseException)]
         return Written(frozenset(written), counted, acked, errors[0] if errors else None)
 
     async def ack(self, messages: list[MessageId]) -> None:
@@ -312,6 +301,10 @@ class StreamConsumer:
         pipe.xdel(stream, entry_id)
         pipe.hincrby(self._keys.stats(self.model), DEAD_LETTERED, 1)
         await pipe.execute()
+
+    async def fold_stats(self) -> int:
+        """Fold the model's stats log into its hash (what readers do before reading); how many batches."""
+        return int(await self._client.eval(*fold_args(self._keys, self.model)))
 
     async def count(self, deltas: dict[str, int]) -> None:
         """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request

@@ -351,6 +351,7 @@ class Custody:
                 if time.monotonic() > next_prune:
                     next_prune = time.monotonic() + self.config.prune_interval_s
                     await self._prune()
+                await self.consumer.fold_stats()  # the log stays short when nobody reads the statistics
                 backoff.reset()
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()

@@ -145,7 +145,7 @@ def test_bad_request_never_reaches_a_worker(redis_server: LocalServer, key_prefi
         r = await s.client.post("/v2/models/doubler/infer", content=b"{not json")
         assert r.status_code == 400
         assert client.xinfo_stream(keys.queue("doubler", version=1))["entries-added"] == 0
-        assert client.hgetall(keys.stats("doubler")) == {}
+        assert client.hgetall(keys.stats("doubler")) == {} and client.xlen(keys.stats_log("doubler")) == 0
 
     run(redis_server, key_prefix, body)
 

@@ -17,6 +17,7 @@ import redis
 import uvloop
 
 from fleet.keys import Keys
+from fleet.stats import fold_args
 from gateway.grpc.server import GrpcFrontend
 from tests.support.system import InProcessSystem, in_process_system
 
@@ -72,6 +73,7 @@ class GrpcSystem:
         return total
 
     def stats(self, model: str) -> dict[str, int]:
+        self.redis.eval(*fold_args(self.keys, model))  # as the gateway reads them (fleet/stats.py)
         raw = self.redis.hgetall(self.keys.stats(model))
         return {k.decode(): int(v) for k, v in raw.items()}
 

@@ -1,0 +1,126 @@
+"""The statistics log (fleet/stats.py) against a real Redis: whatever batches the workers log and however
+the folds fall between them (several at once, partial ones), the stats hash ends with exactly the sums
+the old per-batch increments gave, the latest finish time, and an empty log."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.keys import Keys
+from fleet.redis_server import LocalServer
+from fleet.stats import FOLD_STATS, LAST_INFERENCE, BatchSample, field, fold_args, increments, log_entry
+
+MODEL = "m"
+
+
+@st.composite
+def samples(draw: st.DrawFn) -> BatchSample:
+    ok = draw(st.integers(0, 4))
+    return BatchSample(
+        version=draw(st.integers(1, 2)), batch_size=draw(st.integers(1, 64)) if ok else 0, requests_ok=ok,
+        requests_failed=draw(st.integers(0, 2)), request_ns_ok=draw(st.integers(0, 2**40)),
+        request_ns_failed=draw(st.integers(0, 10**9)), queue_ns=draw(st.integers(0, 10**9)),
+        compute_input_ns=draw(st.integers(0, 10**6)), compute_infer_ns=draw(st.integers(0, 10**9)),
+        compute_output_ns=draw(st.integers(0, 10**6)), finished_ms=draw(st.integers(1, 2**42)),
+        request_us=tuple(draw(st.lists(st.integers(0, 10**6), min_size=ok, max_size=ok))),
+        queue_us=tuple(draw(st.lists(st.integers(0, 10**6), min_size=ok, max_size=ok))),
+        resource_wait_ns=draw(st.integers(-1, 10**6)))
+
+
+def expected(batches: list[BatchSample], before: dict[str, int]) -> dict[str, int]:
+    sums = Counter(before)
+    for s in batches:
+        sums.update(increments(s))
+        if s.requests_ok:
+            last = field(s.version, LAST_INFERENCE)
+            sums[last] = max(sums[last], s.finished_ms)
+    return {k: v for k, v in sums.items() if v}
+
+
+def stats(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    return {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in client.hgetall(keys.stats(MODEL)).items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches=st.lists(samples(), max_size=25), folds_at=st.sets(st.integers(0, 25)),
+       limit=st.integers(1, 6), earlier=st.integers(0, 100))
+def test_folding_the_log_at_any_points_gives_the_sums(redis_server: LocalServer, batches: list[BatchSample],
+                                                      folds_at: set[int], limit: int, earlier: int) -> None:
+    keys = Keys(f"t{uuid.uuid4().hex[:10]}")
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    # What other writers put straight into the hash (claims, the gateway's counts, an older worker).
+    before = {"model:claimed": earlier, field(1, "success:count"): earlier} if earlier else {}
+    if before:
+        client.hset(keys.stats(MODEL), mapping=before)  # type: ignore[arg-type]
+    for i, s in enumerate(batches):
+        if i in folds_at:  # a partial fold: at most `limit` entries, the rest stay for the next
+            left = client.xlen(keys.stats_log(MODEL))
+            assert client.eval(FOLD_STATS, 2, keys.stats_log(MODEL), keys.stats(MODEL), limit) == min(left, limit)
+        entry = log_entry(s)
+        if entry:
+            client.xadd(keys.stats_log(MODEL), dict(zip(entry[::2], entry[1::2], strict=True)))
+    client.eval(*fold_args(keys, MODEL))
+    assert stats(client, keys) == expected(batches, before)
+    assert client.xlen(keys.stats_log(MODEL)) == 0
+    client.close()
+
+
+def test_concurrent_folds_count_each_batch_once(redis_server: LocalServer, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    batch = BatchSample(version=1, batch_size=3, requests_ok=3, requests_failed=0, request_ns_ok=3_000,
+                        request_ns_failed=0, queue_ns=300, compute_input_ns=10, compute_infer_ns=100,
+                        compute_output_ns=10, finished_ms=5, request_us=(1, 1, 1), queue_us=(0, 0, 0))
+    n, writers = 400, 2
+    done = threading.Event()
+
+    def write() -> None:
+        c = redis.Redis.from_url(redis_server.url, protocol=2)
+        entry = log_entry(batch)
+        for _ in range(n):
+            c.xadd(keys.stats_log(MODEL), dict(zip(entry[::2], entry[1::2], strict=True)))
+        c.close()
+
+    def fold() -> None:
+        c = redis.Redis.from_url(redis_server.url, protocol=2)
+        while not done.is_set():
+            c.eval(FOLD_STATS, 2, keys.stats_log(MODEL), keys.stats(MODEL), 7)
+        c.close()
+
+    folders = [threading.Thread(target=fold) for _ in range(3)]
+    feeders = [threading.Thread(target=write) for _ in range(writers)]
+    for t in folders + feeders:
+        t.start()
+    for t in feeders:
+        t.join(60)
+    done.set()
+    for t in folders:
+        t.join(60)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    client.eval(*fold_args(keys, MODEL))
+    got = stats(client, keys)
+    assert got[field(1, "success:count")] == 3 * n * writers
+    assert got[field(1, "execution_count")] == n * writers
+    assert got[field(1, "compute_infer:ns")] == 300 * n * writers
+    assert got[field(1, LAST_INFERENCE)] == 5
+    client.close()
+
+
+def test_a_later_finish_time_never_goes_back(redis_server: LocalServer, key_prefix: str) -> None:
+    """The log's entries arrive from several workers whose clocks and batches interleave: the hash keeps the
+    latest time, not the last folded."""
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    last = field(1, LAST_INFERENCE)
+    client.hset(keys.stats(MODEL), last, 2_000)
+    for t in (1_500, 2_500, 1_000):
+        client.xadd(keys.stats_log(MODEL), {last: t, field(1, "success:count"): 1})
+    client.eval(*fold_args(keys, MODEL))
+    assert stats(client, keys) == {last: 2_500, field(1, "success:count"): 3}
+    assert client.eval(*fold_args(keys, MODEL)) == 0  # nothing left: a no-op
+    client.close()
