@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import DEAD_LETTERED, BatchSample, fold_args, log_entry
+from fleet.stats import DEAD_LETTERED, LOG_FIELD, BatchSample, fold_args, log_entry
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,8 @@ class StreamConsumer:
         wrong-type key) is reported as not written while the others are."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
-        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", *entry)
-                                   for entry in map(log_entry, samples) if entry]
+        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, entry)
+                                   for entry in map(log_entry, samples) if entry is not None]
         counts = len(commands)
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):

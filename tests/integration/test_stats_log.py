@@ -8,13 +8,14 @@ import threading
 import uuid
 from collections import Counter
 
+import msgpack
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
-from fleet.stats import FOLD_STATS, LAST_INFERENCE, BatchSample, field, fold_args, increments, log_entry
+from fleet.stats import FOLD_STATS, LAST_INFERENCE, LOG_FIELD, BatchSample, field, fold_args, increments, log_entry
 
 MODEL = "m"
 
@@ -63,8 +64,8 @@ def test_folding_the_log_at_any_points_gives_the_sums(redis_server: LocalServer,
             left = client.xlen(keys.stats_log(MODEL))
             assert client.eval(FOLD_STATS, 2, keys.stats_log(MODEL), keys.stats(MODEL), limit) == min(left, limit)
         entry = log_entry(s)
-        if entry:
-            client.xadd(keys.stats_log(MODEL), dict(zip(entry[::2], entry[1::2], strict=True)))
+        if entry is not None:
+            client.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
     client.eval(*fold_args(keys, MODEL))
     assert stats(client, keys) == expected(batches, before)
     assert client.xlen(keys.stats_log(MODEL)) == 0
@@ -82,8 +83,9 @@ def test_concurrent_folds_count_each_batch_once(redis_server: LocalServer, key_p
     def write() -> None:
         c = redis.Redis.from_url(redis_server.url, protocol=2)
         entry = log_entry(batch)
+        assert entry is not None
         for _ in range(n):
-            c.xadd(keys.stats_log(MODEL), dict(zip(entry[::2], entry[1::2], strict=True)))
+            c.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
         c.close()
 
     def fold() -> None:
@@ -119,7 +121,7 @@ def test_a_later_finish_time_never_goes_back(redis_server: LocalServer, key_pref
     last = field(1, LAST_INFERENCE)
     client.hset(keys.stats(MODEL), last, 2_000)
     for t in (1_500, 2_500, 1_000):
-        client.xadd(keys.stats_log(MODEL), {last: t, field(1, "success:count"): 1})
+        client.xadd(keys.stats_log(MODEL), {LOG_FIELD: msgpack.packb({last: t, field(1, "success:count"): 1})})
     client.eval(*fold_args(keys, MODEL))
     assert stats(client, keys) == {last: 2_500, field(1, "success:count"): 3}
     assert client.eval(*fold_args(keys, MODEL)) == 0  # nothing left: a no-op
