@@ -1,0 +1,124 @@
+"""Valkey's time per request, by command, and (with --trace) where a request's time goes, hop by hop:
+this checkout's fleet against another's (--base-root), alternated.
+
+    .venv/bin/python bench/redis_cost.py [--model mlp] [--conc 1] [--seconds 4] [--port 18100]
+                                         [--systems "fleet-base fleet fleet-base fleet"] [--base-root CHECKOUT]
+                                         [--trace] [--out DIR]
+
+For each system in turn (started by bench/served.py's Fleet, stopped by its PID): a warm-up perf_analyzer run,
+`CONFIG RESETSTAT` on the embedded Valkey (its Unix socket in the data dir), perf_analyzer at --conc for
+--seconds, then `INFO commandstats`: each command's calls and µs per request (the requests from the model's
+statistics over the same run). Valkey's own time is a count of its CPU, not of the host's speed, so it
+compares across runs far better than throughput does on this VM. With --trace, the same run is traced
+(TIMESTAMPS, one request in 10) and the median of each hop between trace points is printed; the hops'
+ratio to the compute hop is what to compare across runs on a noisy host. Only 127.0.0.1 is contacted;
+every perf_analyzer run is bounded (--max-trials, a timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+from served import DEFAULT_PA, HOST, ROOT, Fleet, counts  # bench/served.py
+
+HOPS = ("HTTP_RECV_START", "REQUEST_START", "QUEUE_START", "FLEET_WORKER_READ", "FLEET_BATCH_FORMED",
+        "COMPUTE_START", "COMPUTE_END", "FLEET_REPLY_WRITE", "FLEET_REPLY_RECEIVED", "REQUEST_END", "HTTP_SEND_END")
+
+
+def http_post(port: int, path: str, doc: object) -> None:
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=json.dumps(doc).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        r.read()
+
+
+def perf_analyzer(port: int, model: str, conc: int, ms: int) -> str:
+    cmd = [str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"{HOST}:{port}", "-b", "1", "--concurrency-range",
+           str(conc), "--measurement-interval", str(ms), "--max-trials", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return next((ln.strip() for ln in done.stdout.splitlines() if "throughput:" in ln), "no throughput line")
+
+
+def hop_medians(trace_file: Path) -> dict[str, float]:
+    stamps: dict[object, dict[str, int]] = {}
+    for line in trace_file.read_text().splitlines():
+        for t in (lambda d: d if isinstance(d, list) else [d])(json.loads(line)) if line.strip() else []:
+            stamps.setdefault(t["id"], {}).update({x["name"]: x["ns"] for x in t.get("timestamps", [])})
+    hops: dict[str, list[float]] = {}
+    for ts in stamps.values():
+        seen = [n for n in HOPS if n in ts]
+        for a, b in zip(seen, seen[1:], strict=False):
+            hops.setdefault(f"{a} -> {b}", []).append((ts[b] - ts[a]) / 1000)
+        if HOPS[0] in ts and HOPS[-1] in ts:
+            hops.setdefault("total", []).append((ts[HOPS[-1]] - ts[HOPS[0]]) / 1000)
+    return {k: statistics.median(v) for k, v in hops.items()}
+
+
+def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) -> None:
+    assert fleet.data_dir is not None
+    valkey = redis.Redis(unix_socket_path=str(fleet.data_dir / "redis" / "redis.sock"))
+    perf_analyzer(fleet.port, model, conc, 2000)  # warm-up
+    trace_file = fleet.root / ".fleet" / "trace.json"
+    if trace:
+        trace_file.unlink(missing_ok=True)
+        http_post(fleet.port, "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "10",
+                                                    "trace_count": "-1", "log_frequency": "0"})
+    valkey.config_resetstat()
+    before = counts(fleet.port, model)
+    line = perf_analyzer(fleet.port, model, conc, int(seconds * 1000))
+    after = counts(fleet.port, model)
+    stats = valkey.info("commandstats")
+    if trace:
+        http_post(fleet.port, "/v2/trace/setting", {"trace_level": ["OFF"]})
+    valkey.close()
+    n = (after[0] - before[0]) if before and after else 0
+    print(f"  {line}; {n} requests")
+    if n <= 0:
+        return
+    rows = sorted(((k.removeprefix("cmdstat_"), v["calls"] / n, v["usec"] / n) for k, v in stats.items()),
+                  key=lambda r: -r[2])
+    for name, calls, usec in rows:
+        if usec >= 0.5:
+            print(f"  {name:16s} {calls:6.2f} calls {usec:8.1f} µs per request")
+    print(f"  Valkey total {sum(r[2] for r in rows):8.1f} µs per request")
+    if trace:
+        time.sleep(1.0)  # the gateway writes its trace file in the background
+        for hop, median in hop_medians(trace_file).items():
+            print(f"  {hop:45s} {median:8.1f} µs")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--conc", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--port", type=int, default=18100)
+    p.add_argument("--systems", default="fleet-base fleet fleet-base fleet")
+    p.add_argument("--base-root", type=Path)
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / f"redis-cost-{time.strftime('%Y%m%d-%H%M%S')}")
+    a = p.parse_args()
+    for i, system in enumerate(a.systems.split()):
+        root = ROOT if system == "fleet" else a.base_root
+        if root is None:
+            raise SystemExit(f"{system} needs --base-root")
+        out = a.out / f"{i}-{system}"
+        out.mkdir(parents=True, exist_ok=True)
+        fleet = Fleet(a.port, out, 60, [a.model], root=root)
+        print(f"== {system} ({root}), {a.model} C={a.conc}", flush=True)
+        fleet.start()
+        try:
+            measure(fleet, a.model, a.conc, a.seconds, a.trace)
+        finally:
+            fleet.stop(30)
+
+
+if __name__ == "__main__":
+    main()
