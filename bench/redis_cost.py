@@ -4,6 +4,7 @@ this checkout's fleet against another's (--base-root), alternated.
     .venv/bin/python bench/redis_cost.py [--model mlp] [--conc 1] [--seconds 4] [--port 18100]
                                          [--systems "fleet-base fleet fleet-base fleet"] [--base-root CHECKOUT]
                                          [--trace] [--out DIR]
+    .venv/bin/python bench/redis_cost.py --fold-only   (no fleet: a batch's statistics write and fold, alone)
 
 For each system in turn (started by bench/served.py's Fleet, stopped by its PID): a warm-up perf_analyzer run,
 `CONFIG RESETSTAT` on the embedded Valkey (its Unix socket in the data dir), perf_analyzer at --conc for
@@ -11,7 +12,9 @@ For each system in turn (started by bench/served.py's Fleet, stopped by its PID)
 statistics over the same run). Valkey's own time is a count of its CPU, not of the host's speed, so it
 compares across runs far better than throughput does on this VM. With --trace, the same run is traced
 (TIMESTAMPS, one request in 10) and the median of each hop between trace points is printed; the hops'
-ratio to the compute hop is what to compare across runs on a noisy host. Only 127.0.0.1 is contacted;
+ratio to the compute hop is what to compare across runs on a noisy host. --fold-only: 1,000 one-row batches'
+statistics into an embedded Valkey, as the worker logs them and as the script before the log added them, with
+the fold's time (Valkey's own, per entry). Only 127.0.0.1 is contacted;
 every perf_analyzer run is bounded (--max-trials, a timeout).
 """
 
@@ -94,6 +97,47 @@ def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) ->
             print(f"  {hop:45s} {median:8.1f} µs")
 
 
+def fold_only() -> None:
+    import tempfile
+
+    from fleet.keys import Keys
+    from fleet.redis_server import start_server
+    from fleet.stats import LOG_FIELD, BatchSample, fold_args, increments, log_entry
+
+    # The script a worker ran per batch before the statistics log (workers/consumer.py until bb819e3).
+    before = """
+if ARGV[1] ~= "" then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 0
+"""
+    server = start_server(Path(tempfile.mkdtemp(prefix="fold-cost-")), appendonly=False)
+    client, keys = redis.Redis.from_url(server.url), Keys("fold")
+    sample = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=2_000_000,
+                         request_ns_failed=0, queue_ns=300_000, compute_input_ns=10_000, compute_infer_ns=400_000,
+                         compute_output_ns=10_000, finished_ms=int(time.time() * 1000), request_us=(2000,),
+                         queue_us=(300,))
+    entry = log_entry(sample)
+    old = ["EVAL", before, 1, keys.stats("m"), "1:last_inference", sample.finished_ms,
+           *[x for kv in increments(sample).items() for x in kv]]
+    try:
+        for _ in range(3):
+            client.config_resetstat()
+            for _ in range(1000):
+                client.xadd(keys.stats_log("m"), {LOG_FIELD: entry})  # type: ignore[dict-item]
+            client.eval(*fold_args(keys, "m"))
+            now = client.info("commandstats")
+            client.config_resetstat()
+            for _ in range(1000):
+                client.execute_command(*old)  # type: ignore[no-untyped-call]
+            was = client.info("commandstats")
+            print(f"log: XADD {now['cmdstat_xadd']['usec_per_call']:.1f} µs, fold "
+                  f"{now['cmdstat_eval']['usec'] / 1000:.1f} µs an entry; before: the script "
+                  f"{was['cmdstat_eval']['usec_per_call']:.1f} µs a batch")
+    finally:
+        client.close()
+        server.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mlp")
@@ -103,8 +147,12 @@ def main() -> None:
     p.add_argument("--systems", default="fleet-base fleet fleet-base fleet")
     p.add_argument("--base-root", type=Path)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--fold-only", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / f"redis-cost-{time.strftime('%Y%m%d-%H%M%S')}")
     a = p.parse_args()
+    if a.fold_only:
+        fold_only()
+        return
     for i, system in enumerate(a.systems.split()):
         root = ROOT if system == "fleet" else a.base_root
         if root is None:

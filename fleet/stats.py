@@ -61,40 +61,49 @@ LOG_FIELD = "s"  # a log entry's one field: its increments, a msgpack map (Lua's
 # KEYS[1] = stats log, KEYS[2] = stats hash; ARGV[1] = most entries to fold. Sums in Lua first, so a field
 # costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a
 # fold adds up to). Returns how many entries it folded. About 10 µs of Redis's time an entry here (a
-# msgpack map; as 20-odd stream fields, each converted to a Lua string, it was twice that).
+# msgpack map; as 20-odd stream fields, each converted to a Lua string, it was twice that). Redis does
+# not undo a script's writes when it fails part-way: everything that can fail (reading an entry, the
+# hash's times) comes before the first write, and the entries are deleted before their sums are added,
+# so a failure can lose one fold's counts but never add them twice. An entry that is not a msgpack map
+# of numbers is dropped, not left to stop every later fold.
 FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
 if #entries == 0 then return 0 end
 local sums, latest, is_time = {}, {}, {}
 for _, entry in ipairs(entries) do
-  for name, value in pairs(cmsgpack.unpack(entry[2][2])) do
-    local time = is_time[name]
-    if time == nil then  -- once per field name, not per entry
-      time = string.sub(name, -15) == ':last_inference'
-      is_time[name] = time
-    end
-    if time then
-      if value > (latest[name] or 0) then latest[name] = value end
-    else
-      sums[name] = (sums[name] or 0) + value
+  local fields = entry[2]
+  local ok, t = pcall(cmsgpack.unpack, fields[2] or '')
+  if fields[1] == 's' and ok and type(t) == 'table' then
+    for name, value in pairs(t) do
+      if type(name) == 'string' and type(value) == 'number' then
+        local time = is_time[name]
+        if time == nil then  -- once per field name, not per entry
+          time = string.sub(name, -15) == ':last_inference'
+          is_time[name] = time
+        end
+        if time then
+          if value > (latest[name] or 0) then latest[name] = value end
+        else
+          sums[name] = (sums[name] or 0) + value
+        end
+      end
     end
   end
 end
-for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
 for name, value in pairs(latest) do
-  if value > tonumber(redis.call('HGET', KEYS[2], name) or '0') then
-    redis.call('HSET', KEYS[2], name, string.format('%d', value))
-  end
+  if value <= (tonumber(redis.call('HGET', KEYS[2], name) or '0') or 0) then latest[name] = nil end
 end
 for i = 1, #entries, 500 do
   local ids = {}
   for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
   redis.call('XDEL', KEYS[1], unpack(ids))
 end
+for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
+for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
 """
-# Entries per fold: each worker folds every second, so a fold takes ~1 s of batches; the cap bounds how
-# long one fold holds Redis (~10 ms a 1,000 entries here) when the log has grown (nobody folded it).
+# Entries per fold: one fold holds Redis ~10 ms a 1,000 entries here. A worker folds every second, again
+# while a fold comes back full (workers/consumer.py fold_stats), so the log stays ~1 s long.
 FOLD_MAX = 2_000
 
 

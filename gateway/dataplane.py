@@ -332,9 +332,11 @@ async def model_statistics(catalog: Catalog, client: aioredis.Redis, keys: Keys,
     for n, _ in targets:
         pipe.eval(*fold_args(keys, n))  # the batches the workers logged, into the hash first (fleet/stats.py)
         pipe.hgetall(keys.stats(n))
-    raws = (await pipe.execute())[1::2]
+    raws = (await pipe.execute(raise_on_error=False))[1::2]  # a fold that failed leaves the hash as it was
     out: list[dict[str, object]] = []
     for (n, versions), raw in zip(targets, raws, strict=True):
+        if isinstance(raw, Exception):
+            raise raw
         decoded = {k.decode(): int(val) for k, val in raw.items()}
         for v in versions:
             doc = render_model_stats(n, v, decoded)

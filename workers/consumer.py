@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import DEAD_LETTERED, LOG_FIELD, BatchSample, fold_args, log_entry
+from fleet.stats import DEAD_LETTERED, FOLD_MAX, LOG_FIELD, BatchSample, fold_args, log_entry
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -302,9 +302,16 @@ class StreamConsumer:
         pipe.hincrby(self._keys.stats(self.model), DEAD_LETTERED, 1)
         await pipe.execute()
 
-    async def fold_stats(self) -> int:
-        """Fold the model's stats log into its hash (what readers do before reading); how many batches."""
-        return int(await self._client.eval(*fold_args(self._keys, self.model)))
+    async def fold_stats(self, most: int = 10) -> int:
+        """Fold the model's stats log into its hash (what readers do before reading), again while a fold
+        comes back full (a model past FOLD_MAX batches a second), at most `most` times; how many batches."""
+        total = 0
+        for _ in range(most):
+            folded = int(await self._client.eval(*fold_args(self._keys, self.model)))
+            total += folded
+            if folded < FOLD_MAX:
+                break
+        return total
 
     async def count(self, deltas: dict[str, int]) -> None:
         """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request

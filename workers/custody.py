@@ -351,12 +351,16 @@ class Custody:
                 if time.monotonic() > next_prune:
                     next_prune = time.monotonic() + self.config.prune_interval_s
                     await self._prune()
-                await self.consumer.fold_stats()  # the log stays short when nobody reads the statistics
                 backoff.reset()
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()
                 log.warning("%s: claiming abandoned messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
+            try:  # the statistics log stays short when nobody reads the statistics (fleet/stats.py)
+                await self.consumer.fold_stats()
+            except (RedisError, OSError) as exc:
+                raise_if_cancelled()
+                log.debug("%s: folding the statistics log failed: %s", self.model, exc)
 
     async def _claim(self, room: int) -> None:
         claimed = await self.consumer.claim(self.claim_timeout.idle_ms, self.holding.messages_to_read(0, room))

@@ -267,26 +267,33 @@ def test_a_killed_worker_container_s_requests_are_answered_by_the_other_replica(
         # catching the victim holding any). The other replica wakes only after the kill: whatever it
         # answers, it answers by claiming the victim's messages or reading what the victim left queued.
         up.docker("pause", *workers)
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
-            tasks = [asyncio.ensure_future(infer_slow(client, up.url, i)) for i in range(n)]
-            stream = Keys().queue(SLOW, version=1)
-            await until(lambda: up.redis_cli("XLEN", stream).strip() == str(n), 60, f"{n} queued requests")
-            up.docker("unpause", victim)
-            holds: dict[str, int] = {}
+        paused = list(workers)
+        try:
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as client:
+                tasks = [asyncio.ensure_future(infer_slow(client, up.url, i)) for i in range(n)]
+                stream = Keys().queue(SLOW, version=1)
+                await until(lambda: int(up.redis_cli("XLEN", stream).strip() or 0) >= n, 60, f"{n} queued requests")
+                up.docker("unpause", victim)
+                paused.remove(victim)
+                holds: dict[str, int] = {}
 
-            def victim_holds() -> bool:
-                holds.clear()
-                holds.update(consumers_holding(up))
-                return sum(v for k, v in holds.items() if k.startswith(victim[:12])) > 0
+                def victim_holds() -> bool:
+                    holds.clear()
+                    holds.update(consumers_holding(up))
+                    return sum(v for k, v in holds.items() if k.startswith(victim[:12])) > 0
 
-            await until(victim_holds, 30, "the victim container to hold requests",
-                        lambda: f"holding: {holds}; victim {victim[:12]}\n{worker_logs(up)}")
-            held = sum(v for k, v in holds.items() if k.startswith(victim[:12]))
-            up.docker("kill", victim)
-            killed_at = time.monotonic()
-            up.docker("unpause", *others)
-            results = await asyncio.gather(*tasks)
-            return results, held, time.monotonic() - killed_at
+                await until(victim_holds, 30, "the victim container to hold requests",
+                            lambda: f"holding: {holds}; victim {victim[:12]}\n{worker_logs(up)}")
+                held = sum(v for k, v in holds.items() if k.startswith(victim[:12]))
+                up.docker("kill", victim)
+                killed_at = time.monotonic()
+                up.docker("unpause", *others)
+                paused.clear()
+                results = await asyncio.gather(*tasks)
+                return results, held, time.monotonic() - killed_at
+        finally:
+            if paused:  # a failure above must not leave the later tests a frozen fleet
+                up.docker("unpause", *paused, check=False)
 
     results, held, recovery_s = asyncio.run(main())
     assert [status for status, _ in results] == [200] * n, worker_logs(up)

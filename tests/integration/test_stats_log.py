@@ -15,7 +15,17 @@ from hypothesis import strategies as st
 
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
-from fleet.stats import FOLD_STATS, LAST_INFERENCE, LOG_FIELD, BatchSample, field, fold_args, increments, log_entry
+from fleet.stats import (
+    FOLD_MAX,
+    FOLD_STATS,
+    LAST_INFERENCE,
+    LOG_FIELD,
+    BatchSample,
+    field,
+    fold_args,
+    increments,
+    log_entry,
+)
 
 MODEL = "m"
 
@@ -126,3 +136,76 @@ def test_a_later_finish_time_never_goes_back(redis_server: LocalServer, key_pref
     assert stats(client, keys) == {last: 2_500, field(1, "success:count"): 3}
     assert client.eval(*fold_args(keys, MODEL)) == 0  # nothing left: a no-op
     client.close()
+
+
+def test_a_backlog_past_one_fold_is_folded_in_turns(redis_server: LocalServer, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    entry = msgpack.packb({field(1, "success:count"): 2, field(1, "execution_count"): 1})
+    pipe = client.pipeline(transaction=False)
+    for _ in range(FOLD_MAX + 500):
+        pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+    pipe.execute()
+    assert client.eval(*fold_args(keys, MODEL)) == FOLD_MAX  # deleted in chunks of 500 ids
+    assert client.xlen(keys.stats_log(MODEL)) == 500
+    assert client.eval(*fold_args(keys, MODEL)) == 500
+    assert stats(client, keys) == {field(1, "success:count"): 2 * (FOLD_MAX + 500),
+                                   field(1, "execution_count"): FOLD_MAX + 500}
+    client.close()
+
+
+def test_an_unreadable_entry_is_dropped_not_left_to_stop_the_fold(redis_server: LocalServer, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    good = {LOG_FIELD: msgpack.packb({field(1, "success:count"): 1})}
+    for fields in (good, {"x": b"1"}, {LOG_FIELD: b"\xc1not msgpack"}, {LOG_FIELD: msgpack.packb([1, 2])},
+                   {LOG_FIELD: msgpack.packb({"a": "text", 7: 1})}, good):
+        client.xadd(keys.stats_log(MODEL), fields)  # type: ignore[arg-type]
+    client.hset(keys.stats(MODEL), field(1, LAST_INFERENCE), "not a number")  # what a fold reads before writing
+    client.xadd(keys.stats_log(MODEL), {LOG_FIELD: msgpack.packb({field(1, LAST_INFERENCE): 9})})
+    assert client.eval(*fold_args(keys, MODEL)) == 7
+    assert client.xlen(keys.stats_log(MODEL)) == 0
+    assert client.hget(keys.stats(MODEL), field(1, "success:count")) == b"2"
+    assert client.hget(keys.stats(MODEL), field(1, LAST_INFERENCE)) == b"9"
+    client.close()
+
+
+def test_the_worker_writes_counts_before_replies_and_reports_each_part(redis_server: LocalServer,
+                                                                      key_prefix: str) -> None:
+    """StreamConsumer.write: a reply Redis refuses is
+    reported as not written while its batch is counted, and a log Redis refuses as not counted while the
+    replies are written (workers/custody.py retries each part on its own)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from fleet.envelope import ReplyEnvelope
+    from workers.consumer import StreamConsumer
+
+    keys = Keys(key_prefix)
+    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
+                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1, compute_output_ns=1,
+                        finished_ms=42)
+    sync = redis.Redis.from_url(redis_server.url, protocol=2)
+    sync.set(f"{key_prefix}:broken-reply", "not a stream")
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, protocol=2)
+        consumer = StreamConsumer(client, keys, MODEL, 1, "c")
+        try:
+            replies = [(f"{key_prefix}:reply:a", ReplyEnvelope(id="r1", model_version=1)),
+                       (f"{key_prefix}:broken-reply", ReplyEnvelope(id="r2", model_version=1))]
+            w = await consumer.write(replies, [batch])
+            assert w.replies == frozenset({0}) and w.samples and "WRONGTYPE" in str(w.error)
+            assert sync.xlen(keys.stats_log(MODEL)) == 1 and sync.xlen(f"{key_prefix}:reply:a") == 1
+            assert await consumer.fold_stats() == 1
+            sync.delete(keys.stats_log(MODEL))
+            sync.set(keys.stats_log(MODEL), "not a stream")
+            w = await consumer.write(replies[:1], [batch])
+            assert w.replies == frozenset({0}) and not w.samples and "WRONGTYPE" in str(w.error)
+        finally:
+            await consumer.close()
+
+    asyncio.run(main())
+    assert stats(sync, keys)[field(1, "success:count")] == 1
+    sync.close()
