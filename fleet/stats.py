@@ -3,11 +3,11 @@ cumulative; several workers add into the same fields, so the gateway's /stats is
 (perf_analyzer diffs two samples).
 
 Layout: one hash per model (Keys.stats) holds the sums. A worker does not add a batch's ~20-60 increments
-into it on the request path: it appends them as one entry to the model's stats log (Keys.stats_log) in
-the same pipeline as the batch's replies, a plain XADD. A script adding them in Redis cost 30 µs of
-Redis's time at C=1 and ~100 µs at C=32, and held the reply's delivery to the gateway until it had run
-(Redis writes the unblocked reader's reply only after the writer's whole pipeline). FOLD_STATS adds the
-log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
+into it on the request path: it appends them as one entry (a msgpack map) to the model's stats log
+(Keys.stats_log), a plain XADD ahead of the batch's replies in the same pipeline. A script adding them in
+Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to the gateway until it had
+run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). FOLD_STATS adds
+the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
 second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters,
 the gateway's own) still go straight into the hash."""
