@@ -88,11 +88,12 @@ class Claimed:
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """What one `write` got through: replies by index into the list given, whether the batch's
-    statistics were counted, and whether the acknowledgements it carried were made."""
+    """What one `write` got through: replies by index into the list given, the batches' statistics Redis
+    refused (to be counted again: only those, or the others would count twice), and whether the
+    acknowledgements it carried were made."""
 
     replies: frozenset[int]
-    samples: bool
+    uncounted: tuple[BatchSample, ...]
     acked: bool
     error: BaseException | None  # the first failure, if any
 
@@ -165,8 +166,9 @@ class StreamConsumer:
         wrong-type key) is reported as not written while the others are."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
+        logged = [(sample, entry) for sample in samples if (entry := log_entry(sample)) is not None]
         commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, entry)
-                                   for entry in map(log_entry, samples) if entry is not None]
+                                   for _, entry in logged]
         counts = len(commands)
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):
@@ -199,10 +201,11 @@ class StreamConsumer:
                 errors.append(result)
             else:
                 written.update(indices)
-        counted = not any(isinstance(r, BaseException) for r in results[:counts])
+        uncounted = tuple(sample for (sample, _), r in zip(logged, results[:counts], strict=True)
+                          if isinstance(r, BaseException))
         acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
         errors += [r for r in results[:counts] + results[first_ack:] if isinstance(r, BaseException)]
-        return Written(frozenset(written), counted, acked, errors[0] if errors else None)
+        return Written(frozenset(written), uncounted, acked, errors[0] if errors else None)
 
     async def ack(self, messages: list[MessageId]) -> None:
         """Acknowledge and delete: only for messages whose reply is written (or that need none)."""

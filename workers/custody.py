@@ -203,8 +203,7 @@ class Custody:
                 self._settle_acks(carried, w.acked)
                 done += [a for i, a in enumerate(to_write) if i in w.replies]
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
-                if w.samples:
-                    samples = []
+                samples = list(w.uncounted)
                 error = w.error if (to_write or samples) else None
             if error is None:
                 continue

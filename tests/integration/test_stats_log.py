@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
+from dataclasses import replace
 
 import msgpack
 import redis
@@ -196,13 +197,15 @@ def test_the_worker_writes_counts_before_replies_and_reports_each_part(redis_ser
             replies = [(f"{key_prefix}:reply:a", ReplyEnvelope(id="r1", model_version=1)),
                        (f"{key_prefix}:broken-reply", ReplyEnvelope(id="r2", model_version=1))]
             w = await consumer.write(replies, [batch])
-            assert w.replies == frozenset({0}) and w.samples and "WRONGTYPE" in str(w.error)
+            assert w.replies == frozenset({0}) and w.uncounted == () and "WRONGTYPE" in str(w.error)
             assert sync.xlen(keys.stats_log(MODEL)) == 1 and sync.xlen(f"{key_prefix}:reply:a") == 1
             assert await consumer.fold_stats() == 1
             sync.delete(keys.stats_log(MODEL))
             sync.set(keys.stats_log(MODEL), "not a stream")
-            w = await consumer.write(replies[:1], [batch])
-            assert w.replies == frozenset({0}) and not w.samples and "WRONGTYPE" in str(w.error)
+            nothing = replace(batch, requests_ok=0, batch_size=0, request_ns_ok=0, queue_ns=0)  # no entry to log
+            assert log_entry(nothing) is None
+            w = await consumer.write(replies[:1], [nothing, batch, nothing])
+            assert w.replies == frozenset({0}) and w.uncounted == (batch,) and "WRONGTYPE" in str(w.error)
         finally:
             await consumer.close()
 
