@@ -60,8 +60,9 @@ LOG_FIELD = "s"  # a log entry's one field: its increments, a msgpack map (Lua's
 
 # KEYS[1] = stats log, KEYS[2] = stats hash; ARGV[1] = most entries to fold. Sums in Lua first, so a field
 # costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a
-# fold adds up to). Returns how many entries it folded. About 10 µs of Redis's time an entry here (a
-# msgpack map; as 20-odd stream fields, each converted to a Lua string, it was twice that). Redis does
+# fold adds up to). Returns how many entries it folded. About 15 µs of Redis's time an entry here (a
+# msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a Lua string,
+# it was up to twice that). Redis does
 # not undo a script's writes when it fails part-way: everything that can fail (reading an entry, the
 # hash's times) comes before the first write, and the entries are deleted before their sums are added,
 # so a failure can lose one fold's counts but never add them twice. An entry that is not a msgpack map
@@ -102,7 +103,7 @@ for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.fo
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
 """
-# Entries per fold: one fold holds Redis ~10 ms a 1,000 entries here. A worker folds every second, again
+# Entries per fold: one fold holds Redis ~15 ms a 1,000 entries here. A worker folds every second, again
 # while a fold comes back full (workers/consumer.py fold_stats), so the log stays ~1 s long.
 FOLD_MAX = 2_000
 
