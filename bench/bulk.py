@@ -28,22 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from direct import bench_mlp
-from served import DEFAULT_PA, HOST, ROOT, Fleet
+from served import DEFAULT_PA, HOST, ROOT, Fleet, api
 from summary import print_table, read_level
-
-
-def api(port: int, method: str, path: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = None if doc is None else json.dumps(doc).encode()
-    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
 
 
 def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy") -> dict[str, Any]:

@@ -25,21 +25,16 @@ import json
 import statistics
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import redis
-from served import DEFAULT_PA, HOST, ROOT, Fleet, counts  # bench/served.py
+from served import DEFAULT_PA, HOST, ROOT, Fleet, api, counts  # bench/served.py
 
-HOPS = ("HTTP_RECV_START", "REQUEST_START", "QUEUE_START", "FLEET_WORKER_READ", "FLEET_BATCH_FORMED",
-        "COMPUTE_START", "COMPUTE_END", "FLEET_REPLY_WRITE", "FLEET_REPLY_RECEIVED", "REQUEST_END", "HTTP_SEND_END")
+from fleet import trace_points as tp
 
-
-def http_post(port: int, path: str, doc: object) -> None:
-    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=json.dumps(doc).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        r.read()
+# The trace points an HTTP request crosses, in order; compute as one hop (fleet/trace_points.py).
+HOPS = (tp.HTTP_RECV_START, tp.REQUEST_START, tp.QUEUE_START, tp.WORKER_READ, tp.BATCH_FORMED, tp.COMPUTE_START,
+        tp.COMPUTE_END, tp.REPLY_WRITE, tp.REPLY_RECEIVED, tp.REQUEST_END, tp.HTTP_SEND_END)
 
 
 def perf_analyzer(port: int, model: str, conc: int, ms: int) -> str:
@@ -51,8 +46,9 @@ def perf_analyzer(port: int, model: str, conc: int, ms: int) -> str:
 
 def hop_medians(trace_file: Path) -> dict[str, float]:
     stamps: dict[object, dict[str, int]] = {}
-    for line in trace_file.read_text().splitlines():
-        for t in (lambda d: d if isinstance(d, list) else [d])(json.loads(line)) if line.strip() else []:
+    for line in filter(str.strip, trace_file.read_text().splitlines()):
+        doc = json.loads(line)
+        for t in doc if isinstance(doc, list) else [doc]:
             stamps.setdefault(t["id"], {}).update({x["name"]: x["ns"] for x in t.get("timestamps", [])})
     hops: dict[str, list[float]] = {}
     for ts in stamps.values():
@@ -71,15 +67,15 @@ def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) ->
     trace_file = fleet.root / ".fleet" / "trace.json"
     if trace:
         trace_file.unlink(missing_ok=True)
-        http_post(fleet.port, "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "10",
-                                                    "trace_count": "-1", "log_frequency": "0"})
+        api(fleet.port, "POST", "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "10",
+                                                      "trace_count": "-1", "log_frequency": "0"})
     valkey.config_resetstat()
     before = counts(fleet.port, model)
     line = perf_analyzer(fleet.port, model, conc, int(seconds * 1000))
     after = counts(fleet.port, model)
     stats = valkey.info("commandstats")
     if trace:
-        http_post(fleet.port, "/v2/trace/setting", {"trace_level": ["OFF"]})
+        api(fleet.port, "POST", "/v2/trace/setting", {"trace_level": ["OFF"]})
     valkey.close()
     n = (after[0] - before[0]) if before and after else 0
     print(f"  {line}; {n} requests")

@@ -47,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from summary import print_levels, read_dir  # bench/summary.py
 
@@ -65,6 +66,15 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
     except (OSError, urllib.error.URLError):
         return 0, b""
+
+
+def api(port: int, method: str, path: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON request to the served system (job and settings routes); its JSON answer."""
+    data = None if doc is None else json.dumps(doc).encode()
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
 
 
 def port_in_use(port: int) -> bool:

@@ -198,7 +198,7 @@ class InferenceService:
         spec = view.entry.spec
         if not spec.decoupled:
             # tritonserver 2.51 marks a non-decoupled model's one stream response final, flag or not.
-            yield StreamAnswer(_marked(await self.infer(request, timeout_s), True, True), None, True)
+            yield StreamAnswer(_marked(await self.infer(request, timeout_s), True), None, True)
             return
         req = decode_infer(request, spec, dataplane.regions)
         async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):
@@ -206,18 +206,17 @@ class InferenceService:
                 yield StreamAnswer(None, reply.error_message, reply.final)
             elif reply.empty:
                 response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(v), id=req.client_id)
-                yield StreamAnswer(_marked(response, True, True) if empty_final else None, None, True)
+                yield StreamAnswer(_marked(response, True) if empty_final else None, None, True)
             else:
                 response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
-                yield StreamAnswer(_marked(response, True, reply.final), None, reply.final)
+                yield StreamAnswer(_marked(response, reply.final), None, reply.final)
 
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
-def _marked(response: Any, mark: bool, final: bool) -> Any:
-    if mark:
-        response.parameters["triton_final_response"].bool_param = final
+def _marked(response: Any, final: bool) -> Any:
+    response.parameters["triton_final_response"].bool_param = final
     return response
 
 
