@@ -1,42 +1,61 @@
-"""Statistics a gateway adds itself (a response-cache hit or miss, an ensemble request), into the same
-Redis hash the workers count into (fleet/stats.py), written off the request path: a request never waits
-for its statistics, and a failed write only loses a count."""
+"""Statistics a gateway adds itself (a response-cache hit or miss, an ensemble request), written as the
+workers write theirs: one entry on the model's stats log, folded into its hash by whoever reads it
+(fleet/stats.py). Off the request path: a request never waits for its statistics, and a failed write
+only loses a count. Through the log, not HINCRBYs into the hash, so that `last_inference` keeps the
+latest time whoever wrote last (a direct HSET could set it back past a worker's later batch).
+
+No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself,
+in the same round trip as a write, at most once every FOLD_EVERY_S: the log stays about that long
+whoever reads it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
+import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fleet.stats import LAST_INFERENCE, field
+from fleet.keys import Keys
+from fleet.stats import LAST_INFERENCE, LOG_FIELD, field, fold_args
 
 log = logging.getLogger(__name__)
 
+FOLD_EVERY_S = 1.0  # as a worker folds its models' logs
+
 
 class Counters:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.client = client
+        self.keys = keys
+        self._monotonic = monotonic
         self._pending: set[asyncio.Task[None]] = set()
+        self._folded_at: dict[str, float] = {}  # model -> time.monotonic() of this gateway's last fold
 
-    def add(self, key: str, version: int, deltas: dict[str, int], last_inference: bool = True) -> None:
-        """HINCRBY each delta into `version`'s fields of the stats hash `key` (and stamp last_inference)."""
-        task = asyncio.ensure_future(self._write(key, version, deltas, last_inference))
+    def add(self, model: str, version: int, deltas: dict[str, int], last_inference: bool = True) -> None:
+        """Count `deltas` into `version`'s fields of `model`'s statistics (and, if `last_inference`, now as
+        its latest successful inference)."""
+        entry = {field(version, name): value for name, value in deltas.items()}
+        if last_inference:
+            entry[field(version, LAST_INFERENCE)] = int(time.time() * 1000)
+        task = asyncio.ensure_future(self._write(model, msgpack.packb(entry)))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _write(self, key: str, version: int, deltas: dict[str, int], last_inference: bool) -> None:
+    async def _write(self, model: str, entry: bytes) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for name, value in deltas.items():
-            pipe.hincrby(key, field(version, name), value)
-        if last_inference:
-            pipe.hset(key, field(version, LAST_INFERENCE), int(time.time() * 1000))
+        pipe.xadd(self.keys.stats_log(model), {LOG_FIELD: entry})
+        now = self._monotonic()
+        if now - self._folded_at.get(model, -FOLD_EVERY_S) >= FOLD_EVERY_S:
+            self._folded_at[model] = now
+            pipe.eval(*fold_args(self.keys, model))
         try:
             await pipe.execute()
         except RedisError as exc:
-            log.warning("cannot add to the statistics of %s: %s", key, exc)
+            log.warning("cannot add to the statistics of %s: %s", model, exc)
 
     async def drain(self) -> None:
         if self._pending:

@@ -143,13 +143,12 @@ class DataPlane:
         key = cache_key(model, v, req, gen)
         hit = await cache.lookup(key)
         lookup_ns = time.perf_counter_ns() - started
-        stats_key = self.broker.keys.stats(model)
         if hit is not None:
             rows = req.inputs[0].shape[0] if spec.max_batch_size > 0 and req.inputs and req.inputs[0].shape else 1
-            cache.count_hit(stats_key, v, rows, time.perf_counter_ns() - started, lookup_ns)
+            cache.count_hit(model, v, rows, time.perf_counter_ns() - started, lookup_ns)
             return hit
         reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
-        cache.insert_later(key, reply, stats_key, v, lookup_ns)
+        cache.insert_later(key, reply, model, v, lookup_ns)
         return reply
 
     async def _compute(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, trace: Trace | None,

@@ -106,7 +106,7 @@ class Ensembles:
         if ok:
             deltas |= {"queue:count": 1, "inference_count": rows, "execution_count": 1}
             deltas |= bucket_deltas("request", (took_ns // 1000,))
-        self.counters.add(self.keys.stats(model), v, deltas)
+        self.counters.add(model, v, deltas, last_inference=ok)
 
     async def drain(self) -> None:
         await self.counters.drain()

@@ -106,13 +106,11 @@ def cache_key(model: str, version: int, req: ParsedInfer, gen: str = "") -> str:
 
 
 class ResponseCache:
-    def __init__(self, client: aioredis.Redis, prefix: str, budget_bytes: int, counters: Counters | None = None
-                 ) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str, budget_bytes: int, counters: Counters) -> None:
         self.client = client
-        self.counters = counters or Counters(client)
+        self.counters = counters
         self.budget_bytes = budget_bytes
         self.keys = [f"{prefix}:{{cache}}:entries", f"{prefix}:{{cache}}:lru", f"{prefix}:{{cache}}:bytes"]
-        self._stats_key = prefix
         self._lookup = client.register_script(_LOOKUP)
         self._insert = client.register_script(_INSERT)
         self._pending: set[asyncio.Task[None]] = set()
@@ -131,15 +129,15 @@ class ResponseCache:
         # An entry this gateway cannot read is a miss, never a failed request.
         return readable_reply(raw, f"the response cache's entry {key}") if raw is not None else None
 
-    def insert_later(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int, lookup_ns: int) -> None:
+    def insert_later(self, key: str, reply: ReplyEnvelope, model: str, version: int, lookup_ns: int) -> None:
         """Store a successful reply off the request path, then count the miss (lookup + insert)."""
         if not reply.ok:
             return
-        task = asyncio.ensure_future(self._insert_and_count(key, reply, stats_key, version, lookup_ns))
+        task = asyncio.ensure_future(self._insert_and_count(key, reply, model, version, lookup_ns))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _insert_and_count(self, key: str, reply: ReplyEnvelope, stats_key: str, version: int,
+    async def _insert_and_count(self, key: str, reply: ReplyEnvelope, model: str, version: int,
                                 lookup_ns: int) -> None:
         started = time.perf_counter_ns()
         # In band: gateways of either side of the out-of-band envelope share the cache (fleet/envelope.py).
@@ -148,15 +146,15 @@ class ResponseCache:
         try:
             await self._insert(keys=self.keys, args=[key, encode_reply(stored), self.budget_bytes])
             took = lookup_ns + time.perf_counter_ns() - started
-            self.counters.add(stats_key, version, {"cache_miss:count": 1, "cache_miss:ns": took},
+            self.counters.add(model, version, {"cache_miss:count": 1, "cache_miss:ns": took},
                               last_inference=False)
         except RedisError as exc:
             log.warning("response cache insert failed: %s", exc)
 
-    def count_hit(self, stats_key: str, version: int, rows: int, request_ns: int, lookup_ns: int) -> None:
+    def count_hit(self, model: str, version: int, rows: int, request_ns: int, lookup_ns: int) -> None:
         """A hit's statistics, as Triton counts them (a success that never executed; queue time 0), its
         latency buckets included, so that the histograms' counts and sums agree with these."""
-        self.counters.add(stats_key, version, {"success:count": 1, "success:ns": request_ns, "queue:count": 1,
+        self.counters.add(model, version, {"success:count": 1, "success:ns": request_ns, "queue:count": 1,
                                                "cache_hit:count": 1, "cache_hit:ns": lookup_ns,
                                                "inference_count": rows,
                                                **bucket_deltas("request", (request_ns // 1000,)),

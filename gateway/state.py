@@ -67,7 +67,7 @@ class GatewayState:
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
         # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
         self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
-        counters = Counters(self.client)  # statistics this gateway adds itself (gateway/counters.py)
+        counters = Counters(self.client, self.keys)  # statistics this gateway adds itself (gateway/counters.py)
         self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config),
                                    counters)
         self.ensembles = Ensembles(self.catalog, self.keys, counters)

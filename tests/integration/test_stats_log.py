@@ -212,3 +212,55 @@ def test_the_worker_writes_counts_before_replies_and_reports_each_part(redis_ser
     asyncio.run(main())
     assert stats(sync, keys)[field(1, "success:count")] == 1
     sync.close()
+
+
+def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_server: LocalServer,
+                                                                         key_prefix: str) -> None:
+    """gateway/counters.py: a cache hit's or an ensemble's counts are log entries (summed by the fold),
+    its `last_inference` never sets back a worker's later one, a failed request stamps none, and the
+    gateway folds a log no worker folds (an ensemble's) at most once a FOLD_EVERY_S."""
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+
+    from gateway.counters import FOLD_EVERY_S, Counters
+
+    keys = Keys(key_prefix)
+    sync = redis.Redis.from_url(redis_server.url, protocol=2)
+    later_ms = int(time.time() * 1000) + 3_600_000  # a worker's batch that finished "later"
+    worker = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
+                         request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
+                         compute_output_ns=1, finished_ms=later_ms)
+    entry = log_entry(worker)
+    assert entry is not None
+    sync.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+    clock = [100.0]
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, protocol=2)
+        counters = Counters(client, keys, monotonic=lambda: clock[0])
+        try:
+            counters.add(MODEL, 1, {"success:count": 1, "cache_hit:count": 1})  # folds: the first write
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 0
+            for _ in range(3):  # within FOLD_EVERY_S: logged, not folded
+                clock[0] += FOLD_EVERY_S / 10
+                counters.add(MODEL, 1, {"success:count": 1})
+                await counters.drain()
+            counters.add(MODEL, 2, {"fail:count": 1}, last_inference=False)
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 4
+            clock[0] += FOLD_EVERY_S
+            counters.add(MODEL, 1, {"cache_hit:count": 2})
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    got = stats(sync, keys)
+    assert got[field(1, "success:count")] == 5 and got[field(1, "cache_hit:count")] == 3
+    assert got[field(2, "fail:count")] == 1 and field(2, LAST_INFERENCE) not in got
+    assert got[field(1, LAST_INFERENCE)] == later_ms
+    sync.close()
