@@ -333,6 +333,10 @@ class Broker:
                     for i in range(0, len(fields or ()) - 1, 2):  # a worker batches replies: d0, d1, ...
                         if fields[i][:1] == b"d":
                             self._deliver(fields[i + 1])
+            if result:
+                # Let the callers answered now write their responses before the next read is written (it
+                # wakes Valkey, 40-95 µs on this VM, which would otherwise sit in a lone request's path).
+                await asyncio.sleep(0)
             if time.monotonic() > next_touch:
                 await self._touch_reply_stream()
                 next_touch = time.monotonic() + REPLY_TTL_S / 4
