@@ -3,7 +3,7 @@ this checkout's fleet against another's (--base-root), alternated.
 
     .venv/bin/python bench/redis_cost.py [--model mlp] [--conc 1] [--seconds 4] [--port 18100]
                                          [--systems "fleet-base fleet fleet-base fleet"] [--base-root CHECKOUT]
-                                         [--trace] [--out DIR]
+                                         [--trace] [--protocol http|grpc] [--out DIR]
     .venv/bin/python bench/redis_cost.py --fold-only   (no fleet: a batch's statistics write and fold, alone)
 
 For each system in turn (started by bench/served.py's Fleet, stopped by its PID): a warm-up perf_analyzer run,
@@ -37,14 +37,16 @@ HOPS = (tp.HTTP_RECV_START, tp.REQUEST_START, tp.QUEUE_START, tp.WORKER_READ, tp
         tp.COMPUTE_END, tp.REPLY_WRITE, tp.REPLY_RECEIVED, tp.REQUEST_END, tp.HTTP_SEND_END)
 
 
-def perf_analyzer(port: int, model: str, conc: int, ms: int) -> str:
-    cmd = [str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"{HOST}:{port}", "-b", "1", "--concurrency-range",
+def perf_analyzer(port: int, model: str, conc: int, ms: int, protocol: str = "http") -> str:
+    # Fleet serves gRPC on the port after HTTP's (bench/served.py).
+    url = f"{HOST}:{port + 1}" if protocol == "grpc" else f"{HOST}:{port}"
+    cmd = [str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", url, "-b", "1", "--concurrency-range",
            str(conc), "--measurement-interval", str(ms), "--max-trials", "4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return next((ln.strip() for ln in done.stdout.splitlines() if "throughput:" in ln), "no throughput line")
 
 
-def hop_medians(trace_file: Path) -> dict[str, float]:
+def hop_medians(trace_file: Path, hops_: tuple[str, ...] = HOPS) -> dict[str, float]:
     stamps: dict[object, dict[str, int]] = {}
     for line in filter(str.strip, trace_file.read_text().splitlines()):
         doc = json.loads(line)
@@ -52,18 +54,18 @@ def hop_medians(trace_file: Path) -> dict[str, float]:
             stamps.setdefault(t["id"], {}).update({x["name"]: x["ns"] for x in t.get("timestamps", [])})
     hops: dict[str, list[float]] = {}
     for ts in stamps.values():
-        seen = [n for n in HOPS if n in ts]
+        seen = [n for n in hops_ if n in ts]
         for a, b in zip(seen, seen[1:], strict=False):
             hops.setdefault(f"{a} -> {b}", []).append((ts[b] - ts[a]) / 1000)
-        if HOPS[0] in ts and HOPS[-1] in ts:
-            hops.setdefault("total", []).append((ts[HOPS[-1]] - ts[HOPS[0]]) / 1000)
+        if hops_[0] in ts and hops_[-1] in ts:
+            hops.setdefault("total", []).append((ts[hops_[-1]] - ts[hops_[0]]) / 1000)
     return {k: statistics.median(v) for k, v in hops.items()}
 
 
-def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) -> None:
+def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool, protocol: str = "http") -> None:
     assert fleet.data_dir is not None
     valkey = redis.Redis(unix_socket_path=str(fleet.data_dir / "redis" / "redis.sock"))
-    perf_analyzer(fleet.port, model, conc, 2000)  # warm-up
+    perf_analyzer(fleet.port, model, conc, 2000, protocol)  # warm-up
     trace_file = fleet.root / ".fleet" / "trace.json"
     if trace:
         trace_file.unlink(missing_ok=True)
@@ -71,7 +73,7 @@ def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) ->
                                                       "trace_count": "-1", "log_frequency": "0"})
     valkey.config_resetstat()
     before = counts(fleet.port, model)
-    line = perf_analyzer(fleet.port, model, conc, int(seconds * 1000))
+    line = perf_analyzer(fleet.port, model, conc, int(seconds * 1000), protocol)
     after = counts(fleet.port, model)
     stats = valkey.info("commandstats")
     if trace:
@@ -89,7 +91,10 @@ def measure(fleet: Fleet, model: str, conc: int, seconds: float, trace: bool) ->
     print(f"  Valkey total {sum(r[2] for r in rows):8.1f} µs per request")
     if trace:
         time.sleep(1.0)  # the gateway writes its trace file in the background
-        for hop, median in hop_medians(trace_file).items():
+        # gRPC's send stamps are taken as the handler returns, before its frames are flushed: only the
+        # hops up to REQUEST_END tell there.
+        hops = HOPS if protocol == "http" else (tp.GRPC_WAITREAD_START, *HOPS[1:-1])
+        for hop, median in hop_medians(trace_file, hops).items():
             print(f"  {hop:45s} {median:8.1f} µs")
 
 
@@ -143,6 +148,7 @@ def main() -> None:
     p.add_argument("--systems", default="fleet-base fleet fleet-base fleet")
     p.add_argument("--base-root", type=Path)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="perf_analyzer's protocol")
     p.add_argument("--fold-only", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / f"redis-cost-{time.strftime('%Y%m%d-%H%M%S')}")
     a = p.parse_args()
@@ -156,10 +162,10 @@ def main() -> None:
         out = a.out / f"{i}-{system}"
         out.mkdir(parents=True, exist_ok=True)
         fleet = Fleet(a.port, out, 60, [a.model], root=root)
-        print(f"== {system} ({root}), {a.model} C={a.conc}", flush=True)
+        print(f"== {system} ({root}), {a.model} C={a.conc} over {a.protocol}", flush=True)
         fleet.start()
         try:
-            measure(fleet, a.model, a.conc, a.seconds, a.trace)
+            measure(fleet, a.model, a.conc, a.seconds, a.trace, a.protocol)
         finally:
             fleet.stop(30)
 
