@@ -75,7 +75,9 @@ def main() -> None:
         for name, (root, port) in systems.items():
             out = a.out / name
             out.mkdir(parents=True, exist_ok=True)
-            fleets.append(Fleet(port, out, 120, models, root=root))
+            # A checkout that serves no gRPC is refused up front when gRPC is measured.
+            fleets.append(Fleet(port, out, 120, models, root=root,
+                                protocol="grpc" if "grpc" in a.protocols.split() else "http"))
             fleets[-1].start()
         for protocol in a.protocols.split():
             for model in models:

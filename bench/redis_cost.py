@@ -161,10 +161,10 @@ def main() -> None:
             raise SystemExit(f"{system} needs --base-root")
         out = a.out / f"{i}-{system}"
         out.mkdir(parents=True, exist_ok=True)
-        fleet = Fleet(a.port, out, 60, [a.model], root=root)
+        fleet = Fleet(a.port, out, 60, [a.model], root=root, protocol=a.protocol)
         print(f"== {system} ({root}), {a.model} C={a.conc} over {a.protocol}", flush=True)
-        fleet.start()
         try:
+            fleet.start()
             measure(fleet, a.model, a.conc, a.seconds, a.trace, a.protocol)
         finally:
             fleet.stop(30)

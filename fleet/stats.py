@@ -9,8 +9,9 @@ Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to t
 run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
-second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters,
-the gateway's own) still go straight into the hash."""
+second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
+still go straight into the hash; the gateway's own (cache hits and misses, ensembles) are log entries
+too (gateway/counters.py)."""
 
 from __future__ import annotations
 

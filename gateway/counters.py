@@ -5,8 +5,9 @@ only loses a count. Through the log, not HINCRBYs into the hash, so that `last_i
 latest time whoever wrote last (a direct HSET could set it back past a worker's later batch).
 
 No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself,
-in the same round trip as a write, at most once every FOLD_EVERY_S: the log stays about that long
-whoever reads it."""
+in the same round trip as a write, at most once every FOLD_EVERY_S (and at the next write again while
+a fold comes back full): what a busy ensemble logs is folded within about that long. The last entries
+before a quiet spell stay until the next write or read (every reader folds first)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.keys import Keys
-from fleet.stats import LAST_INFERENCE, LOG_FIELD, field, fold_args
+from fleet.stats import FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +42,25 @@ class Counters:
         entry = {field(version, name): value for name, value in deltas.items()}
         if last_inference:
             entry[field(version, LAST_INFERENCE)] = int(time.time() * 1000)
-        task = asyncio.ensure_future(self._write(model, msgpack.packb(entry)))
+        task = asyncio.ensure_future(self._write(model, entry))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _write(self, model: str, entry: bytes) -> None:
+    async def _write(self, model: str, entry: dict[str, int]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(self.keys.stats_log(model), {LOG_FIELD: entry})
+        pipe.xadd(self.keys.stats_log(model), {LOG_FIELD: msgpack.packb(entry)})
         now = self._monotonic()
-        if now - self._folded_at.get(model, -FOLD_EVERY_S) >= FOLD_EVERY_S:
+        folding = now - self._folded_at.get(model, -FOLD_EVERY_S) >= FOLD_EVERY_S
+        if folding:
             self._folded_at[model] = now
             pipe.eval(*fold_args(self.keys, model))
         try:
-            await pipe.execute()
+            results = await pipe.execute()
         except RedisError as exc:
             log.warning("cannot add to the statistics of %s: %s", model, exc)
+            return
+        if folding and results[-1] == FOLD_MAX:
+            self._folded_at.pop(model, None)  # a backlog: the next write folds again
 
     async def drain(self) -> None:
         if self._pending:

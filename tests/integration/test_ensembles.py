@@ -110,13 +110,17 @@ def test_an_ensemble_runs_its_steps_through_the_queue(redis_server: LocalServer,
             stats = (await s.client.get("/v2/models/pipeline/stats")).json()["model_stats"][0]
             # 1 + 12 direct, and 2 as the steps of 'nested' (a nested ensemble counts as Triton counts it)
             assert stats["inference_stats"]["success"]["count"] == 15
+            last_success = stats["last_inference"]
+            assert last_success > 0
 
-            # A failing step fails the request with that step's error.
+            # A failing step fails the request with that step's error (and is not an inference: Triton's
+            # last_inference stays at the last success).
             r = await s.client.post("/v2/models/pipeline/infer", json=body([-1.0, 1.0]))
             assert r.status_code == 500 and "negative input refused" in r.json()["error"], r.text
             await s.state.ensembles.drain()
             stats = (await s.client.get("/v2/models/pipeline/stats")).json()["model_stats"][0]
             assert stats["inference_stats"]["fail"]["count"] == 1
+            assert stats["last_inference"] == last_success
 
             # An ensemble whose plan cannot hold says why, in the index and to requests.
             r = await s.client.post("/v2/models/broken/infer", json=body([1.0, 1.0]))

@@ -264,3 +264,42 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
     assert got[field(2, "fail:count")] == 1 and field(2, LAST_INFERENCE) not in got
     assert got[field(1, LAST_INFERENCE)] == later_ms
     sync.close()
+
+
+def test_the_gateway_folds_again_while_its_fold_comes_back_full(redis_server: LocalServer, key_prefix: str) -> None:
+    """An ensemble's log past FOLD_MAX (nobody read it for a while): the gateway's next writes fold on,
+    whatever FOLD_EVERY_S says, until a fold comes back short."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.counters import Counters
+
+    keys = Keys(key_prefix)
+    sync = redis.Redis.from_url(redis_server.url, protocol=2)
+    entry = msgpack.packb({field(1, "success:count"): 1})
+    pipe = sync.pipeline(transaction=False)
+    for _ in range(FOLD_MAX + 10):
+        pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+    pipe.execute()
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, protocol=2)
+        counters = Counters(client, keys, monotonic=lambda: 5.0)  # the clock never moves on
+        try:
+            counters.add(MODEL, 1, {"success:count": 1})
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 11  # FOLD_MAX folded; 10 + this write's entry left
+            counters.add(MODEL, 1, {"success:count": 1})
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 0  # full, so this write folded again
+            counters.add(MODEL, 1, {"success:count": 1})
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 1  # that fold was short: once a second again
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    sync.eval(*fold_args(keys, MODEL))
+    assert stats(sync, keys)[field(1, "success:count")] == FOLD_MAX + 13
+    sync.close()
