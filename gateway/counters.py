@@ -34,7 +34,7 @@ class Counters:
         self.keys = keys
         self._monotonic = monotonic
         self._pending: set[asyncio.Task[None]] = set()
-        self._folded_at: dict[str, float] = {}  # model -> time.monotonic() of this gateway's last fold
+        self._folded_at: dict[str, float] = {}  # model -> when this gateway last folded its log (monotonic s)
 
     def add(self, model: str, version: int, deltas: dict[str, int], last_inference: bool = True) -> None:
         """Count `deltas` into `version`'s fields of `model`'s statistics (and, if `last_inference`, now as

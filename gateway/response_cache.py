@@ -155,10 +155,10 @@ class ResponseCache:
         """A hit's statistics, as Triton counts them (a success that never executed; queue time 0), its
         latency buckets included, so that the histograms' counts and sums agree with these."""
         self.counters.add(model, version, {"success:count": 1, "success:ns": request_ns, "queue:count": 1,
-                                               "cache_hit:count": 1, "cache_hit:ns": lookup_ns,
-                                               "inference_count": rows,
-                                               **bucket_deltas("request", (request_ns // 1000,)),
-                                               **bucket_deltas("queue", (0,))})
+                                           "cache_hit:count": 1, "cache_hit:ns": lookup_ns,
+                                           "inference_count": rows,
+                                           **bucket_deltas("request", (request_ns // 1000,)),
+                                           **bucket_deltas("queue", (0,))})
 
     async def drain(self) -> None:
         """Inserts and counts still in flight, done (tests, and a stopping gateway)."""
