@@ -4,10 +4,10 @@ workers write theirs: one entry on the model's stats log, folded into its hash b
 only loses a count. Through the log, not HINCRBYs into the hash, so that `last_inference` keeps the
 latest time whoever wrote last (a direct HSET could set it back past a worker's later batch).
 
-No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself,
-in the same round trip as a write, at most once every FOLD_EVERY_S (and at the next write again while
-a fold comes back full): what a busy ensemble logs is folded within about that long. The last entries
-before a quiet spell stay until the next write or read (every reader folds first)."""
+No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself:
+in the same round trip as a write at most once every FOLD_EVERY_S (and at the next write again while a
+fold comes back full), and once more that long after a write it did not fold, so the last entries
+before a quiet spell are folded too (and at close). The log stays about FOLD_EVERY_S long."""
 
 from __future__ import annotations
 
@@ -29,12 +29,15 @@ FOLD_EVERY_S = 1.0  # as a worker folds its models' logs
 
 
 class Counters:
-    def __init__(self, client: aioredis.Redis, keys: Keys, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, monotonic: Callable[[], float] = time.monotonic,
+                 fold_every_s: float = FOLD_EVERY_S) -> None:
         self.client = client
         self.keys = keys
         self._monotonic = monotonic
+        self._fold_every_s = fold_every_s
         self._pending: set[asyncio.Task[None]] = set()
         self._folded_at: dict[str, float] = {}  # model -> when this gateway last folded its log (monotonic s)
+        self._trailing: dict[str, asyncio.TimerHandle] = {}  # model -> its fold after an unfolded write
 
     def add(self, model: str, version: int, deltas: dict[str, int], last_inference: bool = True) -> None:
         """Count `deltas` into `version`'s fields of `model`'s statistics (and, if `last_inference`, now as
@@ -50,10 +53,13 @@ class Counters:
         pipe = self.client.pipeline(transaction=False)
         pipe.xadd(self.keys.stats_log(model), {LOG_FIELD: msgpack.packb(entry)})
         now = self._monotonic()
-        folding = now - self._folded_at.get(model, -FOLD_EVERY_S) >= FOLD_EVERY_S
+        folding = now - self._folded_at.get(model, -self._fold_every_s) >= self._fold_every_s
         if folding:
             self._folded_at[model] = now
             pipe.eval(*fold_args(self.keys, model))
+        elif model not in self._trailing:
+            delay = self._folded_at[model] + self._fold_every_s - now
+            self._trailing[model] = asyncio.get_running_loop().call_later(delay, self._fold_later, model)
         try:
             results = await pipe.execute()
         except RedisError as exc:
@@ -62,6 +68,30 @@ class Counters:
         if folding and results[-1] == FOLD_MAX:
             self._folded_at.pop(model, None)  # a backlog: the next write folds again
 
+    def _fold_later(self, model: str) -> None:
+        self._trailing.pop(model, None)
+        task = asyncio.ensure_future(self._fold(model))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _fold(self, model: str) -> None:
+        self._folded_at[model] = self._monotonic()
+        try:
+            folded = await self.client.eval(*fold_args(self.keys, model))
+        except RedisError as exc:
+            log.warning("cannot fold the statistics of %s: %s", model, exc)
+            return
+        if folded == FOLD_MAX:
+            self._fold_later(model)  # a backlog: on at once
+
     async def drain(self) -> None:
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=5)
+
+    async def close(self) -> None:
+        """The gateway stops: write what is pending and fold now what waited for a later fold."""
+        await self.drain()
+        trailing, self._trailing = self._trailing, {}
+        for handle in trailing.values():
+            handle.cancel()
+        await asyncio.gather(*(self._fold(model) for model in trailing))

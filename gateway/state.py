@@ -67,10 +67,11 @@ class GatewayState:
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
         # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
         self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
-        counters = Counters(self.client, self.keys)  # statistics this gateway adds itself (gateway/counters.py)
+        # Statistics this gateway adds itself (gateway/counters.py).
+        self.counters = Counters(self.client, self.keys)
         self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config),
-                                   counters)
-        self.ensembles = Ensembles(self.catalog, self.keys, counters)
+                                   self.counters)
+        self.ensembles = Ensembles(self.catalog, self.keys, self.counters)
         sequences = SequenceRouter(self.client, self.keys, self.catalog, settings.request_timeout_s)
         self.dataplane = DataPlane(self.catalog, self.broker, regions=self.shared_memory,
                                    max_in_flight=settings.max_in_flight, cache=self.cache, ensembles=self.ensembles,
@@ -105,6 +106,7 @@ class GatewayState:
         await self.runtime.stop()
         await self.cache.drain()
         await self.ensembles.drain()
+        await self.counters.close()
         await self.broker.stop()
         self.jobs.client.close()
 

@@ -218,14 +218,15 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
                                                                          key_prefix: str) -> None:
     """gateway/counters.py: a cache hit's or an ensemble's counts are log entries (summed by the fold),
     its `last_inference` never sets back a worker's later one, a failed request stamps none, and the
-    gateway folds a log no worker folds (an ensemble's) at most once a FOLD_EVERY_S."""
+    gateway folds a log no worker folds (an ensemble's) with a write at most once a fold interval."""
     import asyncio
     import time
 
     import redis.asyncio as aioredis
 
-    from gateway.counters import FOLD_EVERY_S, Counters
+    from gateway.counters import Counters
 
+    every = 60.0  # the fold interval, on the injected clock (the fold after a quiet spell: far off, in real s)
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
     later_ms = int(time.time() * 1000) + 3_600_000  # a worker's batch that finished "later"
@@ -239,19 +240,19 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
 
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_server.url, protocol=2)
-        counters = Counters(client, keys, monotonic=lambda: clock[0])
+        counters = Counters(client, keys, monotonic=lambda: clock[0], fold_every_s=every)
         try:
             counters.add(MODEL, 1, {"success:count": 1, "cache_hit:count": 1})  # folds: the first write
             await counters.drain()
             assert sync.xlen(keys.stats_log(MODEL)) == 0
-            for _ in range(3):  # within FOLD_EVERY_S: logged, not folded
-                clock[0] += FOLD_EVERY_S / 10
+            for _ in range(3):  # within the interval: logged, not folded
+                clock[0] += every / 10
                 counters.add(MODEL, 1, {"success:count": 1})
                 await counters.drain()
             counters.add(MODEL, 2, {"fail:count": 1}, last_inference=False)
             await counters.drain()
             assert sync.xlen(keys.stats_log(MODEL)) == 4
-            clock[0] += FOLD_EVERY_S
+            clock[0] += every
             counters.add(MODEL, 1, {"cache_hit:count": 2})
             await counters.drain()
             assert sync.xlen(keys.stats_log(MODEL)) == 0
@@ -285,7 +286,7 @@ def test_the_gateway_folds_again_while_its_fold_comes_back_full(redis_server: Lo
 
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_server.url, protocol=2)
-        counters = Counters(client, keys, monotonic=lambda: 5.0)  # the clock never moves on
+        counters = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)  # the clock never moves on
         try:
             counters.add(MODEL, 1, {"success:count": 1})
             await counters.drain()
@@ -302,4 +303,46 @@ def test_the_gateway_folds_again_while_its_fold_comes_back_full(redis_server: Lo
     asyncio.run(main())
     sync.eval(*fold_args(keys, MODEL))
     assert stats(sync, keys)[field(1, "success:count")] == FOLD_MAX + 13
+    sync.close()
+
+
+def test_the_gateway_folds_what_it_logged_before_a_quiet_spell(redis_server: LocalServer, key_prefix: str) -> None:
+    """An entry the gateway did not fold with its write is folded one interval later with no write after
+    it, and at once when the gateway closes."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.counters import Counters
+
+    keys = Keys(key_prefix)
+    sync = redis.Redis.from_url(redis_server.url, protocol=2)
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, protocol=2)
+        try:
+            counters = Counters(client, keys, fold_every_s=0.3)
+            counters.add(MODEL, 1, {"success:count": 1})  # folded with its write
+            counters.add(MODEL, 1, {"success:count": 1})  # within the interval: logged only
+            await counters.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 1
+            for _ in range(50):  # bounded: 5 s
+                if sync.xlen(keys.stats_log(MODEL)) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert sync.xlen(keys.stats_log(MODEL)) == 0
+            assert stats(sync, keys)[field(1, "success:count")] == 2
+
+            closing = Counters(client, keys, fold_every_s=3600.0)
+            closing.add(MODEL, 1, {"success:count": 1})
+            closing.add(MODEL, 1, {"success:count": 1})
+            await closing.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 1
+            await closing.close()
+            assert sync.xlen(keys.stats_log(MODEL)) == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    assert stats(sync, keys)[field(1, "success:count")] == 4
     sync.close()
