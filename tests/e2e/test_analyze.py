@@ -44,7 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def analyze(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fleet", "analyze", "paced", "--url", cluster.base_url,
-                           "--warmup", "0.1", "--seconds", "0.6", *args],
+                           "--warmup", "0.3", "--seconds", "1.0", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 
