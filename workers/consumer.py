@@ -36,7 +36,9 @@ REPLY_MAXLEN = 100_000  # bounds a reply stream whose gateway died; far above an
 ORPHAN_REPLY_TTL_S = 3600
 TTL_REFRESH_S = 60.0
 
-__all__ = ["Claimed", "MessageId", "StreamConsumer", "Written"]
+DEAD_LETTERS_MAXLEN = 10_000
+
+__all__ = ["Claimed", "Letter", "MessageId", "StreamConsumer", "Written"]
 
 # Keepalive: restart the idle time of the messages this consumer still owns (XCLAIM JUSTID to itself:
 # no delivery counted), and say which are no longer its own: pending for another consumer (it claimed
@@ -87,15 +89,26 @@ class Claimed:
 
 
 @dataclass(frozen=True, slots=True)
+class Letter:
+    """A message to park in the model's dead letters: why, and its payload (for `fleet dead-letters
+    --replay`)."""
+
+    message: MessageId
+    reason: str
+    payload: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
 class Written:
-    """What one `write` got through: replies by index into the list given, the batches' statistics Redis
-    refused (to be counted again: only those, or the others would count twice), and whether the
-    acknowledgements it carried were made."""
+    """What one `write` got through: replies and dead letters by index into the lists given, the
+    batches' statistics Redis refused (to be counted again: only those, or the others would count
+    twice), and whether the acknowledgements it carried were made."""
 
     replies: frozenset[int]
     uncounted: tuple[BatchSample, ...]
     acked: bool
     error: BaseException | None  # the first failure, if any
+    letters: frozenset[int] = frozenset()
 
 
 class StreamConsumer:
@@ -159,17 +172,21 @@ class StreamConsumer:
         return out
 
     async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample],
-                    acks: Sequence[MessageId] = ()) -> Written:
+                    acks: Sequence[MessageId] = (), letters: Sequence[Letter] = ()) -> Written:
         """Write replies (one stream entry per reply stream, one field per reply), count the batch's
-        statistics and acknowledge `acks` (messages whose replies an earlier write got through), in one
-        round trip; each command's own result is checked, so a reply Redis refused (out of memory, a
-        wrong-type key) is reported as not written while the others are."""
+        statistics, park `letters` and acknowledge `acks` (messages whose replies an earlier write got
+        through), in one round trip; each command's own result is checked, so a reply Redis refused (out
+        of memory, a wrong-type key) is reported as not written while the others are."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
         logged = [(sample, entry) for sample in samples if (entry := log_entry(sample)) is not None]
         commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, entry)
                                    for _, entry in logged]
         counts = len(commands)
+        # Then the dead letters, ahead of the replies that tell their callers: whoever got the error
+        # finds the message parked (two commands each: the entry, then the count).
+        for letter in letters:
+            commands += self._letter_commands(letter)
         by_stream: dict[str, list[int]] = {}
         for index, (reply_to, _) in enumerate(replies):
             by_stream.setdefault(reply_to, []).append(index)
@@ -195,6 +212,12 @@ class StreamConsumer:
         results = await self._writer.execute(commands)
         written: set[int] = set()
         errors: list[BaseException] = []
+        lettered: set[int] = set()
+        for i in range(len(letters)):
+            entry, count = results[counts + 2 * i:counts + 2 * i + 2]
+            errors += [r for r in (entry, count) if isinstance(r, BaseException)]
+            if not isinstance(entry, BaseException):
+                lettered.add(i)  # parked (a count Redis refused is only a count)
         for position, indices in zip(xadds, by_stream.values(), strict=True):
             result = results[position]
             if isinstance(result, BaseException):
@@ -205,7 +228,7 @@ class StreamConsumer:
                           if isinstance(r, BaseException))
         acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
         errors += [r for r in results[:counts] + results[first_ack:] if isinstance(r, BaseException)]
-        return Written(frozenset(written), uncounted, acked, errors[0] if errors else None)
+        return Written(frozenset(written), uncounted, acked, errors[0] if errors else None, frozenset(lettered))
 
     async def ack(self, messages: list[MessageId]) -> None:
         """Acknowledge and delete: only for messages whose reply is written (or that need none)."""
@@ -289,21 +312,21 @@ class StreamConsumer:
             total += max(0, n)
         return total
 
-    async def dead_letter(self, message: MessageId, reason: str, payload: bytes | None) -> None:
-        """Park a message nobody could answer with the reason (and its payload, so `fleet dead-letters
-        --replay` can queue it again), then ack and delete it."""
-        lane, entry_id = message
-        stream = self.streams[lane]
-        fields: dict[bytes, bytes | int] = {b"id": entry_id, b"lane": lane, b"version": self.version,
-                                            b"reason": reason.encode()}
-        if payload is not None:
-            fields[b"d"] = payload
-        await self._client.xadd(self._keys.dead(self.model), fields, maxlen=10_000, approximate=True)  # type: ignore[arg-type]
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.hincrby(self._keys.stats(self.model), DEAD_LETTERED, 1)
-        await pipe.execute()
+    async def dead_letter(self, letter: Letter) -> None:
+        """Park a message nobody can answer (there is no caller to reply to), then ack and delete it."""
+        results = await self._writer.execute(self._letter_commands(letter) + self._ack_commands([letter.message]))
+        raise_first(results)
+
+    def _letter_commands(self, letter: Letter) -> list[Command]:
+        """The message's entry in the dead letters (with the reason, and its payload so that `fleet
+        dead-letters --replay` can queue it again), and the count."""
+        lane, entry_id = letter.message
+        entry: list[bytes | Parts | str | int] = [
+            "XADD", self._keys.dead(self.model), "MAXLEN", "~", DEAD_LETTERS_MAXLEN, "*",
+            b"id", entry_id, b"lane", lane, b"version", self.version, b"reason", letter.reason.encode()]
+        if letter.payload is not None:
+            entry += [b"d", letter.payload]
+        return [entry, ("HINCRBY", self._keys.stats(self.model), DEAD_LETTERED, 1)]
 
     async def fold_stats(self, most: int = 10) -> int:
         """Fold the model's stats log into its hash (what readers do before reading), again while a fold

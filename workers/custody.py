@@ -39,7 +39,7 @@ from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
 from fleet.stats import CLAIMED, REDELIVERED, BatchSample
-from workers.consumer import StreamConsumer
+from workers.consumer import Letter, StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class CustodyConfig:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One reply to write for a held message; `park` (a reason) dead-letters the message once the reply
-    is written, instead of a plain ack."""
+    """One reply to write for a held message; `park` (a reason) also dead-letters the message, in the
+    same round trip as the reply and ahead of it (so its caller, told, finds it parked)."""
 
     message: MessageId
     reply_to: str
@@ -170,11 +170,7 @@ class Custody:
                 written.set_result(None)
             if replied is None:
                 return  # given up: the messages stay pending, to be claimed and computed again
-            for a in replied:
-                if a.park is not None:
-                    await self._retrying("parking a poison message",
-                                         functools.partial(self.consumer.dead_letter, a.message, a.park, a.payload))
-            handed = acks + [a.message for a in replied if a.park is None]
+            handed = acks + [a.message for a in replied]
             self._acknowledge(handed)
             self.holding.answered(handed)  # room for the next reads now, not once acknowledged
             self._released()
@@ -185,17 +181,19 @@ class Custody:
             self.release([m for m in [a.message for a in answers] + acks if m not in done])
 
     async def _write(self, answers: list[Answer], samples: list[BatchSample]) -> list[Answer] | None:
-        """Write the replies and count the samples, retried with backoff for up to finish_retry_s; carries
-        the acknowledgements waiting for a ride (_acknowledge). Returns the answers written, or None if
-        Redis refused some for too long."""
+        """Write the replies, park the answers to park and count the samples, retried with backoff for up
+        to finish_retry_s; carries the acknowledgements waiting for a ride (_acknowledge). Returns the
+        answers written and parked, or None if Redis refused some for too long."""
         backoff = Backoff()
         give_up_at = time.monotonic() + self.config.finish_retry_s
         to_write, done = answers, []
-        while to_write or samples:
+        to_park = [a for a in answers if a.park is not None]  # each parked once, however often its reply is retried
+        while to_write or samples or to_park:
             carried = self._take_acks()
             try:
                 w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples,
-                                              [m for ms, _ in carried for m in ms])
+                                              [m for ms, _ in carried for m in ms],
+                                              [Letter(a.message, a.park or "", a.payload) for a in to_park])
             except (RedisError, OSError) as exc:
                 self._settle_acks(carried, False)
                 error: BaseException | None = exc
@@ -203,8 +201,9 @@ class Custody:
                 self._settle_acks(carried, w.acked)
                 done += [a for i, a in enumerate(to_write) if i in w.replies]
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
+                to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
                 samples = list(w.uncounted)
-                error = w.error if (to_write or samples) else None
+                error = w.error if (to_write or samples or to_park) else None
             if error is None:
                 continue
             if time.monotonic() > give_up_at:
@@ -413,6 +412,6 @@ class Custody:
     async def _park_unreadable(self, message: MessageId, reason: str, payload: bytes | None) -> None:
         try:
             await self._retrying(f"dead-lettering {message!r}",
-                                 functools.partial(self.consumer.dead_letter, message, reason, payload))
+                                 functools.partial(self.consumer.dead_letter, Letter(message, reason, payload)))
         finally:
             self.release([message])

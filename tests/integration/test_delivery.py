@@ -363,3 +363,43 @@ def test_a_reply_written_the_moment_a_broker_starts_is_not_missed(redis_server: 
             await broker.stop()
 
     asyncio.run(main())
+
+
+def test_a_dead_letter_goes_ahead_of_its_reply_and_is_reported_on_its_own(redis_server: LocalServer,
+                                                                          key_prefix: str) -> None:
+    """StreamConsumer.write parks a poison message in the same round trip as its caller's reply, ahead of
+    it (whoever got the error finds the letter), and reports each letter on its own: one Redis refuses is
+    retried by workers/custody.py without writing the reply again."""
+    from fleet.stats import DEAD_LETTERED
+    from workers.consumer import Letter, StreamConsumer
+
+    keys = Keys(key_prefix)
+
+    async def main() -> None:
+        r = async_client(redis_server.url)
+        consumer = StreamConsumer(r, keys, "poison", 1, "c")
+        try:
+            await consumer.join()
+            queue = keys.queue("poison", version=1)
+            entry = await r.xadd(queue, {b"d": b"payload"})
+            await r.xreadgroup(GROUP, "c", {queue: ">"}, count=1)
+            reply_to = f"{key_prefix}:reply:p"
+            w = await consumer.write([(reply_to, ReplyEnvelope(id="p1", model_version=1, error_code="INTERNAL",
+                                                               error_message="poison"))],
+                                     [], (), [Letter((0, entry), "poison", b"payload")])
+            assert w.replies == frozenset({0}) and w.letters == frozenset({0}) and w.error is None
+            (_, letter), = await r.xrange(keys.dead("poison"))
+            assert await r.xlen(reply_to) == 1
+            assert letter[b"reason"] == b"poison" and letter[b"d"] == b"payload" and letter[b"id"] == entry
+            assert int(await r.hget(keys.stats("poison"), DEAD_LETTERED) or 0) == 1
+
+            await r.delete(keys.dead("poison"))
+            await r.set(keys.dead("poison"), "not a stream")
+            w = await consumer.write([(reply_to, ReplyEnvelope(id="p2", model_version=1))], [], (),
+                                     [Letter((0, entry), "poison", None)])
+            assert w.replies == frozenset({0}) and w.letters == frozenset() and "WRONGTYPE" in str(w.error)
+        finally:
+            await consumer.close()
+            await r.aclose()
+
+    asyncio.run(main())
