@@ -5,16 +5,17 @@ only loses a count. Through the log, not HINCRBYs into the hash, so that `last_i
 latest time whoever wrote last (a direct HSET could set it back past a worker's later batch).
 
 No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself:
-in the same round trip as a write at most once every FOLD_EVERY_S (and at the next write again while a
-fold comes back full), and once more that long after a write it did not fold, so the last entries
-before a quiet spell are folded too (and at close). The log stays about FOLD_EVERY_S long."""
+in the same round trip as a write at most once every FOLD_EVERY_S, and once more that long after a
+write it did not fold, so the last entries before a quiet spell are folded too (and at close). A fold
+that comes back full (a backlog) folds on at once, as a worker's does (workers/consumer.py
+fold_stats), up to FOLD_ROUNDS in a row. The log stays about FOLD_EVERY_S long."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import msgpack
 import redis.asyncio as aioredis
@@ -26,6 +27,7 @@ from fleet.stats import FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
 log = logging.getLogger(__name__)
 
 FOLD_EVERY_S = 1.0  # as a worker folds its models' logs
+FOLD_ROUNDS = 10  # full folds in a row, as a worker's fold_stats: a longer backlog waits for the next fold
 
 
 class Counters:
@@ -45,9 +47,7 @@ class Counters:
         entry = {field(version, name): value for name, value in deltas.items()}
         if last_inference:
             entry[field(version, LAST_INFERENCE)] = int(time.time() * 1000)
-        task = asyncio.ensure_future(self._write(model, entry))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._spawn(self._write(model, entry))
 
     async def _write(self, model: str, entry: dict[str, int]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -66,27 +66,33 @@ class Counters:
             log.warning("cannot add to the statistics of %s: %s", model, exc)
             return
         if folding and results[-1] == FOLD_MAX:
-            self._folded_at.pop(model, None)  # a backlog: the next write folds again
+            self._spawn(self._fold(model, FOLD_ROUNDS - 1))  # a backlog: on at once
 
     def _fold_later(self, model: str) -> None:
         self._trailing.pop(model, None)
-        task = asyncio.ensure_future(self._fold(model))
+        self._spawn(self._fold(model, FOLD_ROUNDS))
+
+    def _spawn(self, fold: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(fold)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _fold(self, model: str) -> None:
-        self._folded_at[model] = self._monotonic()
-        try:
-            folded = await self.client.eval(*fold_args(self.keys, model))
-        except RedisError as exc:
-            log.warning("cannot fold the statistics of %s: %s", model, exc)
-            return
-        if folded == FOLD_MAX:
-            self._fold_later(model)  # a backlog: on at once
+    async def _fold(self, model: str, rounds: int) -> None:
+        for _ in range(rounds):
+            self._folded_at[model] = self._monotonic()
+            try:
+                folded = await self.client.eval(*fold_args(self.keys, model))
+            except RedisError as exc:
+                log.warning("cannot fold the statistics of %s: %s", model, exc)
+                return
+            if folded != FOLD_MAX:
+                return
 
     async def drain(self) -> None:
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=5)
+        """Until what was added (and the folds it started) is written, for at most 5 s."""
+        give_up_at = time.monotonic() + 5
+        while self._pending and (left := give_up_at - time.monotonic()) > 0:
+            await asyncio.wait(list(self._pending), timeout=left)
 
     async def close(self) -> None:
         """The gateway stops: write what is pending and fold now what waited for a later fold."""
@@ -94,4 +100,4 @@ class Counters:
         trailing, self._trailing = self._trailing, {}
         for handle in trailing.values():
             handle.cancel()
-        await asyncio.gather(*(self._fold(model) for model in trailing))
+        await asyncio.gather(*(self._fold(model, FOLD_ROUNDS) for model in trailing))

@@ -267,42 +267,48 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
     sync.close()
 
 
-def test_the_gateway_folds_again_while_its_fold_comes_back_full(redis_server: LocalServer, key_prefix: str) -> None:
-    """An ensemble's log past FOLD_MAX (nobody read it for a while): the gateway's next writes fold on,
-    whatever FOLD_EVERY_S says, until a fold comes back short."""
+def test_the_gateway_folds_on_while_its_fold_comes_back_full(redis_server: LocalServer, key_prefix: str) -> None:
+    """An ensemble's log past FOLD_MAX (nobody read it for a while): a write's full fold folds on at once,
+    whatever FOLD_EVERY_S says, until a fold comes back short or FOLD_ROUNDS folds in a row, as a worker's."""
     import asyncio
 
     import redis.asyncio as aioredis
 
-    from gateway.counters import Counters
+    from gateway.counters import FOLD_ROUNDS, Counters
 
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
     entry = msgpack.packb({field(1, "success:count"): 1})
-    pipe = sync.pipeline(transaction=False)
-    for _ in range(FOLD_MAX + 10):
-        pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
-    pipe.execute()
+
+    def backlog(n: int) -> None:
+        pipe = sync.pipeline(transaction=False)
+        for _ in range(n):
+            pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+        pipe.execute()
 
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_server.url, protocol=2)
-        counters = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)  # the clock never moves on
         try:
+            backlog(FOLD_MAX + 10)
+            counters = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)  # the clock never moves on
             counters.add(MODEL, 1, {"success:count": 1})
             await counters.drain()
-            assert sync.xlen(keys.stats_log(MODEL)) == 11  # FOLD_MAX folded; 10 + this write's entry left
-            counters.add(MODEL, 1, {"success:count": 1})
-            await counters.drain()
-            assert sync.xlen(keys.stats_log(MODEL)) == 0  # full, so this write folded again
-            counters.add(MODEL, 1, {"success:count": 1})
-            await counters.drain()
-            assert sync.xlen(keys.stats_log(MODEL)) == 1  # that fold was short: once a second again
+            assert sync.xlen(keys.stats_log(MODEL)) == 0  # FOLD_MAX with the write, the other 11 right after it
+
+            backlog(FOLD_ROUNDS * FOLD_MAX + 5)
+            capped = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)
+            capped.add(MODEL, 1, {"success:count": 1})
+            await capped.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 6  # FOLD_ROUNDS full folds, then it stopped
+            capped.add(MODEL, 1, {"success:count": 1})
+            await capped.drain()
+            assert sync.xlen(keys.stats_log(MODEL)) == 7  # within the interval: logged only
         finally:
             await client.aclose()
 
     asyncio.run(main())
     sync.eval(*fold_args(keys, MODEL))
-    assert stats(sync, keys)[field(1, "success:count")] == FOLD_MAX + 13
+    assert stats(sync, keys)[field(1, "success:count")] == (FOLD_ROUNDS + 1) * FOLD_MAX + 18
     sync.close()
 
 
