@@ -6,11 +6,10 @@ Enqueues go out as one batch per round trip (many requests in one), one round tr
 connection of the broker's own (fleet/redis_link.py): those issued while one is in flight go in the next,
 in order; each command's own result decides its request's fate, so one refused XADD fails only its own
 caller (the others were enqueued and will be answered). Replies come back on this gateway's own
-stream, read by a single task that resolves the waiting futures by request id: no per-request
-subscription, no polling. Request ids carry a nonce drawn at each start, so a gateway restarted with
-the same FLEET_GATEWAY_ID never takes an old reply for a new request; its reader starts after a marker
-it writes at start. Redis errors become BrokerUnavailable here, once. The broker also keeps this
-process's estimate of Redis's clock (fleet/redis_time.py), the time base of every envelope.
+stream, read by one task (fleet/reply_reader.py). Request ids carry a nonce drawn at each start, so a
+gateway restarted with the same FLEET_GATEWAY_ID never takes an old reply for a new request. Redis
+errors become BrokerUnavailable here, once. The broker also keeps this process's estimate of Redis's
+clock (fleet/redis_time.py), the time base of every envelope.
 """
 
 from __future__ import annotations
@@ -19,51 +18,31 @@ import asyncio
 import contextvars
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fleet.backoff import Backoff
-from fleet.cancellation import cancel_and_wait, raise_if_cancelled
-from fleet.envelope import ReplyEnvelope, readable_reply
-from fleet.errors import BrokerUnavailable, DeadlineExceeded, QueueFull, RequestTimeout
+from fleet.cancellation import cancel_and_wait
+from fleet.envelope import ReplyEnvelope
+from fleet.errors import BrokerUnavailable, QueueFull, RequestTimeout
 from fleet.keys import Keys
 from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
 from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
-from fleet.redis_link import Command, RedisLink, raise_first
+from fleet.redis_link import RedisLink
 from fleet.redis_time import RedisClock
+from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter
 from fleet.stats import BatchSample, increments
 from fleet.supervision import Supervisor
-from fleet.trace_points import REPLY_RECEIVED
 
 log = logging.getLogger(__name__)
 
 # A request waiting for the next flush: (request id, stream, payload, max queue size, its reply's future).
 _Outgoing = tuple[str, str, bytes | Parts, int, asyncio.Future[ReplyEnvelope]]
 
-REPLY_TTL_S = 120  # an abandoned reply stream (dead gateway) disappears after this
-SWEEP_S = 0.25  # how often waiters past their timeout are failed
-CLOCK_SAMPLE_EVERY = 8  # sweeps between two samples of Redis's clock (2 s)
-
 REJECT_RETRY_S = 0.005  # the request's XADD has not come back yet: look again this soon
-
-
-@dataclass(slots=True)
-class _Waiter:
-    future: asyncio.Future[ReplyEnvelope]
-    expires_at: float  # loop time
-    model: str = ""
-    entry: tuple[str, bytes] | None = None  # (stream, entry id) once enqueued: what a cancel deletes
-    version: int = 0
-    enqueued_us: int = 0  # Redis's clock
-    # A decoupled model's request: `future` gets the first reply, this queue each later one, until the
-    # final one (which retires the waiter). None for the usual one reply.
-    more: asyncio.Queue[ReplyEnvelope] | None = None
 
 
 class Broker:
@@ -74,31 +53,32 @@ class Broker:
         self._reader_client = reader_client
         # The request path's two round trips, each on a connection of its own: enqueue and reply read.
         self._enqueue = RedisLink(client)
-        self._replies = RedisLink(reader_client)
         self._enqueue_lock = asyncio.Lock()
         self.keys = keys
         self.gateway_id = gateway_id
         self.reply_key = keys.reply(gateway_id)
-        self._block_ms = block_ms
         self.timeout_s = request_timeout_s
-        self.outage_s = outage_s
-        self._down_since: float | None = None  # loop time Redis was first seen unreachable, if it is now
-        self.unclaimed_replies = 0  # replies nobody waited for any more: duplicates or late; dropped
-        self._redis_back = asyncio.Event()  # an enqueue worked while the reply reader was backing off
-        self._waiters: dict[str, _Waiter] = {}
+        self.redis_clock = RedisClock()
+        self._replies = ReplyReader(client, reader_client, self.reply_key, block_ms=block_ms,
+                                    timeout_s=request_timeout_s, outage_s=outage_s, redis_clock=self.redis_clock,
+                                    abandoned=self._cancel_waiter)
+        self._waiters = self._replies.waiters
         self._outbox: list[_Outgoing] = []
         self._flushes: set[asyncio.Future[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._start_id: bytes | None = None  # the reply stream's marker written by start()
         # Request id -> called once its XADD has come back (taken or not): a sequence's next request is
         # enqueued only then, since XADDs of different flushes may reach Redis in any order
         # (gateway/sequences.py).
         self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
         self._boot = uuid.uuid4().hex[:8]  # request ids are unique across restarts with a fixed gateway id
-        self.redis_clock = RedisClock()
         self.supervisor = Supervisor(f"gateway {gateway_id}", on_give_up=on_give_up)
+
+    @property
+    def unclaimed_replies(self) -> int:
+        """Replies nobody waited for any more (duplicates or late), dropped."""
+        return self._replies.unclaimed
 
     def expires_us(self, enqueued_us: int) -> int:
         """When a request enqueued at `enqueued_us` (Redis's clock) is of no use any more: this gateway
@@ -119,18 +99,12 @@ class Broker:
             if unrecoverable(exc):  # credentials, ACL, TLS: waiting does not fix it
                 raise BrokerUnavailable(f"Redis refuses this gateway: {exc}") from exc
             log.warning("Redis is not reachable yet (%s); the gateway starts and waits for it", exc)
-        # The marker the reader starts after is written before start() returns: a request submitted at
-        # once (a worker's first BLS call starts its broker on demand) must not have its first reply
-        # land before the marker, where the reader would skip it.
-        try:
-            self._start_id = await asyncio.wait_for(self._touch_reply_stream(), 2.0)
-        except TimeoutError:
-            self._start_id = None
-        self._tasks = [self.supervisor.start("reply-reader", self._read_replies),
-                       self.supervisor.start("reply-sweeper", self._sweep)]
+        await self._replies.mark_start()
+        self._tasks = [self.supervisor.start("reply-reader", self._replies.read),
+                       self.supervisor.start("reply-sweeper", self._replies.sweep)]
 
     async def stop(self) -> None:
-        self._stopping = True
+        self._stopping = self._replies.stopping = True
         await cancel_and_wait(self._tasks, f"gateway {self.gateway_id} broker")
         try:
             await self._client.delete(self.reply_key)
@@ -162,8 +136,8 @@ class Broker:
         the ones after it until one is final; the timeout then counts from the last reply."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
-        self._waiters[request_id] = _Waiter(fut, loop.time() + self.timeout_s, model, version=version,
-                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
+        self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
+                                           enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
         if on_enqueued is not None:
             self._on_enqueued[request_id] = on_enqueued
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
@@ -185,7 +159,7 @@ class Broker:
         self._flushes.add(task)
         task.add_done_callback(self._flushes.discard)
 
-    async def _reject_unread(self, request_id: str, waiter: _Waiter) -> None:
+    async def _reject_unread(self, request_id: str, waiter: Waiter) -> None:
         assert waiter.entry is not None
         stream, entry_id = waiter.entry
         now = self.redis_clock.to_redis(self.redis_clock.now_us())
@@ -222,7 +196,7 @@ class Broker:
         if waiter is not None:
             self._cancel_waiter(request_id, waiter)
 
-    def _cancel_waiter(self, request_id: str, waiter: _Waiter) -> None:
+    def _cancel_waiter(self, request_id: str, waiter: Waiter) -> None:
         if waiter.entry is None or self._stopping:
             return
         task = asyncio.ensure_future(self._cancel(request_id, waiter.model, *waiter.entry))
@@ -272,9 +246,7 @@ class Broker:
                 if not fut.done():
                     fut.set_exception(err)
             return
-        if self._down_since is not None:
-            self._down_since = None  # Redis took these: it is back (the reply reader may still be waiting)
-            self._redis_back.set()
+        self._replies.redis_back()  # Redis took these (the reply reader may still be backing off)
         for (rid, stream, _, bound, fut), result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
                 # This XADD alone was refused (out of memory, a wrong-type key): only its caller fails;
@@ -289,144 +261,3 @@ class Broker:
             waiter = self._waiters.get(rid)
             if waiter is not None:
                 waiter.entry = (stream, result)
-
-    async def _read_replies(self) -> None:
-        # The stream must exist with its TTL before workers write to it. Reading starts after the marker
-        # written now: what is older was written for an earlier process with this gateway id (its ids
-        # carry another nonce, so it could never be taken for a reply of ours; it is just skipped). If
-        # Redis is away at start, from the beginning: a reply must never be missed.
-        last_id = self._start_id or await self._touch_reply_stream() or b"0-0"
-        self._start_id = None  # a restarted reader starts after a new marker
-        next_touch = time.monotonic() + REPLY_TTL_S / 4
-        backoff = Backoff()
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            try:
-                commands: list[Command] = []
-                if last_id != b"0-0":
-                    # Drop what was consumed, piggybacked on the next read: no extra round trip.
-                    commands.append(("XTRIM", self.reply_key, "MINID", last_id))
-                commands.append(("XREAD", "COUNT", 1024, "BLOCK", self._block_ms, "STREAMS", self.reply_key, last_id))
-                *_, result = raise_first(await self._replies.execute(commands, block_ms=self._block_ms))
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                raise_if_cancelled()
-                if self._down_since is None:
-                    self._down_since = loop.time()
-                delay = backoff.next_delay()
-                log.warning("reply reader: %s; retrying in %.2f s", exc, delay)
-                self._redis_back.clear()
-                try:
-                    async with asyncio.timeout(delay):
-                        await self._redis_back.wait()
-                except TimeoutError:
-                    pass
-                continue
-            if backoff.attempt:
-                log.warning("reply reader: reading replies again")
-                self._down_since = None
-                backoff.reset()
-            for _, entries in result or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    for i in range(0, len(fields or ()) - 1, 2):  # a worker batches replies: d0, d1, ...
-                        if fields[i][:1] == b"d":
-                            self._deliver(fields[i + 1])
-            if result:
-                # Let the callers answered now write their responses before the next read is written (it
-                # wakes Valkey, 40-95 µs on this VM, which would otherwise sit in a lone request's path):
-                # one turn for their handlers, one for the writes they leave to the end of their turn (the
-                # gRPC server's frames, gateway/grpc/server.py).
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
-            if time.monotonic() > next_touch:
-                await self._touch_reply_stream()
-                next_touch = time.monotonic() + REPLY_TTL_S / 4
-
-    def _deliver(self, payload: bytes) -> None:
-        reply = readable_reply(payload, "a reply")  # a corrupt entry must not stop the reader
-        if reply is None:
-            return
-        if reply.trace is not None:
-            reply.trace[REPLY_RECEIVED] = self.redis_clock.now_ns()
-        waiter = self._waiters.get(reply.id)
-        if waiter is not None and waiter.more is not None:
-            if reply.final:
-                self._waiters.pop(reply.id, None)
-            else:
-                waiter.expires_at = asyncio.get_running_loop().time() + self.timeout_s
-            if not waiter.future.done():
-                waiter.future.set_result(reply)
-            else:
-                waiter.more.put_nowait(reply)
-            return
-        waiter = self._waiters.pop(reply.id, None)
-        if waiter is not None and not waiter.future.done():
-            waiter.future.set_result(reply)
-        else:
-            self.unclaimed_replies += 1  # a duplicate or a late reply: dropped
-
-    async def _touch_reply_stream(self) -> bytes | None:
-        """Add a marker entry and refresh the TTL; returns the marker's id (None if Redis is away)."""
-        try:
-            pipe = self._reader_client.pipeline(transaction=False)
-            # An empty stream cannot exist; add and trim a marker so EXPIRE has a key to hold.
-            pipe.xadd(self.reply_key, {b"hello": b"1"}, maxlen=100000, approximate=True)
-            pipe.expire(self.reply_key, REPLY_TTL_S)
-            marker, _ = await pipe.execute()
-            return bytes(marker)
-        except (RedisError, OSError) as exc:
-            log.warning("cannot refresh the reply stream: %s", exc)
-            return None
-
-    async def _reachable(self) -> bool:
-        try:
-            async with asyncio.timeout(1.0):
-                await self._client.ping()
-            return True
-        except (RedisError, OSError, TimeoutError):
-            raise_if_cancelled()
-            return False
-
-    async def _sweep(self) -> None:
-        """Fail requests whose reply did not come in time: one timer for all, not one per request."""
-        loop = asyncio.get_running_loop()
-        sweeps = 0
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            sweeps += 1
-            if sweeps % CLOCK_SAMPLE_EVERY == 0 and self._down_since is None:
-                try:
-                    async with asyncio.timeout(1.0):
-                        await self.redis_clock.sample(self._client)
-                except (RedisError, OSError, TimeoutError):
-                    raise_if_cancelled()
-                    # The reader notices an outage; the last estimate stays.
-            now = loop.time()
-            down_s = None if self._down_since is None else now - self._down_since
-            if down_s is not None and down_s > self.outage_s and await self._reachable():
-                self._down_since = down_s = None  # back, and the reply reader is about to notice
-                self._redis_back.set()
-            if down_s is not None and down_s > self.outage_s:
-                # Redis has been away too long: fail what waits now (503, retry elsewhere) instead of
-                # holding every caller to its full timeout.
-                expired = list(self._waiters)
-            else:
-                expired = [rid for rid, w in self._waiters.items() if w.expires_at <= now]
-            for rid in expired:
-                waiter = self._waiters.pop(rid)
-                if waiter.future.done():
-                    if waiter.more is not None:  # a stream that stopped short of its final reply
-                        waiter.more.put_nowait(ReplyEnvelope(
-                            id=rid, model_version=waiter.version, error_code="DEADLINE_EXCEEDED",
-                            error_message=f"no further response from a worker within {self.timeout_s:g}s"))
-                        self._cancel_waiter(rid, waiter)
-                    continue
-                if down_s is not None:
-                    err: Exception = BrokerUnavailable(
-                        f"Redis has been unreachable for {down_s:.1f}s; the request may not have been served")
-                else:
-                    err = DeadlineExceeded(f"no reply from a worker within {self.timeout_s:g}s")
-                    self._cancel_waiter(rid, waiter)  # not computed, if no worker has started it
-                waiter.future.set_exception(err)
