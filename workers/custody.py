@@ -39,14 +39,10 @@ from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
 from fleet.stats import CLAIMED, REDELIVERED, BatchSample
+from workers.acks import Acks
 from workers.consumer import Letter, StreamConsumer
 
 log = logging.getLogger(__name__)
-
-# Acknowledgements wait this long for the next batch's reply write to carry them: under load a batch
-# costs one round trip (replies + the previous batch's acks), not two.
-ACK_DELAY_S = 0.005
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +105,7 @@ class Custody:
         self._stopping = False
         self._finishing: set[asyncio.Task[None]] = set()
         self._last_written: asyncio.Future[None] | None = None  # preserve_ordering: the last ordered write
-        # Replies written, waiting to be acknowledged (then released), with when they joined.
-        self._acks: list[tuple[list[MessageId], float]] = []
-        self._ack_flush: asyncio.Future[None] | None = None
+        self._acks = Acks(consumer, config.finish_retry_s, self.release)
         self._read_failing_since: float | None = None
 
     @property
@@ -161,7 +155,7 @@ class Custody:
 
     async def _finish(self, answers: list[Answer], samples: list[BatchSample], acks: list[MessageId],
                       after: asyncio.Future[None] | None, written: asyncio.Future[None] | None) -> None:
-        handed: list[MessageId] = []  # released once acknowledged (_acknowledge), not here
+        handed: list[MessageId] = []  # released once acknowledged (workers/acks.py), not here
         try:
             if after is not None and not after.done():
                 await asyncio.wait([after])
@@ -171,7 +165,7 @@ class Custody:
             if replied is None:
                 return  # given up: the messages stay pending, to be claimed and computed again
             handed = acks + [a.message for a in replied]
-            self._acknowledge(handed)
+            self._acks.add(handed)
             self.holding.answered(handed)  # room for the next reads now, not once acknowledged
             self._released()
         finally:
@@ -182,23 +176,23 @@ class Custody:
 
     async def _write(self, answers: list[Answer], samples: list[BatchSample]) -> list[Answer] | None:
         """Write the replies, park the answers to park and count the samples, retried with backoff for up
-        to finish_retry_s; carries the acknowledgements waiting for a ride (_acknowledge). Returns the
+        to finish_retry_s; carries the acknowledgements waiting for a ride (workers/acks.py). Returns the
         answers written and parked, or None if Redis refused some for too long."""
         backoff = Backoff()
         give_up_at = time.monotonic() + self.config.finish_retry_s
         to_write, done = answers, []
         to_park = [a for a in answers if a.park is not None]  # each parked once, however often its reply is retried
         while to_write or samples or to_park:
-            carried = self._take_acks()
+            carried = self._acks.take()
             try:
                 w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples,
                                               [m for ms, _ in carried for m in ms],
                                               [Letter(a.message, a.park or "", a.payload) for a in to_park])
             except (RedisError, OSError) as exc:
-                self._settle_acks(carried, False)
+                self._acks.settle(carried, False)
                 error: BaseException | None = exc
             else:
-                self._settle_acks(carried, w.acked)
+                self._acks.settle(carried, w.acked)
                 done += [a for i, a in enumerate(to_write) if i in w.replies]
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
                 to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
@@ -215,56 +209,6 @@ class Custody:
             log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, error, delay)
             await asyncio.sleep(delay)
         return done
-
-    def _acknowledge(self, messages: list[MessageId]) -> None:
-        """Acknowledge and delete messages whose replies are written, then release them. Under load they
-        ride along with the next batch's reply write (one round trip fewer per batch); otherwise they go
-        out on their own after ACK_DELAY_S, retried with backoff while Redis is away (held meanwhile, so
-        kept alive)."""
-        if messages:
-            self._acks.append((messages, time.monotonic()))
-            self._arm_ack_flush(ACK_DELAY_S)
-
-    def _take_acks(self) -> list[tuple[list[MessageId], float]]:
-        taken, self._acks = self._acks, []
-        return taken
-
-    def _settle_acks(self, carried: list[tuple[list[MessageId], float]], acked: bool) -> None:
-        if acked:
-            for messages, _ in carried:
-                self.release(messages)
-            return
-        # Not acknowledged: tried again later, unless for finish_retry_s already. Then they are left
-        # pending (their replies are out: whoever claims them computes a duplicate the gateway drops).
-        cutoff = time.monotonic() - self.config.finish_retry_s
-        for messages, since in carried:
-            if since < cutoff:
-                log.error("%s: %d messages answered but not acknowledged for %.0f s; left pending", self.model,
-                          len(messages), self.config.finish_retry_s)
-                self.release(messages)
-        self._acks = [c for c in carried if c[1] >= cutoff] + self._acks
-        if self._acks:
-            self._arm_ack_flush(ACK_DELAY_S)
-
-    def _arm_ack_flush(self, delay_s: float) -> None:
-        if self._ack_flush is None or self._ack_flush.done():
-            self._ack_flush = asyncio.ensure_future(self._flush_acks(delay_s))
-
-    async def _flush_acks(self, delay_s: float) -> None:
-        backoff = Backoff()
-        await asyncio.sleep(delay_s)
-        while self._acks:
-            carried = self._take_acks()
-            try:
-                await self.consumer.ack([m for ms, _ in carried for m in ms])
-            except (RedisError, OSError) as exc:
-                raise_if_cancelled()
-                self._settle_acks(carried, False)
-                delay = backoff.next_delay()
-                log.warning("%s: acknowledging failed (%s); retrying in %.2f s", self.model, exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            self._settle_acks(carried, True)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
         backoff = Backoff()
