@@ -415,8 +415,9 @@ def test_a_dead_workers_messages_are_served_first_by_a_saturated_worker(cluster:
     latest = max(x.done_at for x in runs) - killed_at
     new_meanwhile = sum(1 for ran, _ in traffic if ran.done_at < killed_at + latest)
     # Claimable once idle for the claim timeout (counted from the victim's last keepalive, 0.25 s before
-    # at most); then 3 rounds, each a claim interval (0.25 s) and a batch (0.1 s), and room to spare.
-    bound_s = CLAIM_TIMEOUT_S + 3 * (0.25 + 0.1) + 1.5
+    # at most); then 3 rounds, each a claim interval (0.25 s) and a batch (0.1 s), and room to spare for
+    # a loaded host: still far below the ~12 s the traffic runs, after which "served first" would be moot.
+    bound_s = CLAIM_TIMEOUT_S + 3 * (0.25 + 0.1) + 4.0
     print(f"\nSIGKILL with the heir saturated: 24 orphans, all answered {latest:.2f} s after the kill "
           f"(bound {bound_s:.2f} s), {new_meanwhile} new requests answered meanwhile, {len(traffic)} in all")
     assert latest < bound_s, (latest, cluster.log_of(heir)[-3000:])
@@ -808,11 +809,13 @@ def test_a_gateway_restarted_with_its_id_never_takes_an_old_reply(cluster: Clust
     assert dropped == 50  # the old replies did reach the new gateway: it dropped them, unclaimed
 
 
-@pytest.mark.parametrize("offset", ["+0.05", "-0.05"])
+@pytest.mark.parametrize("offset", ["+0.15", "-0.15"])
 def test_a_gateway_clock_offset_moves_no_queue_delay_or_deadline(cluster: Cluster, offset: str) -> None:
-    """Item 9: a gateway whose wall clock is 50 ms ahead of or behind the workers' (libfaketime on that
+    """Item 9: a gateway whose wall clock is 150 ms ahead of or behind the workers' (libfaketime on that
     process only). A lone request still waits max_queue_delay (200 ms) for a batch that never fills,
-    not 150 or 250 ms; a REJECT request (300 ms) queued behind a busy instance is answered at 300 ms."""
+    not 50 or 350 ms; a REJECT request (300 ms) queued behind a busy instance is answered at 300 ms, not
+    150 or 450. The offset is that large so that the bounds leave a loaded host ~90 ms for the rest of
+    the path (at 50 ms they left it 35, and failed so)."""
     if not LIBFAKETIME.exists():
         pytest.skip(f"libfaketime is not installed ({LIBFAKETIME}): apt-get install faketime")
     port = free_port()
@@ -848,8 +851,8 @@ def test_a_gateway_clock_offset_moves_no_queue_delay_or_deadline(cluster: Cluste
           f"(max_queue_delay 200 ms); REJECT requests behind a busy instance got {[x.status for x in late]} "
           f"after {[round(x.took_s * 1000) for x in late]} ms (timeout 300 ms)")
     assert all(x.status == 503 and "timeout" in str(x.value).lower() for x in late), late
-    assert 0.19 <= statistics.median(waits) <= 0.235, waits
-    assert 0.29 <= statistics.median(x.took_s for x in late) <= 0.335, late
+    assert 0.19 <= statistics.median(waits) <= 0.29, waits
+    assert 0.29 <= statistics.median(x.took_s for x in late) <= 0.39, late
 
 
 def test_an_oversized_request_head_is_431_before_it_is_buffered(cluster: Cluster) -> None:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.grpc as tg
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
+from fleet.keys import Keys
 from tests.support.model_repo import TRITON_EXAMPLES
 from tests.support.processes import Cluster, explicit_cluster
 
@@ -217,7 +219,14 @@ def test_unload_answers_what_is_queued_and_refuses_new_requests(cluster: Cluster
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]  # ~1.6 s of work, one instance
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    # All 8 accepted before the unload (a fixed 0.3 s was not always enough on a loaded host): each is
+    # queued or held (an entry of the model's stream until acknowledged) or answered.
+    r = redis.Redis.from_url(cluster.redis_url)
+    deadline = time.monotonic() + 20
+    while r.xlen(Keys(PREFIX).queue("slow", version=1)) + len(results) < 8:
+        assert time.monotonic() < deadline, "the 8 requests were not all accepted"
+        time.sleep(0.02)
+    r.close()
     client.unload_model("slow")
     assert not client.is_model_ready("slow")
     with pytest.raises(InferenceServerException, match="has no available versions") as unloaded:

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from redis.exceptions import ResponseError
 
+from fleet.keys import GROUP
 from fleet.redis_server import LocalServer
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
@@ -45,7 +47,7 @@ async def stats(client: httpx.AsyncClient, model: str) -> dict[str, Any]:
 
 
 def test_max_queue_size_rejects_at_once_with_503(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "bounded", sleep_ms=300,
+    repo = sleeper_repository(tmp_path, "bounded", sleep_ms=800,
                               dynamic_batching="default_queue_policy { max_queue_size: 2 }")
 
     async def body(s: InProcessSystem) -> None:
@@ -57,14 +59,15 @@ def test_max_queue_size_rejects_at_once_with_503(redis_server: LocalServer, key_
         assert 2 <= codes.count(200) <= 5 and len(full) >= 7, codes
         assert all(r.json()["error"] == "Exceeds maximum queue size" for r, _ in full)
         assert all(r.headers["retry-after"] == "1" for r, _ in full)
-        # Refused at admission, not after waiting: well under one 300 ms execution.
-        assert max(t for _, t in full) < 0.25, [round(t, 3) for _, t in full]
+        # Refused at admission, not after waiting: well under one 800 ms execution (a margin a loaded
+        # host needs: at 300 ms against 250 it failed so).
+        assert max(t for _, t in full) < 0.6, [round(t, 3) for _, t in full]
 
     run(redis_server, key_prefix, repo, body)
 
 
 def test_reject_timeouts_never_reach_the_model(redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=400,
+    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=1000,
                               dynamic_batching="default_queue_policy { default_timeout_microseconds: 150000 }")
 
     async def body(s: InProcessSystem) -> None:
@@ -75,8 +78,8 @@ def test_reject_timeouts_never_reach_the_model(redis_server: LocalServer, key_pr
         assert response.status_code == 200
         for r, elapsed in late:
             assert r.status_code == 503 and r.json()["error"] == "Request timeout expired", r.text
-            # Answered at the deadline, not when the busy instance frees up 300 ms later.
-            assert elapsed < 0.3, elapsed
+            # Answered at the deadline (150 ms), not when the busy instance frees up ~900 ms after it.
+            assert elapsed < 0.6, elapsed
         st = await stats(s.client, "rejecting")
         assert st["execution_count"] == 1 and st["inference_stats"]["success"]["count"] == 1
         assert st["inference_stats"]["fail"]["count"] == 3
@@ -162,7 +165,7 @@ def test_request_timeout_may_only_shorten_the_default(redis_server: LocalServer,
 
 def test_higher_priority_level_overtakes_queued_lower_ones(redis_server: LocalServer, key_prefix: str,
                                                            tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "prioritized", sleep_ms=150,
+    repo = sleeper_repository(tmp_path, "prioritized", sleep_ms=300,
                               dynamic_batching="priority_levels: 2 default_priority_level: 2")
 
     async def body(s: InProcessSystem) -> None:
@@ -174,7 +177,21 @@ def test_higher_priority_level_overtakes_queued_lower_ones(redis_server: LocalSe
             done.append(tag)
 
         low = [asyncio.create_task(post(f"low{i}", 0)) for i in range(3)]  # 0 = the default level, 2
-        await asyncio.sleep(0.05)
+
+        async def read_by_the_worker() -> bool:
+            for lane in range(3):
+                try:
+                    if (await s.state.client.xpending(s.state.keys.queue("prioritized", lane, version=1),
+                                                      GROUP))["pending"]:
+                        return True
+                except ResponseError:
+                    pass  # no such lane
+            return False
+
+        for _ in range(200):  # bounded: 10 s; a fixed 50 ms sleep could send "high" before low0 was read
+            if await read_by_the_worker():
+                break
+            await asyncio.sleep(0.01)
         high = asyncio.create_task(post("high", 1))
         await asyncio.gather(*low, high)
         # low0 was already executing; "high" went before the two low ones still queued.
@@ -185,7 +202,7 @@ def test_higher_priority_level_overtakes_queued_lower_ones(redis_server: LocalSe
 
 def test_gateway_in_flight_limit_answers_503_with_retry_after_at_once(redis_server: LocalServer, key_prefix: str,
                                                                       tmp_path: Path) -> None:
-    repo = sleeper_repository(tmp_path, "limited", sleep_ms=300, dynamic_batching="")
+    repo = sleeper_repository(tmp_path, "limited", sleep_ms=800, dynamic_batching="")
 
     async def body(s: InProcessSystem) -> None:
         results = await asyncio.gather(*(timed_post(s.client, "limited", request(i)) for i in range(8)))
@@ -193,7 +210,7 @@ def test_gateway_in_flight_limit_answers_503_with_retry_after_at_once(redis_serv
         over = [(r, t) for r, t in results if r.status_code == 503]
         assert len(ok) == 2 and len(over) == 6, [r.status_code for r, _ in results]
         assert all("requests in flight" in r.json()["error"] and r.headers["retry-after"] == "1" for r, _ in over)
-        assert max(t for _, t in over) < 0.25
+        assert max(t for _, t in over) < 0.6  # well under one 800 ms execution
         # Capacity comes back as soon as the admitted requests are answered.
         assert (await timed_post(s.client, "limited", request(9)))[0].status_code == 200
 
