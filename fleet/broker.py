@@ -51,7 +51,8 @@ class Broker:
                  on_give_up: Callable[[str, BaseException], None] | None = None) -> None:
         self._client = client
         self._reader_client = reader_client
-        # The request path's two round trips, each on a connection of its own: enqueue and reply read.
+        # The request path's two round trips, each on a connection of its own: the enqueue, here, and the
+        # reply read (fleet/reply_reader.py).
         self._enqueue = RedisLink(client)
         self._enqueue_lock = asyncio.Lock()
         self.keys = keys

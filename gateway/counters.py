@@ -27,7 +27,9 @@ from fleet.stats import FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
 log = logging.getLogger(__name__)
 
 FOLD_EVERY_S = 1.0  # as a worker folds its models' logs
-FOLD_ROUNDS = 10  # full folds in a row, as a worker's fold_stats: a longer backlog waits for the next fold
+# Full folds in a row, as a worker's fold_stats: a longer backlog waits for this gateway's next fold
+# (with a later write) or a reader's (every read of the statistics folds first).
+FOLD_ROUNDS = 10
 
 
 class Counters:
@@ -72,8 +74,8 @@ class Counters:
         self._trailing.pop(model, None)
         self._spawn(self._fold(model, FOLD_ROUNDS))
 
-    def _spawn(self, fold: Coroutine[None, None, None]) -> None:
-        task = asyncio.ensure_future(fold)
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(work)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 

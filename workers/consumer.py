@@ -313,9 +313,13 @@ class StreamConsumer:
         return total
 
     async def dead_letter(self, letter: Letter) -> None:
-        """Park a message nobody can answer (there is no caller to reply to), then ack and delete it."""
-        results = await self._writer.execute(self._letter_commands(letter) + self._ack_commands([letter.message]))
-        raise_first(results)
+        """Park a message nobody can answer (there is no caller to reply to), then ack and delete it: only
+        once Redis has the letter (a pipeline runs each command on its own, so the ack waits for the next
+        round trip)."""
+        entry, _count = await self._writer.execute(self._letter_commands(letter))
+        if isinstance(entry, BaseException):
+            raise entry
+        raise_first(await self._writer.execute(self._ack_commands([letter.message])))
 
     def _letter_commands(self, letter: Letter) -> list[Command]:
         """The message's entry in the dead letters (with the reason, and its payload so that `fleet

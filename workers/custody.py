@@ -141,8 +141,9 @@ class Custody:
 
     def finish(self, answers: Sequence[Answer], samples: Sequence[BatchSample] = (),
                acks: Sequence[MessageId] = (), *, ordered: bool = False) -> None:
-        """Write `answers` and count `samples`, then ack (or park) what got a reply, and ack `acks` (no
-        reply needed); in the background, retried, so a Redis error never reaches the caller. `ordered`:
+        """Write `answers` (parking those to park, with their replies) and count `samples`, then ack what
+        got a reply, and `acks` (no reply needed); in the background, retried, so a Redis error never
+        reaches the caller. `ordered`:
         written only after every earlier ordered finish has written (preserve_ordering: finishes run
         concurrently, on several connections, so a later one could otherwise reach Redis first)."""
         after = self._last_written if ordered else None
@@ -159,9 +160,7 @@ class Custody:
         try:
             if after is not None and not after.done():
                 await asyncio.wait([after])
-            replied = await self._write(answers, samples)
-            if written is not None and not written.done():
-                written.set_result(None)
+            replied = await self._write(answers, samples, written)
             if replied is None:
                 return  # given up: the messages stay pending, to be claimed and computed again
             handed = acks + [a.message for a in replied]
@@ -174,10 +173,12 @@ class Custody:
             done = set(handed)
             self.release([m for m in [a.message for a in answers] + acks if m not in done])
 
-    async def _write(self, answers: list[Answer], samples: list[BatchSample]) -> list[Answer] | None:
+    async def _write(self, answers: list[Answer], samples: list[BatchSample],
+                     written: asyncio.Future[None] | None = None) -> list[Answer] | None:
         """Write the replies, park the answers to park and count the samples, retried with backoff for up
-        to finish_retry_s; carries the acknowledgements waiting for a ride (workers/acks.py). Returns the
-        answers written and parked, or None if Redis refused some for too long."""
+        to finish_retry_s; carries the acknowledgements waiting for a ride (workers/acks.py). `written` is
+        set once every reply is out (an ordered finish waits for no letter or count). Returns the answers
+        written (and parked, if to be), or None if Redis refused a reply for too long."""
         backoff = Backoff()
         give_up_at = time.monotonic() + self.config.finish_retry_s
         to_write, done = answers, []
@@ -198,13 +199,23 @@ class Custody:
                 to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
                 samples = list(w.uncounted)
                 error = w.error if (to_write or samples or to_park) else None
+            if not to_write and written is not None and not written.done():
+                written.set_result(None)
             if error is None:
                 continue
             if time.monotonic() > give_up_at:
-                log.error("%s: %d replies could not be written for %.0f s (%s); their messages stay pending and "
-                          "will be claimed and computed again", self.model, len(to_write), self.config.finish_retry_s,
-                          error)
-                return None
+                if to_write:
+                    log.error("%s: %d replies could not be written for %.0f s (%s); their messages stay pending "
+                              "and will be claimed and computed again", self.model, len(to_write),
+                              self.config.finish_retry_s, error)
+                    return None
+                # Every reply is out: what is acknowledged now is not computed again. A message Redis would
+                # not park stays pending, to be claimed and parked again (its caller has its answer).
+                log.error("%s: %d dead letters and %d batch counts could not be written for %.0f s (%s); those "
+                          "messages stay pending", self.model, len(to_park), len(samples),
+                          self.config.finish_retry_s, error)
+                unparked = {a.message for a in to_park}
+                return [a for a in done if a.message not in unparked]
             delay = backoff.next_delay()
             log.warning("%s: writing replies failed (%s); retrying in %.2f s", self.model, error, delay)
             await asyncio.sleep(delay)

@@ -403,3 +403,65 @@ def test_a_dead_letter_goes_ahead_of_its_reply_and_is_reported_on_its_own(redis_
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_letter_redis_refuses_keeps_only_its_own_message_pending(redis_server: LocalServer,
+                                                                   key_prefix: str) -> None:
+    """workers/custody.py: a poison message in a batch whose dead letter Redis keeps refusing (a wrong-type
+    key here) stays pending, to be claimed and parked again, while its batch-mate, answered, is
+    acknowledged; both callers have their replies. An unreadable message (nobody to reply to) is
+    acknowledged only once Redis has its letter."""
+    from redis.exceptions import ResponseError as Refused
+
+    from batching.holding import Holding
+    from workers.consumer import Letter, StreamConsumer
+    from workers.custody import Answer, Custody, CustodyConfig
+
+    keys = Keys(key_prefix)
+
+    async def main() -> None:
+        r = async_client(redis_server.url)
+        consumer = StreamConsumer(r, keys, "mixed", 1, "c")
+        holding = Holding(1, 4, 16)
+        custody = Custody(consumer, holding, CustodyConfig(finish_retry_s=0.5), admit=lambda m, p: None,
+                          lost=lambda ms: None, released=lambda: None)
+        try:
+            await consumer.join()
+            queue = keys.queue("mixed", version=1)
+            await r.set(keys.dead("mixed"), "not a stream")
+            ids = [await r.xadd(queue, {b"d": b"%d" % i}) for i in range(3)]
+            await r.xreadgroup(GROUP, "c", {queue: ">"}, count=3)
+            ok, poison, unreadable = [(0, i) for i in ids]
+            for m in (ok, poison):
+                holding.hold(m, 1)
+            reply_to = f"{key_prefix}:reply:mixed"
+            custody.finish([Answer(ok, reply_to, ReplyEnvelope(id="ok", model_version=1)),
+                            Answer(poison, reply_to, ReplyEnvelope(id="bad", model_version=1, error_code="INTERNAL",
+                                                                   error_message="poison"),
+                                   park="poison", payload=b"1")])
+            await custody.drained()
+            assert await r.xlen(reply_to) == 1  # one entry, both replies (d0, d1)
+
+            async def only_poison_pending() -> bool:
+                rows = await r.xpending_range(queue, GROUP, min="-", max="+", count=10)
+                return {row["message_id"] for row in rows} == {poison[1], unreadable[1]}
+
+            await until(only_poison_pending, 5, "the answered batch-mate to be acknowledged")
+            assert poison not in holding and ok not in holding
+
+            try:
+                await consumer.dead_letter(Letter(unreadable, "unreadable", b"2"))
+                raise AssertionError("a refused letter must raise")
+            except Refused:
+                pass
+            assert await only_poison_pending()  # not acknowledged without its letter
+            await r.delete(keys.dead("mixed"))
+            await consumer.dead_letter(Letter(unreadable, "unreadable", b"2"))
+            assert await r.xlen(keys.dead("mixed")) == 1
+            assert [row["message_id"] for row in await r.xpending_range(queue, GROUP, min="-", max="+", count=10)] \
+                == [poison[1]]
+        finally:
+            await consumer.close()
+            await r.aclose()
+
+    asyncio.run(main())
