@@ -84,8 +84,8 @@ class SchedulerConfig:
     preserve_ordering: bool = False
     # Online traffic counts as present for this long after an online request arrived.
     online_quiet_us: int = 200_000
-    # A batch is staged only if none of its requests can time out within this margin (expiry is
-    # checked only while queued; a staged batch starts within one batch time).
+    # A batch is staged only if none of its requests can time out within this margin, and goes back to
+    # the queue once one could (expiry is checked only while queued; a running batch may outlast it).
     stage_margin_us: int = 1_000_000
     # Sequence batching: every request names its instance (Pending.instance), each instance batches only
     # its own, and nothing is staged (a sequence has one request in flight at a time anyway).

@@ -240,6 +240,10 @@ class Scheduler:
         if released:
             actions.append(Release(released))
         deadlines = [p.deadline_us for _, p in self._queue if p.deadline_us is not None and not p.delay_on_timeout]
+        # A staged batch's requests are looked at again once within the margin of their deadlines (_unstage).
+        deadlines += [p.deadline_us - self.config.stage_margin_us for slot in self._slots
+                      if (staged := slot.waiting) is not None for p in staged.items
+                      if p.deadline_us is not None and not p.delay_on_timeout]
         if deadlines:
             wake = min(deadlines) if wake is None else min(wake, min(deadlines))
         return Plan(tuple(actions), wake)
@@ -255,9 +259,16 @@ class Scheduler:
             if (staged := slot.waiting) is None:
                 continue
             outranked = best is not None and best < max(effective_lane(self.policy, p, now_us) for p in staged.items)
-            if free or outranked or any(p.request_id in self._cancelled for p in staged.items):
+            # Staged when its deadlines were far, but the running batch outlasted the margin: back to the
+            # queue, where it times out as Triton's would (expiry is checked only while queued).
+            near = any(self._expires_within_margin(p, now_us) for p in staged.items)
+            if free or outranked or near or any(p.request_id in self._cancelled for p in staged.items):
                 out.append(Unstage(i, staged))
         return out
+
+    def _expires_within_margin(self, item: Pending, now_us: int) -> bool:
+        return (item.deadline_us is not None and not item.delay_on_timeout
+                and item.deadline_us - now_us <= self.config.stage_margin_us)
 
     def _grow(self, now_us: int) -> list[Action]:
         """Staged batches that what has arrived since can join: the batch Triton's rules would form now
@@ -389,9 +400,7 @@ class Scheduler:
             # Online traffic is about: a bulk batch waits in the queue, where an online request that
             # arrives while the instance computes still goes first.
             return False
-        margin = self.config.stage_margin_us
-        return all(
-            p.deadline_us is None or p.delay_on_timeout or p.deadline_us - now_us > margin for p in decision.items)
+        return not any(self._expires_within_margin(p, now_us) for p in decision.items)
 
     def _releasable(self) -> tuple[int, ...]:
         if not self._completed:

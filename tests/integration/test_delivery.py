@@ -145,8 +145,11 @@ def test_a_reply_redis_refuses_keeps_its_message_until_it_is_written(tmp_path: P
 def test_a_refused_timeout_reply_does_not_stop_the_model(tmp_path: Path, key_prefix: str) -> None:
     """A request times out (REJECT) while Redis refuses writes: its reply is written once Redis takes it
     again, and the model goes on serving (its scheduler did not die with the refused write)."""
-    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=900, dynamic_batching="""
-        default_queue_policy { default_timeout_microseconds: 300000 }""")
+    # The second request's deadline (600 ms) leaves a loaded host time to fill Redis's memory before it.
+    # (A deadline past the scheduler's 1 s staging margin is staged behind the busy batch, then taken back
+    # to time out in the queue: tests/unit/test_scheduler.py.)
+    repo = sleeper_repository(tmp_path, "rejecting", sleep_ms=1400, dynamic_batching="""
+        default_queue_policy { default_timeout_microseconds: 600000 }""")
 
     async def main() -> None:
         async with own_server(tmp_path) as (server, r), \
@@ -161,7 +164,7 @@ def test_a_refused_timeout_reply_does_not_stop_the_model(tmp_path: Path, key_pre
 
             await until(read_by_worker, 5, "the second request to be read")
             await fill_memory(r)
-            await asyncio.sleep(0.6)  # past its deadline: the worker's timeout reply is refused
+            await asyncio.sleep(0.8)  # past its deadline: the worker's timeout reply is refused
             assert not late.done()
             await free_memory(r)
             answer = await late

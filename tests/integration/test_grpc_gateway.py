@@ -56,7 +56,7 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor(o, pb_utils.get_input_tensor_by_name(r, i).as_numpy())
                                             for i, o in self.names]) for r in requests]
 """
-SLOW_MS = 400
+SLOW_MS = 1000  # long beside the tests' 0.1-0.2 s steps: a loaded host must not finish it before a cancel lands
 FUZZ = settings(max_examples=120, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

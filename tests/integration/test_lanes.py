@@ -58,10 +58,12 @@ def test_online_request_overtakes_a_bulk_backlog(redis_server: LocalServer, key_
         task = asyncio.create_task(run_worker(settings, "cpu", stop))
         try:
             await wait_for_replies(client, keys, 2)  # bulk is flowing
+            seen = len(replies_in_order(client, keys))  # counted now: a late poll may have seen more than 2
             client.xadd(keys.queue("slow", 0, version=1), {b"d": envelope("online", keys, -1)})
             done = await wait_for_replies(client, keys, 21)
-            # It waited for at most the batch running when it arrived and the one already dispatched.
-            assert done.index("online") <= done.index("bulk0") + 4, done
+            # It waited for at most the batch running when it arrived and the one already dispatched (and
+            # one more answered between the count and the XADD), not for the backlog.
+            assert done.index("online") <= seen + 3, (seen, done)
             assert sorted(done) == sorted([f"bulk{i}" for i in range(20)] + ["online"])
         finally:
             stop.set()

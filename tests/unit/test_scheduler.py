@@ -214,6 +214,26 @@ def test_reject_answers_an_expired_request_while_every_instance_is_busy() -> Non
     assert kinds(plan) == ["Expire"] and ids(plan.actions[0].items) == ["late"]  # type: ignore[union-attr]
 
 
+def test_a_staged_request_goes_back_to_the_queue_to_time_out_when_the_running_batch_outlasts_the_margin() -> None:
+    """Staged when its deadline was more than the margin away (1 s); the running batch takes 3 s. Once
+    within the margin it is taken back, so that it times out in the queue at its deadline instead of
+    running after it (seen on a real Valkey: a 1.5 s REJECT request behind a 3 s batch answered 200)."""
+    s = make(max_batch=1)
+    s.arrive(req("busy"), (1, 0), 0)
+    s.arrive(req("late", deadline=1_500_000), (1, 1), 0)
+    run, stage = s.step(0).actions
+    assert isinstance(run, Run) and isinstance(stage, Stage) and ids(stage.batch.items) == ["late"]
+    plan = s.step(10)
+    assert plan.actions == () and plan.wake_at_us == 500_000  # looked at again 1 s before its deadline
+    plan = s.step(500_000)
+    assert kinds(plan) == ["Unstage"]
+    s.unstaged(0, stage.batch.id, taken_back=True)
+    plan = s.step(500_000)
+    assert plan.actions == () and plan.wake_at_us == 1_500_000  # queued, not staged again
+    plan = s.step(1_500_000)
+    assert kinds(plan) == ["Expire"] and ids(plan.actions[0].items) == ["late"]  # type: ignore[union-attr]
+
+
 def test_delay_keeps_an_expired_request_behind_the_unexpired_ones() -> None:
     s = make(max_batch=1)
     s.arrive(req("late", deadline=10, delay=True), (1, 0), 0)
