@@ -55,5 +55,7 @@ def response_encoding(accept_encoding: str | None) -> str | None:
 
 def compress(body: bytes, encoding: str) -> bytes:
     if encoding == "gzip":
-        return gzip.compress(body, compresslevel=6)
+        # mtime 0: the same body compresses to the same bytes whenever it is sent (as zlib's own gzip
+        # header, which the gRPC path writes); the time would only tell when a response was made.
+        return gzip.compress(body, compresslevel=6, mtime=0)
     return zlib.compress(body)  # "deflate" means the zlib format, as Triton and tritonclient use it
