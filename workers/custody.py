@@ -143,9 +143,9 @@ class Custody:
                acks: Sequence[MessageId] = (), *, ordered: bool = False) -> None:
         """Write `answers` (parking those to park, with their replies) and count `samples`, then ack what
         got a reply, and `acks` (no reply needed); in the background, retried, so a Redis error never
-        reaches the caller. `ordered`:
-        written only after every earlier ordered finish has written (preserve_ordering: finishes run
-        concurrently, on several connections, so a later one could otherwise reach Redis first)."""
+        reaches the caller. `ordered`: written only after every earlier ordered finish has written its
+        replies (preserve_ordering: finishes run concurrently, on several connections, so a later one
+        could otherwise reach Redis first)."""
         after = self._last_written if ordered else None
         written: asyncio.Future[None] | None = None
         if ordered:
