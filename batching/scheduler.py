@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from batching.plan import (
     Action,
@@ -58,32 +57,9 @@ from batching.plan import (
     Unstage,
 )
 from batching.policy import Dispatch, Pending, Wait, decide, effective_lane
+from batching.slots import Slot
 
 __all__ = ["Scheduler"]
-
-
-@dataclass(slots=True)
-class _Slot:
-    """The scheduler's view of one instance: what it has been given, in order (running, then staged)."""
-
-    assigned: deque[Batch] = field(default_factory=deque)
-    thread_idle: bool = True  # its thread reported idle and nothing was given to it since
-    no_stage: bool = False  # a stage was refused: the instance is finishing; wait for done/idle
-    staged_started: bool = False  # an unstage or a growth found the staged batch already taken by the thread
-    grown_from: Batch | None = None  # the staged batch a Grow replaces, until the driver says it did
-
-    @property
-    def waiting(self) -> Batch | None:
-        """The batch staged here that its thread has not started, if any."""
-        return self.assigned[1] if len(self.assigned) == 2 and not self.staged_started else None
-
-    @property
-    def free(self) -> bool:
-        return self.thread_idle and not self.assigned
-
-    @property
-    def stageable(self) -> bool:
-        return not self.thread_idle and len(self.assigned) == 1 and not self.no_stage
 
 
 class Scheduler:
@@ -92,7 +68,7 @@ class Scheduler:
         self.policy = config.policy
         self._queue: list[tuple[Order, Pending]] = []  # sorted by order key (arrival order)
         self._orders: dict[str, Order] = {}  # order keys of dispatched requests, to requeue them in place
-        self._slots = [_Slot() for _ in range(config.instances)]
+        self._slots = [Slot() for _ in range(config.instances)]
         self._next_batch = 0
         self._dropped: list[Pending] = []
         self._cancelled: set[str] = set()  # ids inside staged batches, dropped once taken back
