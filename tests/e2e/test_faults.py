@@ -537,7 +537,9 @@ def test_replies_computed_while_redis_is_away_are_written_after_it(cluster: Clus
 
     runs, down_at, up_at = asyncio.run(main())
     assert [(x.status, x.value) for x in runs] == [(200, float(i)) for i in range(8)], (runs, cluster.logs())
-    assert all(x.start_s < down_at < x.end_s < up_at for x in runs), (down_at, up_at, runs)
+    # Computed across the outage (ended while Redis was away; on a loaded host the batch may have started
+    # just after Redis stopped, which changes nothing here: the worker holds the messages either way).
+    assert all(down_at < x.end_s < up_at for x in runs), (down_at, up_at, runs)
     print(f"\nbatch computed across a {up_at - down_at:.2f} s Redis outage: its 8 replies written "
           f"{max(x.done_at for x in runs) - up_at:.2f} s after Redis was back")
     r = _redis(cluster)
