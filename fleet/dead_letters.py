@@ -46,17 +46,24 @@ def list_dead(client: redis.Redis, keys: Keys, model: str, count: int = 1000) ->
 
 def replay(client: redis.Redis, keys: Keys, model: str, letters: list[DeadLetter]) -> int:
     """Queue each letter's request again on its lane and remove it from the dead letters; returns how
-    many went back (letters without a readable payload stay)."""
-    done = 0
+    many went back (letters without a readable payload stay). Letters are written at least once (a worker
+    that parked a message and lost its ack before stopping parks it again when it is claimed), so the
+    letters of one message (the same version, lane and original entry id) are queued once, and all of
+    them removed with it."""
+    payloads: dict[tuple[int, int, str], bytes] = {}
+    entries: dict[tuple[int, int, str], list[str]] = {}
     for letter in letters:
-        if not letter.request_id or letter.payload is None:
-            continue
+        if letter.request_id and letter.payload is not None:
+            # No original id (nothing to tell copies apart by): a letter of its own.
+            message = (letter.version, letter.lane, letter.original or letter.entry)
+            payloads.setdefault(message, letter.payload)
+            entries.setdefault(message, []).append(letter.entry)
+    for message, payload in payloads.items():
         pipe = client.pipeline(transaction=True)
-        pipe.xadd(keys.queue(model, letter.lane, version=letter.version), {b"d": letter.payload})
-        pipe.xdel(keys.dead(model), letter.entry)
+        pipe.xadd(keys.queue(model, message[1], version=message[0]), {b"d": payload})
+        pipe.xdel(keys.dead(model), *entries[message])
         pipe.execute()
-        done += 1
-    return done
+    return len(payloads)
 
 
 def run(model: str, redis_url: str, key_prefix: str, do_replay: bool) -> int:
@@ -67,5 +74,5 @@ def run(model: str, redis_url: str, key_prefix: str, do_replay: bool) -> int:
         print(f"{letter.entry}  lane {letter.lane}  request {letter.request_id or '-'}  {letter.reason}")
     print(f"{len(letters)} dead letter(s) for model '{model}'")
     if do_replay:
-        print(f"replayed {replay(client, keys, model, letters)}")
+        print(f"replayed {replay(client, keys, model, letters)} (copies of one message count once)")
     return 0
