@@ -51,6 +51,11 @@ class Keys:
         someone folds them into the stats hash (fleet/stats.py FOLD_STATS)."""
         return f"{self.prefix}:{{{model}}}:stats:log"
 
+    def stats_folded(self, model: str, older: bool = False) -> str:
+        """Hash: the tokens of the stats-log entries folded in the last minute (`older`: the minute
+        before), so that an entry written again after a write whose outcome was unknown counts once."""
+        return f"{self.prefix}:{{{model}}}:stats:folded{':old' if older else ''}"
+
     def custom_metrics(self, model: str) -> str:
         """Hash: worker id -> that worker's part of the model's Python custom metrics (msgpack,
         fleet/custom_metrics.py); gateways add the parts up (gateway/custom_metrics.py)."""

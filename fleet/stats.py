@@ -6,7 +6,9 @@ Layout: one hash per model (Keys.stats) holds the sums. A worker does not add a 
 into it on the request path: it appends them as one entry (a msgpack map) to the model's stats log
 (Keys.stats_log), a plain XADD ahead of the batch's replies in the same pipeline. A script adding them in
 Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to the gateway until it had
-run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). FOLD_STATS adds
+run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). Each entry carries a
+token; one written again after a write whose outcome is unknown (the connection dropped after Redis may
+have run it) carries the same token, and the fold counts a token once. FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
 second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
@@ -15,6 +17,8 @@ too (gateway/counters.py)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 
 import msgpack
@@ -57,13 +61,21 @@ class BatchSample:
 
 
 LAST_INFERENCE = "last_inference"  # a time (ms), not a count: the fold keeps the latest, never adds
-LOG_FIELD = "s"  # a log entry's one field: its increments, a msgpack map (Lua's cmsgpack reads it)
+LOG_FIELD = "s"  # a log entry's first field: its increments, a msgpack map (Lua's cmsgpack reads it)
+TOKEN_FIELD = "t"  # its second: a token unique to the batch, the same in every copy written
+# How long a folded token is remembered: a minute in the current hash, then a minute in the older one
+# (a write is retried for finish_retry_s, 30 s, and its first copy is folded within about a second).
+FOLDED_ROTATE_S = 60
 
-# KEYS[1] = stats log, KEYS[2] = stats hash; ARGV[1] = most entries to fold. Sums in Lua first, so a field
+# KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded this rotation / the one
+# before; ARGV[1] = most entries to fold, ARGV[2] = rotation (s). Sums in Lua first, so a field
 # costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a
 # fold adds up to). Returns how many entries it folded. About 15 µs of Redis's time an entry here (a
 # msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a Lua string,
-# it was up to twice that). Redis does
+# it was up to twice that); the tokens are looked up and recorded a fold at a time (two HMGETs and an
+# HSET per 500 entries). An entry whose token was folded before (or earlier in this fold) is a copy: a
+# write whose outcome was unknown (the connection dropped after Redis may have run it) written again;
+# it is deleted, not counted. An entry without a token (from a worker before tokens) is counted. Redis does
 # not undo a script's writes when it fails part-way: everything that can fail (reading an entry, the
 # hash's times) comes before the first write, and the entries are deleted before their sums are added,
 # so a failure can lose one fold's counts but never add them twice. An entry that is not a msgpack map
@@ -71,11 +83,37 @@ LOG_FIELD = "s"  # a log entry's one field: its increments, a msgpack map (Lua's
 FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
 if #entries == 0 then return 0 end
-local sums, latest, is_time = {}, {}, {}
+local asked = {}
 for _, entry in ipairs(entries) do
   local fields = entry[2]
+  if fields[3] == 't' and fields[4] then asked[#asked + 1] = fields[4] end
+end
+local known = {}
+for _, key in ipairs({KEYS[3], KEYS[4]}) do
+  for i = 1, #asked, 500 do
+    local chunk = {}
+    for j = i, math.min(i + 499, #asked) do chunk[#chunk + 1] = asked[j] end
+    local got = redis.call('HMGET', key, unpack(chunk))
+    for j = 1, #chunk do
+      if got[j] then known[chunk[j]] = true end
+    end
+  end
+end
+local sums, latest, is_time, tokens = {}, {}, {}, {}
+for _, entry in ipairs(entries) do
+  local fields = entry[2]
+  local token = fields[3] == 't' and fields[4] or nil
+  local counted = true
+  if token then
+    if known[token] then
+      counted = false  -- a copy of an entry already counted
+    else
+      known[token] = true
+      tokens[#tokens + 1] = token
+    end
+  end
   local ok, t = pcall(cmsgpack.unpack, fields[2] or '')
-  if fields[1] == 's' and ok and type(t) == 'table' then
+  if counted and fields[1] == 's' and ok and type(t) == 'table' then
     for name, value in pairs(t) do
       if type(name) == 'string' and type(value) == 'number' then
         local time = is_time[name]
@@ -95,6 +133,7 @@ end
 for name, value in pairs(latest) do
   if value <= (tonumber(redis.call('HGET', KEYS[2], name) or '0') or 0) then latest[name] = nil end
 end
+local since = tonumber(redis.call('HGET', KEYS[3], '~since') or '')
 for i = 1, #entries, 500 do
   local ids = {}
   for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
@@ -102,6 +141,22 @@ for i = 1, #entries, 500 do
 end
 for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
+if #tokens > 0 then
+  local now = tonumber(redis.call('TIME')[1])
+  if since == nil or now - since >= tonumber(ARGV[2]) then
+    if since ~= nil then redis.call('RENAME', KEYS[3], KEYS[4]) end
+    redis.call('HSET', KEYS[3], '~since', now)
+    redis.call('EXPIRE', KEYS[3], 3 * tonumber(ARGV[2]))  -- a minute current, a minute older, then gone
+  end
+  for i = 1, #tokens, 500 do
+    local args = {}
+    for j = i, math.min(i + 499, #tokens) do
+      args[#args + 1] = tokens[j]
+      args[#args + 1] = '1'
+    end
+    redis.call('HSET', KEYS[3], unpack(args))
+  end
+end
 return #entries
 """
 # Entries per fold: one fold holds Redis ~15 ms a 1,000 entries here. A worker folds every second, again
@@ -109,9 +164,29 @@ return #entries
 FOLD_MAX = 2_000
 
 
-def fold_args(keys: Keys, model: str) -> tuple[str, int, str, str, int]:
+def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
+              rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, int, int]:
     """EVAL's arguments after the command name: fold `model`'s stats log into its hash."""
-    return FOLD_STATS, 2, keys.stats_log(model), keys.stats(model), FOLD_MAX
+    return (FOLD_STATS, 4, keys.stats_log(model), keys.stats(model), keys.stats_folded(model),
+            keys.stats_folded(model, older=True), most, rotate_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedBatch:
+    """One batch's stats-log entry (LOG_FIELD's value) and its token (unique to this process and batch)."""
+
+    entry: bytes
+    token: bytes
+
+
+_PROCESS = os.urandom(8)  # with a counter: tokens no other process or batch has
+_COUNTER = itertools.count()
+
+
+def logged_batches(samples: list[BatchSample]) -> list[LoggedBatch]:
+    """The stats-log entries of `samples` (those with anything to count), each with a new token."""
+    return [LoggedBatch(entry, _PROCESS + next(_COUNTER).to_bytes(8, "little"))
+            for s in samples if (entry := log_entry(s)) is not None]
 
 
 def field(version: int, name: str) -> str:

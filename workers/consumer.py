@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import DEAD_LETTERED, FOLD_MAX, LOG_FIELD, BatchSample, fold_args, log_entry
+from fleet.stats import DEAD_LETTERED, FOLD_MAX, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Written:
     twice), and whether the acknowledgements it carried were made."""
 
     replies: frozenset[int]
-    uncounted: tuple[BatchSample, ...]
+    uncounted: tuple[LoggedBatch, ...]
     acked: bool
     error: BaseException | None  # the first failure, if any
     letters: frozenset[int] = frozenset()
@@ -171,18 +171,17 @@ class StreamConsumer:
                 out.append(((lane, entry_id), entry_field(fields, b"d")))
         return out
 
-    async def write(self, replies: list[tuple[str, ReplyEnvelope]], samples: list[BatchSample],
+    async def write(self, replies: list[tuple[str, ReplyEnvelope]], counts: Sequence[LoggedBatch],
                     acks: Sequence[MessageId] = (), letters: Sequence[Letter] = ()) -> Written:
-        """Write replies (one stream entry per reply stream, one field per reply), count the batch's
+        """Write replies (one stream entry per reply stream, one field per reply), count the batches'
         statistics, park `letters` and acknowledge `acks` (messages whose replies an earlier write got
         through), in one round trip; each command's own result is checked, so a reply Redis refused (out
-        of memory, a wrong-type key) is reported as not written while the others are."""
+        of memory, a wrong-type key) is reported as not written while the others are. A batch's count
+        written again (this write's outcome unknown, retried) carries the same token: counted once."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
-        logged = [(sample, entry) for sample in samples if (entry := log_entry(sample)) is not None]
-        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, entry)
-                                   for _, entry in logged]
-        counts = len(commands)
+        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry,
+                                    TOKEN_FIELD, c.token) for c in counts]
         # Then the dead letters, ahead of the replies that tell their callers: whoever got the error
         # finds the message parked (two commands each: the entry, then the count).
         for letter in letters:
@@ -213,8 +212,9 @@ class StreamConsumer:
         written: set[int] = set()
         errors: list[BaseException] = []
         lettered: set[int] = set()
+        first_letter = len(counts)
         for i in range(len(letters)):
-            entry, count = results[counts + 2 * i:counts + 2 * i + 2]
+            entry, count = results[first_letter + 2 * i:first_letter + 2 * i + 2]
             errors += [r for r in (entry, count) if isinstance(r, BaseException)]
             if not isinstance(entry, BaseException):
                 lettered.add(i)  # parked (a count Redis refused is only a count)
@@ -224,10 +224,9 @@ class StreamConsumer:
                 errors.append(result)
             else:
                 written.update(indices)
-        uncounted = tuple(sample for (sample, _), r in zip(logged, results[:counts], strict=True)
-                          if isinstance(r, BaseException))
+        uncounted = tuple(c for c, r in zip(counts, results, strict=False) if isinstance(r, BaseException))
         acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
-        errors += [r for r in results[:counts] + results[first_ack:] if isinstance(r, BaseException)]
+        errors += [r for r in results[:first_letter] + results[first_ack:] if isinstance(r, BaseException)]
         return Written(frozenset(written), uncounted, acked, errors[0] if errors else None, frozenset(lettered))
 
     async def ack(self, messages: list[MessageId]) -> None:

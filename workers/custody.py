@@ -38,7 +38,7 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
-from fleet.stats import CLAIMED, REDELIVERED, BatchSample
+from fleet.stats import CLAIMED, REDELIVERED, BatchSample, logged_batches
 from workers.acks import Acks
 from workers.consumer import Letter, StreamConsumer
 
@@ -183,13 +183,16 @@ class Custody:
         give_up_at = time.monotonic() + self.config.finish_retry_s
         to_write, done = answers, []
         to_park = [a for a in answers if a.park is not None]  # each parked once, however often its reply is retried
-        while to_write or samples or to_park:
+        counts = logged_batches(samples)  # the same tokens in every retry: the fold counts each once
+        while to_write or counts or to_park:
             carried = self._acks.take()
             try:
-                w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], samples,
+                w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], counts,
                                               [m for ms, _ in carried for m in ms],
                                               [Letter(a.message, a.park or "", a.payload) for a in to_park])
             except (RedisError, OSError) as exc:
+                # The connection failed: Redis may have run some or all of the write. Replies written
+                # twice are dropped by the gateway, letters are at least once, counts are counted once.
                 self._acks.settle(carried, False)
                 error: BaseException | None = exc
             else:
@@ -197,8 +200,8 @@ class Custody:
                 done += [a for i, a in enumerate(to_write) if i in w.replies]
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
                 to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
-                samples = list(w.uncounted)
-                error = w.error if (to_write or samples or to_park) else None
+                counts = list(w.uncounted)
+                error = w.error if (to_write or counts or to_park) else None
             if not to_write and written is not None and not written.done():
                 written.set_result(None)
             if error is None:
@@ -212,7 +215,7 @@ class Custody:
                 # Every reply is out: what is acknowledged now is not computed again. A message Redis would
                 # not park stays pending, to be claimed and parked again (its caller has its answer).
                 log.error("%s: %d dead letters and %d batch counts could not be written for %.0f s (%s); those "
-                          "messages stay pending", self.model, len(to_park), len(samples),
+                          "messages stay pending", self.model, len(to_park), len(counts),
                           self.config.finish_retry_s, error)
                 unparked = {a.message for a in to_park}
                 return [a for a in done if a.message not in unparked]
