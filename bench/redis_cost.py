@@ -103,7 +103,7 @@ def fold_only() -> None:
 
     from fleet.keys import Keys
     from fleet.redis_server import start_server
-    from fleet.stats import LOG_FIELD, BatchSample, fold_args, increments, log_entry
+    from fleet.stats import LOG_FIELD, TOKEN_FIELD, BatchSample, fold_args, increments, logged_batches
 
     # The script a worker ran per batch before the statistics log (workers/consumer.py until bb819e3).
     before = """
@@ -117,14 +117,13 @@ return 0
                          request_ns_failed=0, queue_ns=300_000, compute_input_ns=10_000, compute_infer_ns=400_000,
                          compute_output_ns=10_000, finished_ms=int(time.time() * 1000), request_us=(2000,),
                          queue_us=(300,))
-    entry = log_entry(sample)
     old = ["EVAL", before, 1, keys.stats("m"), "1:last_inference", sample.finished_ms,
            *[x for kv in increments(sample).items() for x in kv]]
     try:
         for _ in range(3):
             client.config_resetstat()
-            for _ in range(1000):
-                client.xadd(keys.stats_log("m"), {LOG_FIELD: entry})  # type: ignore[dict-item]
+            for logged in logged_batches([sample] * 1000):  # as a worker writes them: each with its token
+                client.xadd(keys.stats_log("m"), {LOG_FIELD: logged.entry, TOKEN_FIELD: logged.token})
             client.eval(*fold_args(keys, "m"))
             now = client.info("commandstats")
             client.config_resetstat()

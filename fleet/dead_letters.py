@@ -48,19 +48,20 @@ def replay(client: redis.Redis, keys: Keys, model: str, letters: list[DeadLetter
     """Queue each letter's request again on its lane and remove it from the dead letters; returns how
     many went back (letters without a readable payload stay). Letters are written at least once (a worker
     that parked a message and lost its ack before stopping parks it again when it is claimed), so the
-    letters of one message (the same version, lane and original entry id) are queued once, and all of
-    them removed with it."""
-    payloads: dict[tuple[int, int, str], bytes] = {}
-    entries: dict[tuple[int, int, str], list[str]] = {}
+    letters of one message (the same request id, version, lane and original entry id: a sequence model's
+    lane 0 is one stream per worker, whose ids may coincide) are queued once, and all of them removed
+    with it."""
+    payloads: dict[tuple[str, int, int, str], bytes] = {}
+    entries: dict[tuple[str, int, int, str], list[str]] = {}
     for letter in letters:
         if letter.request_id and letter.payload is not None:
             # No original id (nothing to tell copies apart by): a letter of its own.
-            message = (letter.version, letter.lane, letter.original or letter.entry)
+            message = (letter.request_id, letter.version, letter.lane, letter.original or letter.entry)
             payloads.setdefault(message, letter.payload)
             entries.setdefault(message, []).append(letter.entry)
     for message, payload in payloads.items():
         pipe = client.pipeline(transaction=True)
-        pipe.xadd(keys.queue(model, message[1], version=message[0]), {b"d": payload})
+        pipe.xadd(keys.queue(model, message[2], version=message[1]), {b"d": payload})
         pipe.xdel(keys.dead(model), *entries[message])
         pipe.execute()
     return len(payloads)

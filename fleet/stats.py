@@ -6,9 +6,10 @@ Layout: one hash per model (Keys.stats) holds the sums. A worker does not add a 
 into it on the request path: it appends them as one entry (a msgpack map) to the model's stats log
 (Keys.stats_log), a plain XADD ahead of the batch's replies in the same pipeline. A script adding them in
 Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to the gateway until it had
-run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). Each entry carries a
-token; one written again after a write whose outcome is unknown (the connection dropped after Redis may
-have run it) carries the same token, and the fold counts a token once. FOLD_STATS adds
+run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). A worker's entry
+carries a token; one written again after a write whose outcome is unknown (the connection dropped after
+Redis may have run it) carries the same token, and the fold counts a token once (a gateway's own entries
+have none: they are not retried, a failed write loses them). FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
 second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
@@ -63,8 +64,10 @@ class BatchSample:
 LAST_INFERENCE = "last_inference"  # a time (ms), not a count: the fold keeps the latest, never adds
 LOG_FIELD = "s"  # a log entry's first field: its increments, a msgpack map (Lua's cmsgpack reads it)
 TOKEN_FIELD = "t"  # its second: a token unique to the batch, the same in every copy written
-# How long a folded token is remembered: a minute in the current hash, then a minute in the older one
-# (a write is retried for finish_retry_s, 30 s, and its first copy is folded within about a second).
+# How long a folded token is remembered: up to a minute in the current hash, then a minute in the older
+# one, so at least a minute. A copy comes within a write's retries (custody's finish_retry_s, 30 s by
+# default, plus a round trip's 5 s timeout and the link's one resend); its first copy is folded within
+# about a second. Memory: ~80 bytes a token, so two minutes of batches (~10 MB per model at 1,000 a second).
 FOLDED_ROTATE_S = 60
 
 # KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded this rotation / the one
@@ -78,7 +81,8 @@ FOLDED_ROTATE_S = 60
 # it is deleted, not counted. An entry without a token (from a worker before tokens) is counted. Redis does
 # not undo a script's writes when it fails part-way: everything that can fail (reading an entry, the
 # hash's times) comes before the first write, and the entries are deleted before their sums are added,
-# so a failure can lose one fold's counts but never add them twice. An entry that is not a msgpack map
+# so a failure can lose one fold's counts but never add them twice (the tokens are recorded before the
+# sums, so a copy cannot add them again either). An entry that is not a msgpack map
 # of numbers is dropped, not left to stop every later fold.
 FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
@@ -134,19 +138,22 @@ for name, value in pairs(latest) do
   if value <= (tonumber(redis.call('HGET', KEYS[2], name) or '0') or 0) then latest[name] = nil end
 end
 local since = tonumber(redis.call('HGET', KEYS[3], '~since') or '')
+local now, rotate_s = tonumber(redis.call('TIME')[1]), tonumber(ARGV[2])
 for i = 1, #entries, 500 do
   local ids = {}
   for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
   redis.call('XDEL', KEYS[1], unpack(ids))
 end
-for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
-for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
+-- The tokens before the sums: a fold that fails part-way through its sums must not leave them to be
+-- counted again by a copy.
 if #tokens > 0 then
-  local now = tonumber(redis.call('TIME')[1])
-  if since == nil or now - since >= tonumber(ARGV[2]) then
-    if since ~= nil then redis.call('RENAME', KEYS[3], KEYS[4]) end
+  if since == nil or now - since >= rotate_s then
+    if since ~= nil then
+      redis.call('UNLINK', KEYS[4])  -- freed in the background: RENAME over it would free it here
+      redis.call('RENAME', KEYS[3], KEYS[4])
+    end
     redis.call('HSET', KEYS[3], '~since', now)
-    redis.call('EXPIRE', KEYS[3], 3 * tonumber(ARGV[2]))  -- a minute current, a minute older, then gone
+    redis.call('EXPIRE', KEYS[3], 3 * rotate_s)  -- a rotation current, one older, then gone
   end
   for i = 1, #tokens, 500 do
     local args = {}
@@ -157,6 +164,8 @@ if #tokens > 0 then
     redis.call('HSET', KEYS[3], unpack(args))
   end
 end
+for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
+for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
 """
 # Entries per fold: one fold holds Redis ~15 ms a 1,000 entries here. A worker folds every second, again

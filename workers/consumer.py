@@ -101,8 +101,8 @@ class Letter:
 @dataclass(frozen=True, slots=True)
 class Written:
     """What one `write` got through: replies and dead letters by index into the lists given, the
-    batches' statistics Redis refused (to be counted again: only those, or the others would count
-    twice), and whether the acknowledgements it carried were made."""
+    batches' statistics Redis refused (to be written again: only those), and whether the
+    acknowledgements it carried were made."""
 
     replies: frozenset[int]
     uncounted: tuple[LoggedBatch, ...]

@@ -337,8 +337,9 @@ def test_dead_letters_are_listed_and_replayed(redis_server: LocalServer, key_pre
 
 def test_a_message_parked_twice_is_replayed_once(redis_server: LocalServer, key_prefix: str) -> None:
     """Letters are at least once: a worker whose ack was lost parks the message again when it is claimed.
-    Replay queues such a message once and removes both of its letters; another message's letter, and a
-    letter without a payload, are handled as before."""
+    Replay queues such a message once and removes both of its letters; another message's letter (one with
+    the same entry id too: a sequence model's lane 0 is a stream per worker), and a letter without a
+    payload, are handled as before."""
     from fleet.dead_letters import list_dead, replay
     from fleet.envelope import decode_request
 
@@ -347,13 +348,15 @@ def test_a_message_parked_twice_is_replayed_once(redis_server: LocalServer, key_
     queue = keys.queue("doubler", version=1)
     enqueue_directly(client, keys, "twice", [1.0])
     enqueue_directly(client, keys, "once", [2.0])
-    (a_id, a), (b_id, b) = client.xrange(queue)
+    enqueue_directly(client, keys, "same-id-elsewhere", [3.0])
+    (a_id, a), (b_id, b), (_, c) = client.xrange(queue)
     client.delete(queue)
-    for original, payload in ((a_id, a[b"d"]), (b_id, b[b"d"]), (a_id, a[b"d"])):
+    for original, payload in ((a_id, a[b"d"]), (b_id, b[b"d"]), (a_id, a[b"d"]), (a_id, c[b"d"])):
         client.xadd(keys.dead("doubler"), {b"id": original, b"lane": 0, b"version": 1, b"reason": b"r", b"d": payload})
     client.xadd(keys.dead("doubler"), {b"id": b"9-9", b"lane": 0, b"version": 1, b"reason": b"unreadable"})
     letters = list_dead(client, keys, "doubler")
-    assert [x.request_id for x in letters] == ["twice", "once", "twice", ""]
-    assert replay(client, keys, "doubler", letters) == 2
-    assert [decode_request(fields[b"d"]).id for _, fields in client.xrange(queue)] == ["twice", "once"]
+    assert [x.request_id for x in letters] == ["twice", "once", "twice", "same-id-elsewhere", ""]
+    assert replay(client, keys, "doubler", letters) == 3
+    assert [decode_request(fields[b"d"]).id for _, fields in client.xrange(queue)] == \
+        ["twice", "once", "same-id-elsewhere"]
     assert [x.reason for x in list_dead(client, keys, "doubler")] == ["unreadable"]  # no payload: it stays

@@ -416,19 +416,19 @@ def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: 
 
     def write(logged: LoggedBatch) -> None:
         client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, TOKEN_FIELD: logged.token})
-        client.eval(*fold_args(keys, MODEL, rotate_s=1))
+        client.eval(*fold_args(keys, MODEL, rotate_s=2))
 
     def success() -> int:
         return stats(client, keys)[field(1, "success:count")]
 
     write(first)
-    assert client.ttl(keys.stats_folded(MODEL)) > 0
+    assert client.pttl(keys.stats_folded(MODEL)) > 0
     write(first)
     assert success() == 1
-    time.sleep(2.1)  # TIME has whole seconds: past one rotation for sure
+    time.sleep(2.1)  # TIME has whole seconds: floor(t + 2.1) - floor(t) >= 2, one rotation for sure
     write(other)  # records a token: the current hash becomes the older one
     assert client.hexists(keys.stats_folded(MODEL, older=True), first.token)
-    assert client.ttl(keys.stats_folded(MODEL, older=True)) > 0
+    assert client.pttl(keys.stats_folded(MODEL, older=True)) > 0  # 3 rotations from its start
     write(first)
     assert success() == 2
     time.sleep(2.1)
