@@ -52,8 +52,9 @@ class Keys:
         return f"{self.prefix}:{{{model}}}:stats:log"
 
     def stats_folded(self, model: str, older: bool = False) -> str:
-        """Hash: the tokens of the stats-log entries folded in the last minute (`older`: the minute
-        before), so that an entry written again after a write whose outcome was unknown counts once."""
+        """String: the tokens of the stats-log entries folded in the last minute (`older`: the minute
+        before), back to back, so that an entry written again after a write whose outcome was unknown
+        counts once (fleet/stats.py FOLD_STATS)."""
         return f"{self.prefix}:{{{model}}}:stats:folded{':old' if older else ''}"
 
     def custom_metrics(self, model: str) -> str:

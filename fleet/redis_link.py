@@ -88,7 +88,9 @@ class RedisLink:
                 # A connection Redis closed while it sat idle (Redis restarted): once more on a new one,
                 # as redis-py's own retry does. Commands may then run twice if the first attempt reached
                 # Redis before it went away, as with redis-py: a request enqueued twice is computed twice
-                # and answered once (replies are by id), a batch's statistics count once (their token).
+                # and answered once (replies are by id), a batch's statistics may count twice (rare:
+                # a connection Redis closed while idle ran nothing; workers/custody.py's own retries mark
+                # their copies, fleet/stats.py).
                 if not reused:
                     raise
                 return await self._round_trip(packed, len(commands), deadline_s)

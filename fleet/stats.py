@@ -8,8 +8,8 @@ into it on the request path: it appends them as one entry (a msgpack map) to the
 Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to the gateway until it had
 run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). A worker's entry
 carries a token; one written again after a write whose outcome is unknown (the connection dropped after
-Redis may have run it) carries the same token, and the fold counts a token once (a gateway's own entries
-have none: they are not retried, a failed write loses them). FOLD_STATS adds
+Redis may have run it) is marked a copy, and the fold counts it only if its token was not folded before
+(a gateway's own entries have none: they are not retried, a failed write loses them). FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
 second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
@@ -63,56 +63,59 @@ class BatchSample:
 
 LAST_INFERENCE = "last_inference"  # a time (ms), not a count: the fold keeps the latest, never adds
 LOG_FIELD = "s"  # a log entry's first field: its increments, a msgpack map (Lua's cmsgpack reads it)
-TOKEN_FIELD = "t"  # its second: a token unique to the batch, the same in every copy written
-# How long a folded token is remembered: up to a minute in the current hash, then a minute in the older
+# Its second field: a token unique to the batch (TOKEN_BYTES), under TOKEN_FIELD when first written, under
+# COPY_FIELD when written again after a write whose outcome was unknown.
+TOKEN_FIELD, COPY_FIELD = "t", "r"
+TOKEN_BYTES = 16
+# How long a folded token is remembered: up to a minute in the current record, then a minute in the older
 # one, so at least a minute. A copy comes within a write's retries (custody's finish_retry_s, 30 s by
-# default, plus a round trip's 5 s timeout and the link's one resend); its first copy is folded within
-# about a second. Memory: ~80 bytes a token, so two minutes of batches (~10 MB per model at 1,000 a second).
+# default); its first copy is folded within about a second. Memory: TOKEN_BYTES a batch, two minutes of
+# batches (~2 MB per model at 1,000 batches a second).
 FOLDED_ROTATE_S = 60
 
 # KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded this rotation / the one
-# before; ARGV[1] = most entries to fold, ARGV[2] = rotation (s). Sums in Lua first, so a field
-# costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a
-# fold adds up to). Returns how many entries it folded. About 15 µs of Redis's time an entry here (a
-# msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a Lua string,
-# it was up to twice that); the tokens are looked up and recorded a fold at a time (two HMGETs and an
-# HSET per 500 entries). An entry whose token was folded before (or earlier in this fold) is a copy: a
-# write whose outcome was unknown (the connection dropped after Redis may have run it) written again;
-# it is deleted, not counted. An entry without a token (from a worker before tokens) is counted. Redis does
-# not undo a script's writes when it fails part-way: everything that can fail (reading an entry, the
-# hash's times) comes before the first write, and the entries are deleted before their sums are added,
-# so a failure can lose one fold's counts but never add them twice (the tokens are recorded before the
-# sums, so a copy cannot add them again either). An entry that is not a msgpack map
-# of numbers is dropped, not left to stop every later fold.
+# before (strings: the tokens back to back); ARGV[1] = most entries to fold, ARGV[2] = rotation (s). Sums
+# in Lua first, so a field costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below
+# 2^53, far above what a fold adds up to). Returns how many entries it folded. About 10-15 µs of Redis's
+# time an entry here (a msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each
+# converted to a Lua string, it was up to twice that); a fold appends its entries' tokens with one APPEND.
+# A copy (COPY_FIELD) whose token was folded before, or earlier in this fold, is deleted, not counted: its
+# lookup reads both records (rare: only a write whose outcome was unknown makes copies). An entry without a
+# token (from a worker before tokens) is counted. Redis does not undo a script's writes when it fails
+# part-way: everything that can fail (reading an entry and the records, the hash's times) comes before the
+# first write, and the entries are deleted before their sums are added, so a failure can lose one fold's
+# counts but never add them twice (the tokens are recorded before the sums, so a copy cannot add them
+# again either). An entry that is not a msgpack map of numbers is dropped, not left to stop every later
+# fold.
 FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
 if #entries == 0 then return 0 end
-local asked = {}
-for _, entry in ipairs(entries) do
-  local fields = entry[2]
-  if fields[3] == 't' and fields[4] then asked[#asked + 1] = fields[4] end
-end
-local known = {}
-for _, key in ipairs({KEYS[3], KEYS[4]}) do
-  for i = 1, #asked, 500 do
-    local chunk = {}
-    for j = i, math.min(i + 499, #asked) do chunk[#chunk + 1] = asked[j] end
-    local got = redis.call('HMGET', key, unpack(chunk))
-    for j = 1, #chunk do
-      if got[j] then known[chunk[j]] = true end
+local rotate_s = tonumber(ARGV[2])
+local ttl = redis.call('PTTL', KEYS[3])
+local records = nil
+local function folded_before(token)  -- at a multiple of the token's size in either record
+  if records == nil then records = {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''} end
+  for _, record in ipairs(records) do
+    local from = 1
+    while true do
+      local at = string.find(record, token, from, true)
+      if at == nil then break end
+      if (at - 1) % #token == 0 then return true end
+      from = at + 1
     end
   end
+  return false
 end
-local sums, latest, is_time, tokens = {}, {}, {}, {}
+local sums, latest, is_time, tokens, seen = {}, {}, {}, {}, {}
 for _, entry in ipairs(entries) do
   local fields = entry[2]
-  local token = fields[3] == 't' and fields[4] or nil
+  local token = fields[4]
   local counted = true
-  if token then
-    if known[token] then
+  if token and #token == 16 and (fields[3] == 't' or fields[3] == 'r') then
+    if seen[token] or (fields[3] == 'r' and folded_before(token)) then
       counted = false  -- a copy of an entry already counted
     else
-      known[token] = true
+      seen[token] = true
       tokens[#tokens + 1] = token
     end
   end
@@ -137,32 +140,21 @@ end
 for name, value in pairs(latest) do
   if value <= (tonumber(redis.call('HGET', KEYS[2], name) or '0') or 0) then latest[name] = nil end
 end
-local since = tonumber(redis.call('HGET', KEYS[3], '~since') or '')
-local now, rotate_s = tonumber(redis.call('TIME')[1]), tonumber(ARGV[2])
 for i = 1, #entries, 500 do
   local ids = {}
   for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
   redis.call('XDEL', KEYS[1], unpack(ids))
 end
 -- The tokens before the sums: a fold that fails part-way through its sums must not leave them to be
--- counted again by a copy.
+-- counted again by a copy. The current record is made older once it has been current for a rotation
+-- (it expires three rotations after it was made).
 if #tokens > 0 then
-  if since == nil or now - since >= rotate_s then
-    if since ~= nil then
-      redis.call('UNLINK', KEYS[4])  -- freed in the background: RENAME over it would free it here
-      redis.call('RENAME', KEYS[3], KEYS[4])
-    end
-    redis.call('HSET', KEYS[3], '~since', now)
-    redis.call('EXPIRE', KEYS[3], 3 * rotate_s)  -- a rotation current, one older, then gone
+  if ttl >= 0 and ttl <= 2000 * rotate_s then
+    redis.call('RENAME', KEYS[3], KEYS[4])
+    ttl = -2
   end
-  for i = 1, #tokens, 500 do
-    local args = {}
-    for j = i, math.min(i + 499, #tokens) do
-      args[#args + 1] = tokens[j]
-      args[#args + 1] = '1'
-    end
-    redis.call('HSET', KEYS[3], unpack(args))
-  end
+  redis.call('APPEND', KEYS[3], table.concat(tokens))
+  if ttl < 0 then redis.call('EXPIRE', KEYS[3], 3 * rotate_s) end
 end
 for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
@@ -194,7 +186,7 @@ _COUNTER = itertools.count()
 
 def logged_batches(samples: list[BatchSample]) -> list[LoggedBatch]:
     """The stats-log entries of `samples` (those with anything to count), each with a new token."""
-    return [LoggedBatch(entry, _PROCESS + next(_COUNTER).to_bytes(8, "little"))
+    return [LoggedBatch(entry, _PROCESS + next(_COUNTER).to_bytes(TOKEN_BYTES - len(_PROCESS), "little"))
             for s in samples if (entry := log_entry(s)) is not None]
 
 

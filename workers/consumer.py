@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import DEAD_LETTERED, FOLD_MAX, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
+from fleet.stats import COPY_FIELD, DEAD_LETTERED, FOLD_MAX, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
 from fleet.trace_points import REPLY_WRITE
 
 log = logging.getLogger(__name__)
@@ -172,16 +172,19 @@ class StreamConsumer:
         return out
 
     async def write(self, replies: list[tuple[str, ReplyEnvelope]], counts: Sequence[LoggedBatch],
-                    acks: Sequence[MessageId] = (), letters: Sequence[Letter] = ()) -> Written:
+                    acks: Sequence[MessageId] = (), letters: Sequence[Letter] = (), *,
+                    copies: bool = False) -> Written:
         """Write replies (one stream entry per reply stream, one field per reply), count the batches'
         statistics, park `letters` and acknowledge `acks` (messages whose replies an earlier write got
         through), in one round trip; each command's own result is checked, so a reply Redis refused (out
-        of memory, a wrong-type key) is reported as not written while the others are. A batch's count
-        written again (this write's outcome unknown, retried) carries the same token: counted once."""
+        of memory, a wrong-type key) is reported as not written while the others are. `copies`: `counts`
+        may have been written already (an earlier write's outcome is unknown), marked so that the fold
+        counts each once (fleet/stats.py)."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
-        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry,
-                                    TOKEN_FIELD, c.token) for c in counts]
+        marked = COPY_FIELD if copies else TOKEN_FIELD
+        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry, marked,
+                                    c.token) for c in counts]
         # Then the dead letters, ahead of the replies that tell their callers: whoever got the error
         # finds the message parked (two commands each: the entry, then the count).
         for letter in letters:

@@ -183,17 +183,21 @@ class Custody:
         give_up_at = time.monotonic() + self.config.finish_retry_s
         to_write, done = answers, []
         to_park = [a for a in answers if a.park is not None]  # each parked once, however often its reply is retried
-        counts = logged_batches(samples)  # the same tokens in every retry: the fold counts each once
+        counts = logged_batches(samples)  # the same tokens in every retry
+        copies = False  # whether an earlier write may have counted them (its outcome unknown)
         while to_write or counts or to_park:
             carried = self._acks.take()
             try:
                 w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], counts,
                                               [m for ms, _ in carried for m in ms],
-                                              [Letter(a.message, a.park or "", a.payload) for a in to_park])
+                                              [Letter(a.message, a.park or "", a.payload) for a in to_park],
+                                              copies=copies)
             except (RedisError, OSError) as exc:
                 # The connection failed: Redis may have run some or all of the write. Replies written
-                # twice are dropped by the gateway, letters are at least once, counts are counted once.
+                # twice are dropped by the gateway, letters are at least once; counts go again as copies,
+                # which the fold counts only if their first did not land (fleet/stats.py).
                 self._acks.settle(carried, False)
+                copies = True
                 error: BaseException | None = exc
             else:
                 self._acks.settle(carried, w.acked)

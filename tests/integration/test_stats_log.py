@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from fleet.stats import (
+    COPY_FIELD,
     FOLD_MAX,
+    FOLDED_ROTATE_S,
     LAST_INFERENCE,
     LOG_FIELD,
     TOKEN_FIELD,
@@ -368,22 +370,24 @@ def test_the_gateway_folds_what_it_logged_before_a_quiet_spell(redis_server: Loc
 
 
 @settings(max_examples=40, deadline=None)
-@given(plan=st.lists(st.tuples(samples(), st.integers(1, 3)), max_size=12),
+@given(plan=st.lists(st.tuples(samples(), st.booleans(), st.integers(0, 2)), max_size=12),
        folds_at=st.sets(st.integers(0, 40)), limit=st.integers(1, 5), untokened=st.integers(0, 3))
-def test_a_batch_written_again_counts_once(redis_server: LocalServer, plan: list[tuple[BatchSample, int]],
+def test_a_batch_written_again_counts_once(redis_server: LocalServer, plan: list[tuple[BatchSample, bool, int]],
                                            folds_at: set[int], limit: int, untokened: int) -> None:
-    """A write whose outcome is unknown (the connection dropped after Redis ran it) is written again, with
-    the same token, and a retry's outcome may be unknown too: 1-3 copies of each batch reach Redis, in
-    order, with folds anywhere between them, partial ones included. Every batch counts exactly once, and
-    an entry without a token (from a worker before tokens) counts as before."""
+    """A batch's first write landed or not (the connection dropped after or before Redis ran it); then, its
+    outcome unknown, it is written again as a copy 0-2 times (a copy's outcome may be unknown too). Folds
+    fall anywhere between, partial ones included. Every batch with an entry in the log counts exactly
+    once, and an entry without a token (from a worker before tokens) counts as before."""
     keys = Keys(f"t{uuid.uuid4().hex[:10]}")
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     writes: list[dict[str, bytes]] = []
     counted: list[BatchSample] = []
-    for sample, copies in plan:
+    for sample, landed, copies in plan:
         for logged in logged_batches([sample]):
-            writes += [{LOG_FIELD: logged.entry, TOKEN_FIELD: logged.token}] * copies
-            counted.append(sample)
+            if landed or copies:
+                writes += [{LOG_FIELD: logged.entry, TOKEN_FIELD: logged.token}] if landed else []
+                writes += [{LOG_FIELD: logged.entry, COPY_FIELD: logged.token}] * copies
+                counted.append(sample)
     old = BatchSample(version=1, batch_size=2, requests_ok=2, requests_failed=0, request_ns_ok=5,
                       request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
                       compute_output_ns=1, finished_ms=3)
@@ -401,10 +405,30 @@ def test_a_batch_written_again_counts_once(redis_server: LocalServer, plan: list
     client.close()
 
 
+def test_a_token_is_found_only_where_a_token_starts(redis_server: LocalServer, key_prefix: str) -> None:
+    """The folded tokens are stored back to back: a copy whose token appears across two of them (the end of
+    one and the start of the next) is not taken for one folded."""
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
+                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
+                        compute_output_ns=1, finished_ms=7)
+    (logged,) = logged_batches([batch])
+    a, b = b"A" * 16, b"B" * 16
+    client.set(keys.stats_folded(MODEL), a + b, ex=3 * FOLDED_ROTATE_S)  # as if made just now
+    straddling = a[8:] + b[:8]
+    client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, COPY_FIELD: straddling})
+    client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, COPY_FIELD: b})  # folded before: not counted
+    client.eval(*fold_args(keys, MODEL))
+    assert stats(client, keys)[field(1, "success:count")] == 1
+    assert client.get(keys.stats_folded(MODEL)) == a + b + straddling
+    client.close()
+
+
 def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: LocalServer, key_prefix: str) -> None:
-    """A copy folded one rotation after its first is still skipped (the older hash); two rotations after,
-    it counts again: the bound is a minute or two in production (fleet/stats.py FOLDED_ROTATE_S), well past
-    a write's retries (30 s). Both hashes expire."""
+    """A copy folded one rotation after its first is still skipped (the older record); two rotations after,
+    it counts again: the bound is one to two minutes in production (fleet/stats.py FOLDED_ROTATE_S), past a
+    write's retries (30 s). Both records expire."""
     import time
 
     keys = Keys(key_prefix)
@@ -414,26 +438,26 @@ def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: 
                         compute_output_ns=1, finished_ms=7)
     first, other, third = logged_batches([batch, batch, batch])
 
-    def write(logged: LoggedBatch) -> None:
-        client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, TOKEN_FIELD: logged.token})
+    def write(logged: LoggedBatch, marked: str) -> None:
+        client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, marked: logged.token})
         client.eval(*fold_args(keys, MODEL, rotate_s=2))
 
     def success() -> int:
         return stats(client, keys)[field(1, "success:count")]
 
-    write(first)
-    assert client.pttl(keys.stats_folded(MODEL)) > 0
-    write(first)
+    write(first, TOKEN_FIELD)
+    assert 0 < client.pttl(keys.stats_folded(MODEL)) <= 6000  # three rotations
+    write(first, COPY_FIELD)
     assert success() == 1
-    time.sleep(2.1)  # TIME has whole seconds: floor(t + 2.1) - floor(t) >= 2, one rotation for sure
-    write(other)  # records a token: the current hash becomes the older one
-    assert client.hexists(keys.stats_folded(MODEL, older=True), first.token)
-    assert client.pttl(keys.stats_folded(MODEL, older=True)) > 0  # 3 rotations from its start
-    write(first)
+    time.sleep(2.1)  # the current record has been current for a rotation
+    write(other, TOKEN_FIELD)  # records a token: the current record becomes the older one
+    assert client.get(keys.stats_folded(MODEL, older=True)) == first.token
+    assert client.pttl(keys.stats_folded(MODEL, older=True)) > 0
+    write(first, COPY_FIELD)
     assert success() == 2
     time.sleep(2.1)
-    write(third)  # a second rotation: the first token is forgotten
-    write(first)
+    write(third, TOKEN_FIELD)  # a second rotation: the first token is forgotten
+    write(first, COPY_FIELD)
     assert success() == 4
     client.close()
 
