@@ -51,11 +51,11 @@ class Keys:
         someone folds them into the stats hash (fleet/stats.py FOLD_STATS)."""
         return f"{self.prefix}:{{{model}}}:stats:log"
 
-    def stats_folded(self, model: str, older: bool = False) -> str:
-        """String: the tokens of the stats-log entries folded in the last minute (`older`: the minute
-        before), back to back, so that an entry written again after a write whose outcome was unknown
-        counts once (fleet/stats.py FOLD_STATS)."""
-        return f"{self.prefix}:{{{model}}}:stats:folded{':old' if older else ''}"
+    def stats_tokens(self, model: str, kind: str = "") -> str:
+        """String: the tokens of the stats-log entries folded in the current rotation (`kind` "old": the
+        one before; "copied": of the copies counted, whose first may still come), back to back, so that
+        a batch written again after a write whose outcome was unknown counts once (fleet/stats.py)."""
+        return f"{self.prefix}:{{{model}}}:stats:tokens{':' + kind if kind else ''}"
 
     def custom_metrics(self, model: str) -> str:
         """Hash: worker id -> that worker's part of the model's Python custom metrics (msgpack,

@@ -34,7 +34,7 @@ links.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -73,9 +73,11 @@ class RedisLink:
         self._replies: _Replies | None = None
         self._deadline = _Deadline()
 
-    async def execute(self, commands: Sequence[Command], block_ms: int = 0) -> list[Any]:
+    async def execute(self, commands: Sequence[Command], block_ms: int = 0,
+                      resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
         """Each command's reply in order (a ResponseError for an error reply). `block_ms`: the longest BLOCK
-        among them, added to the deadline."""
+        among them, added to the deadline. `resend`: what to send instead if the round trip is sent again
+        (the same commands, in the same order, marked as possibly run already)."""
         if not commands:
             return []
         deadline_s = self.timeout_s + block_ms / 1000
@@ -88,11 +90,12 @@ class RedisLink:
                 # A connection Redis closed while it sat idle (Redis restarted): once more on a new one,
                 # as redis-py's own retry does. Commands may then run twice if the first attempt reached
                 # Redis before it went away, as with redis-py: a request enqueued twice is computed twice
-                # and answered once (replies are by id), a batch's statistics may count twice (rare:
-                # a connection Redis closed while idle ran nothing; workers/custody.py's own retries mark
-                # their copies, fleet/stats.py).
+                # and answered once (replies are by id); a batch's statistics go again as copies
+                # (`resend`), which count once (fleet/stats.py).
                 if not reused:
                     raise
+                if resend is not None:
+                    packed = [_pack(c) for c in resend()]
                 return await self._round_trip(packed, len(commands), deadline_s)
 
     async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float) -> list[Any]:

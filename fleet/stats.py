@@ -8,8 +8,9 @@ into it on the request path: it appends them as one entry (a msgpack map) to the
 Redis cost 50-100 µs of Redis's time a batch and held the reply's delivery to the gateway until it had
 run (Redis writes the unblocked reader's reply only after the writer's whole pipeline). A worker's entry
 carries a token; one written again after a write whose outcome is unknown (the connection dropped after
-Redis may have run it) is marked a copy, and the fold counts it only if its token was not folded before
-(a gateway's own entries have none: they are not retried, a failed write loses them). FOLD_STATS adds
+Redis may have run it, by custody's retry or the link's own resend) is marked a copy, and the fold counts
+each token once, whichever copy comes first (a gateway's own entries have none: they are not retried, a
+failed write loses them). FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
 the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
 second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
@@ -67,56 +68,64 @@ LOG_FIELD = "s"  # a log entry's first field: its increments, a msgpack map (Lua
 # COPY_FIELD when written again after a write whose outcome was unknown.
 TOKEN_FIELD, COPY_FIELD = "t", "r"
 TOKEN_BYTES = 16
-# How long a folded token is remembered: up to a minute in the current record, then a minute in the older
-# one, so at least a minute. A copy comes within a write's retries (custody's finish_retry_s, 30 s by
-# default); its first copy is folded within about a second. Memory: TOKEN_BYTES a batch, two minutes of
-# batches (~2 MB per model at 1,000 batches a second).
+# How long a folded token is remembered: up to a rotation in the current record, then one in the older
+# record, so at least a rotation. A copy comes within a write's retries (custody's finish_retry_s, 30 s by
+# default, plus a round trip's 5 s timeout and the link's one resend); its first is folded within about a
+# second. Memory: TOKEN_BYTES a batch (with APPEND's headroom up to twice that), two rotations of batches:
+# up to ~4 MB per model at 1,000 batches a second.
 FOLDED_ROTATE_S = 60
 
 # KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded this rotation / the one
-# before (strings: the tokens back to back); ARGV[1] = most entries to fold, ARGV[2] = rotation (s). Sums
-# in Lua first, so a field costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below
-# 2^53, far above what a fold adds up to). Returns how many entries it folded. About 10-15 µs of Redis's
-# time an entry here (a msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each
-# converted to a Lua string, it was up to twice that); a fold appends its entries' tokens with one APPEND.
-# A copy (COPY_FIELD) whose token was folded before, or earlier in this fold, is deleted, not counted: its
-# lookup reads both records (rare: only a write whose outcome was unknown makes copies). An entry without a
-# token (from a worker before tokens) is counted. Redis does not undo a script's writes when it fails
-# part-way: everything that can fail (reading an entry and the records, the hash's times) comes before the
-# first write, and the entries are deleted before their sums are added, so a failure can lose one fold's
-# counts but never add them twice (the tokens are recorded before the sums, so a copy cannot add them
-# again either). An entry that is not a msgpack map of numbers is dropped, not left to stop every later
-# fold.
+# before, KEYS[5] = the tokens of the copies counted (strings: tokens back to back); ARGV[1] = most
+# entries to fold, ARGV[2] = rotation (s), ARGV[3] = TOKEN_BYTES. Sums in Lua first, so a field costs one
+# HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a fold adds
+# up to). Returns how many entries it folded. About 10-15 µs of Redis's time an entry here (a msgpack map
+# in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a Lua string, it was up to
+# twice that); a fold appends its entries' tokens with one APPEND.
+# Which entries count: a token seen earlier in the same fold never again. A copy (COPY_FIELD) whose token
+# is in either record is not counted (its first was). A copy counted (its first had not come) goes into
+# KEYS[5] too, and a first (TOKEN_FIELD) found there is not counted: a first delayed in the network past
+# its copy. Copies are few (failed writes: after an outage, every write that was in flight), so a lookup
+# in the records (a search through both) is only paid for them; KEYS[5] is read every fold, and is
+# usually absent. An entry without a token (from a worker before tokens) is counted.
+# Redis does not undo a script's writes when it fails part-way: everything that can fail (reading an
+# entry and the records, the hash's times) comes before the first write, and the entries are deleted
+# before their sums are added, so a failure can lose one fold's counts but never add them twice (the
+# tokens are recorded before the sums, so a copy cannot add them again either). An entry that is not a
+# msgpack map of numbers is dropped, not left to stop every later fold.
 FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
 if #entries == 0 then return 0 end
-local rotate_s = tonumber(ARGV[2])
+local rotate_s, size = tonumber(ARGV[2]), tonumber(ARGV[3])
 local ttl = redis.call('PTTL', KEYS[3])
-local records = nil
-local function folded_before(token)  -- at a multiple of the token's size in either record
-  if records == nil then records = {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''} end
-  for _, record in ipairs(records) do
-    local from = 1
-    while true do
-      local at = string.find(record, token, from, true)
-      if at == nil then break end
-      if (at - 1) % #token == 0 then return true end
-      from = at + 1
-    end
+local copied = redis.call('GET', KEYS[5]) or ''
+local function aligned_in(record, token)  -- at a multiple of the token's size
+  local from = 1
+  while true do
+    local at = string.find(record, token, from, true)
+    if at == nil then return false end
+    if (at - 1) % size == 0 then return true end
+    from = at + 1
   end
-  return false
 end
-local sums, latest, is_time, tokens, seen = {}, {}, {}, {}, {}
+local records = nil
+local function folded_before(token)
+  if records == nil then records = {redis.call('GET', KEYS[3]) or '', redis.call('GET', KEYS[4]) or ''} end
+  return aligned_in(records[1], token) or aligned_in(records[2], token)
+end
+local sums, latest, is_time, tokens, copies, seen = {}, {}, {}, {}, {}, {}
 for _, entry in ipairs(entries) do
   local fields = entry[2]
-  local token = fields[4]
+  local kind, token = fields[3], fields[4]
   local counted = true
-  if token and #token == 16 and (fields[3] == 't' or fields[3] == 'r') then
-    if seen[token] or (fields[3] == 'r' and folded_before(token)) then
+  if token and #token == size and (kind == 't' or kind == 'r') then
+    if seen[token] or (kind == 'r' and folded_before(token))
+       or (kind == 't' and copied ~= '' and aligned_in(copied, token)) then
       counted = false  -- a copy of an entry already counted
     else
       seen[token] = true
       tokens[#tokens + 1] = token
+      if kind == 'r' then copies[#copies + 1] = token end
     end
   end
   local ok, t = pcall(cmsgpack.unpack, fields[2] or '')
@@ -156,6 +165,10 @@ if #tokens > 0 then
   redis.call('APPEND', KEYS[3], table.concat(tokens))
   if ttl < 0 then redis.call('EXPIRE', KEYS[3], 3 * rotate_s) end
 end
+if #copies > 0 then
+  redis.call('APPEND', KEYS[5], table.concat(copies))
+  redis.call('EXPIRE', KEYS[5], 3 * rotate_s)
+end
 for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
@@ -166,10 +179,10 @@ FOLD_MAX = 2_000
 
 
 def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
-              rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, int, int]:
+              rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, str, int, int, int]:
     """EVAL's arguments after the command name: fold `model`'s stats log into its hash."""
-    return (FOLD_STATS, 4, keys.stats_log(model), keys.stats(model), keys.stats_folded(model),
-            keys.stats_folded(model, older=True), most, rotate_s)
+    return (FOLD_STATS, 5, keys.stats_log(model), keys.stats(model), keys.stats_tokens(model),
+            keys.stats_tokens(model, "old"), keys.stats_tokens(model, "copied"), most, rotate_s, TOKEN_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +193,22 @@ class LoggedBatch:
     token: bytes
 
 
-_PROCESS = os.urandom(8)  # with a counter: tokens no other process or batch has
-_COUNTER = itertools.count()
+_process = os.urandom(8)  # with a counter: tokens no other process or batch has
+_counter = itertools.count()
+
+
+def _new_process() -> None:
+    global _process, _counter
+    _process, _counter = os.urandom(8), itertools.count()
+
+
+os.register_at_fork(after_in_child=_new_process)  # a forked child's tokens are its own
 
 
 def logged_batches(samples: list[BatchSample]) -> list[LoggedBatch]:
-    """The stats-log entries of `samples` (those with anything to count), each with a new token."""
-    return [LoggedBatch(entry, _PROCESS + next(_COUNTER).to_bytes(TOKEN_BYTES - len(_PROCESS), "little"))
+    """The stats-log entries of `samples` (those with anything to count), each with a new token: the
+    counter first, so that a search through folded tokens (FOLD_STATS) seldom stops at a false start."""
+    return [LoggedBatch(entry, next(_counter).to_bytes(TOKEN_BYTES - len(_process), "little") + _process)
             for s in samples if (entry := log_entry(s)) is not None]
 
 

@@ -211,7 +211,12 @@ class StreamConsumer:
             self._ttl_set = {k: t for k, t in self._ttl_set.items() if now - t < TTL_REFRESH_S}
         first_ack = len(commands)
         commands += self._ack_commands(acks)
-        results = await self._writer.execute(commands)
+        resend = None
+        if counts and not copies:
+            def resend() -> list[Command]:  # the link sends the round trip again: the counts as copies
+                return [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry, COPY_FIELD, c.token)
+                        for c in counts] + commands[len(counts):]
+        results = await self._writer.execute(commands, resend=resend)
         written: set[int] = set()
         errors: list[BaseException] = []
         lettered: set[int] = set()

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import replace
 
 import msgpack
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -369,15 +370,16 @@ def test_the_gateway_folds_what_it_logged_before_a_quiet_spell(redis_server: Loc
 # --- a batch written again after a write whose outcome is unknown ------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
-@given(plan=st.lists(st.tuples(samples(), st.booleans(), st.integers(0, 2)), max_size=12),
-       folds_at=st.sets(st.integers(0, 40)), limit=st.integers(1, 5), untokened=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+@given(plan=st.lists(st.tuples(samples(), st.booleans(), st.integers(0, 2)), max_size=10),
+       data=st.data(), limit=st.integers(1, 5), untokened=st.integers(0, 3))
 def test_a_batch_written_again_counts_once(redis_server: LocalServer, plan: list[tuple[BatchSample, bool, int]],
-                                           folds_at: set[int], limit: int, untokened: int) -> None:
-    """A batch's first write landed or not (the connection dropped after or before Redis ran it); then, its
-    outcome unknown, it is written again as a copy 0-2 times (a copy's outcome may be unknown too). Folds
-    fall anywhere between, partial ones included. Every batch with an entry in the log counts exactly
-    once, and an entry without a token (from a worker before tokens) counts as before."""
+                                           data: st.DataObject, limit: int, untokened: int) -> None:
+    """A batch's first write lands or not (the connection dropped after or before Redis ran it); then, its
+    outcome unknown, it is written again as a copy 0-2 times (a copy's outcome may be unknown too). They
+    reach Redis in any order (a first delayed in the network may come after its copies), among the other
+    batches', with folds anywhere between them, partial ones included. Every batch with an entry in the
+    log counts exactly once, and an entry without a token (from a worker before tokens) counts as before."""
     keys = Keys(f"t{uuid.uuid4().hex[:10]}")
     client = redis.Redis.from_url(redis_server.url, protocol=2)
     writes: list[dict[str, bytes]] = []
@@ -395,10 +397,12 @@ def test_a_batch_written_again_counts_once(redis_server: LocalServer, plan: list
     assert entry is not None
     writes += [{LOG_FIELD: entry}] * untokened
     counted += [old] * untokened
-    for i, fields in enumerate(writes):
+    order = data.draw(st.permutations(range(len(writes))), label="order")
+    folds_at = data.draw(st.sets(st.integers(0, len(writes))), label="folds_at")
+    for i, w in enumerate(order):
         if i in folds_at:
             client.eval(*fold_args(keys, MODEL, limit))
-        client.xadd(keys.stats_log(MODEL), fields)  # type: ignore[arg-type]
+        client.xadd(keys.stats_log(MODEL), writes[w])  # type: ignore[arg-type]
     while client.eval(*fold_args(keys, MODEL)):
         pass
     assert stats(client, keys) == expected(counted, {})
@@ -415,13 +419,13 @@ def test_a_token_is_found_only_where_a_token_starts(redis_server: LocalServer, k
                         compute_output_ns=1, finished_ms=7)
     (logged,) = logged_batches([batch])
     a, b = b"A" * 16, b"B" * 16
-    client.set(keys.stats_folded(MODEL), a + b, ex=3 * FOLDED_ROTATE_S)  # as if made just now
+    client.set(keys.stats_tokens(MODEL), a + b, ex=3 * FOLDED_ROTATE_S)  # as if made just now
     straddling = a[8:] + b[:8]
     client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, COPY_FIELD: straddling})
     client.xadd(keys.stats_log(MODEL), {LOG_FIELD: logged.entry, COPY_FIELD: b})  # folded before: not counted
     client.eval(*fold_args(keys, MODEL))
     assert stats(client, keys)[field(1, "success:count")] == 1
-    assert client.get(keys.stats_folded(MODEL)) == a + b + straddling
+    assert client.get(keys.stats_tokens(MODEL)) == a + b + straddling
     client.close()
 
 
@@ -446,13 +450,13 @@ def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: 
         return stats(client, keys)[field(1, "success:count")]
 
     write(first, TOKEN_FIELD)
-    assert 0 < client.pttl(keys.stats_folded(MODEL)) <= 6000  # three rotations
+    assert 0 < client.pttl(keys.stats_tokens(MODEL)) <= 6000  # three rotations
     write(first, COPY_FIELD)
     assert success() == 1
     time.sleep(2.1)  # the current record has been current for a rotation
     write(other, TOKEN_FIELD)  # records a token: the current record becomes the older one
-    assert client.get(keys.stats_folded(MODEL, older=True)) == first.token
-    assert client.pttl(keys.stats_folded(MODEL, older=True)) > 0
+    assert client.get(keys.stats_tokens(MODEL, "old")) == first.token
+    assert client.pttl(keys.stats_tokens(MODEL, "old")) > 0
     write(first, COPY_FIELD)
     assert success() == 2
     time.sleep(2.1)
@@ -462,11 +466,14 @@ def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: 
     client.close()
 
 
+@pytest.mark.parametrize("connection", ["warm", "new"])
 def test_a_write_whose_reply_is_lost_is_written_again_and_counted_once(redis_server: LocalServer,
-                                                                         key_prefix: str) -> None:
+                                                                         key_prefix: str, connection: str) -> None:
     """workers/custody.py through a proxy that drops the connection after Redis ran the batch's write (its
-    replies lost on the way back): the write goes out again on a new connection. The caller's reply is
-    there twice (the gateway drops the second), the batch is counted once, its message acknowledged."""
+    replies lost on the way back), with the log folded right then: the write goes out again on a new
+    connection (on a warm one the link sends it again itself; on a new one custody retries). The caller's
+    reply is there twice (the gateway drops the second), the batch is counted once, its message
+    acknowledged."""
     import asyncio
 
     from batching.holding import Holding
@@ -498,6 +505,7 @@ def test_a_write_whose_reply_is_lost_is_written_again_and_counted_once(redis_ser
             while chunk := await up_reader.read(65536):
                 if writing_stats:  # Redis has run the write (its replies are here): lose them, and the connection
                     cut["armed"], cut["done"] = False, cut["done"] + 1
+                    sync.eval(*fold_args(keys, MODEL))  # the first counted before its copy comes
                     break
                 writer.write(chunk)
             writer.close()
@@ -521,6 +529,8 @@ def test_a_write_whose_reply_is_lost_is_written_again_and_counted_once(redis_ser
             await r.xreadgroup(GROUP, "c", {queue: ">"}, count=1)
             holding.hold((0, entry_id), 1)
             reply_to = f"{key_prefix}:reply:lost"
+            if connection == "warm":  # the writer's connection open and used once already
+                await consumer.write([(f"{key_prefix}:reply:other", ReplyEnvelope(id="x", model_version=1))], [])
             cut["armed"] = True
             custody.finish([Answer((0, entry_id), reply_to, ReplyEnvelope(id="once", model_version=1))], [batch])
             await custody.drained()
