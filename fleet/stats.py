@@ -86,8 +86,9 @@ FOLDED_ROTATE_S = 60
 # is in either record is not counted (its first was). A copy counted (its first had not come) goes into
 # KEYS[5] too, and a first (TOKEN_FIELD) found there is not counted: a first delayed in the network past
 # its copy. Copies are few (failed writes: after an outage, every write that was in flight), so a lookup
-# in the records (a search through both) is only paid for them; KEYS[5] is read every fold, and is
-# usually absent. An entry without a token (from a worker before tokens) is counted.
+# in the records (a search through both) is only paid for them: ~0.2 ms of Redis's time a copy against
+# two records of 60k tokens (1,000 batches a second), plus ~2 ms to read them once a fold (measured with
+# 1-100 copies). KEYS[5] is read every fold, and is usually absent. An entry without a token (from a worker before tokens) is counted.
 # Redis does not undo a script's writes when it fails part-way: everything that can fail (reading an
 # entry and the records, the hash's times) comes before the first write, and the entries are deleted
 # before their sums are added, so a failure can lose one fold's counts but never add them twice (the
