@@ -53,8 +53,9 @@ class Keys:
 
     def stats_tokens(self, model: str, kind: str = "") -> str:
         """String: the tokens of the stats-log entries folded in the current rotation (`kind` "old": the
-        one before; "copied": of the copies counted, whose first may still come), back to back, so that
-        a batch written again after a write whose outcome was unknown counts once (fleet/stats.py)."""
+        one before; "copied" and "copied:old": the same for the copies counted, whose first may still
+        come), back to back, so that a batch written again after a write whose outcome was unknown counts
+        once (fleet/stats.py)."""
         return f"{self.prefix}:{{{model}}}:stats:tokens{':' + kind if kind else ''}"
 
     def custom_metrics(self, model: str) -> str:

@@ -22,8 +22,10 @@ links.
   deadline, `timeout_s` plus the BLOCK of a blocking read, in place of redis-py's per-send and per-read
   socket timeout (`_Deadline`). Past it, on a connection error, or when the caller is cancelled, the
   connection is closed (its unread replies would otherwise answer the next commands) and the next round
-  trip opens another. A connection found closed (Redis restarted while it sat idle) is replaced and the
-  round trip tried once more, as redis-py's retry does. The error raised is redis-py's (ConnectionError,
+  trip opens another. A reused connection that fails with a connection error (Redis restarted while it
+  sat idle, or the connection dropped mid-round-trip) is replaced and the round trip tried once more, as
+  redis-py's retry does: as the caller's `resend` says, if it gives one (commands that may have run
+  already, marked so). The error raised is redis-py's (ConnectionError,
   TimeoutError: both RedisError), as every caller handles already.
 - Replies are Redis's own (RESP2, bytes), without redis-py's response callbacks: an XREAD entry is
   `[id, [field, value, ...]]` (`entry_field` reads one field). An error reply is that command's result, as

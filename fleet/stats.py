@@ -19,8 +19,7 @@ too (gateway/counters.py)."""
 
 from __future__ import annotations
 
-import itertools
-import os
+import random
 from dataclasses import dataclass
 
 import msgpack
@@ -68,27 +67,30 @@ LOG_FIELD = "s"  # a log entry's first field: its increments, a msgpack map (Lua
 # COPY_FIELD when written again after a write whose outcome was unknown.
 TOKEN_FIELD, COPY_FIELD = "t", "r"
 TOKEN_BYTES = 16
-# How long a folded token is remembered: up to a rotation in the current record, then one in the older
-# record, so at least a rotation. A copy comes within a write's retries (custody's finish_retry_s, 30 s by
-# default, plus a round trip's 5 s timeout and the link's one resend); its first is folded within about a
-# second. Memory: TOKEN_BYTES a batch (with APPEND's headroom up to twice that), two rotations of batches:
-# up to ~4 MB per model at 1,000 batches a second.
+# How long a folded token is remembered: its record is current for a rotation, then older until the next
+# rotation or its expiry (three rotations after it was made), so at least a rotation. A copy comes within a
+# write's retries (custody's finish_retry_s, 30 s by default, plus a round trip's 5 s timeout and the link's
+# one resend); its first is folded within about a second. Memory: TOKEN_BYTES a batch (with APPEND's
+# headroom up to twice that), two to three rotations of batches: up to ~6 MB per model at 1,000 batches a
+# second.
 FOLDED_ROTATE_S = 60
 
-# KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded this rotation / the one
-# before, KEYS[5] = the tokens of the copies counted (strings: tokens back to back); ARGV[1] = most
-# entries to fold, ARGV[2] = rotation (s), ARGV[3] = TOKEN_BYTES. Sums in Lua first, so a field costs one
-# HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far above what a fold adds
-# up to). Returns how many entries it folded. About 10-15 µs of Redis's time an entry here (a msgpack map
-# in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a Lua string, it was up to
-# twice that); a fold appends its entries' tokens with one APPEND.
+# KEYS[1] = stats log, KEYS[2] = stats hash, KEYS[3] / KEYS[4] = the tokens folded, in the current
+# rotation / the one before, KEYS[5] / KEYS[6] = the same for the copies counted (strings: tokens back to
+# back); ARGV[1] = most entries to fold, ARGV[2] = rotation (s), ARGV[3] = TOKEN_BYTES. Sums in Lua first,
+# so a field costs one HINCRBY per fold, not per batch (Lua numbers are doubles: exact below 2^53, far
+# above what a fold adds up to). Returns how many entries it folded. About 10-15 µs of Redis's time an
+# entry here (a msgpack map in the one field LOG_FIELD, 's'; as 20-odd stream fields, each converted to a
+# Lua string, it was up to twice that); a fold appends its entries' tokens with one APPEND.
 # Which entries count: a token seen earlier in the same fold never again. A copy (COPY_FIELD) whose token
-# is in either record is not counted (its first was). A copy counted (its first had not come) goes into
-# KEYS[5] too, and a first (TOKEN_FIELD) found there is not counted: a first delayed in the network past
-# its copy. Copies are few (failed writes: after an outage, every write that was in flight), so a lookup
-# in the records (a search through both) is only paid for them: ~0.2 ms of Redis's time a copy against
-# two records of 60k tokens (1,000 batches a second), plus ~2 ms to read them once a fold (measured with
-# 1-100 copies). KEYS[5] is read every fold, and is usually absent. An entry without a token (from a worker before tokens) is counted.
+# is in the records is not counted (its first, or an earlier copy, was). A copy counted (its first had not
+# come) goes into the copies' records too, and a first (TOKEN_FIELD) found there is not counted: a first
+# delayed in the network past its copy. Copies are few (failed writes: after an outage, every write that
+# was in flight), so a search through the records is only paid for them: ~0.2 ms of Redis's time a copy
+# against two records of 60k tokens (1,000 batches a second), plus ~3-4 ms to read them once a fold
+# (measured with 1-100 copies; less in proportion at fewer batches a second). The copies' records are read
+# every fold, and are usually absent.
+# An entry without a token (from a worker before tokens) is counted.
 # Redis does not undo a script's writes when it fails part-way: everything that can fail (reading an
 # entry and the records, the hash's times) comes before the first write, and the entries are deleted
 # before their sums are added, so a failure can lose one fold's counts but never add them twice (the
@@ -98,8 +100,8 @@ FOLD_STATS = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', ARGV[1])
 if #entries == 0 then return 0 end
 local rotate_s, size = tonumber(ARGV[2]), tonumber(ARGV[3])
-local ttl = redis.call('PTTL', KEYS[3])
-local copied = redis.call('GET', KEYS[5]) or ''
+local folded_ttl, copied_ttl = redis.call('PTTL', KEYS[3]), redis.call('PTTL', KEYS[5])
+local copied = (redis.call('GET', KEYS[5]) or '') .. (redis.call('GET', KEYS[6]) or '')
 local function aligned_in(record, token)  -- at a multiple of the token's size
   local from = 1
   while true do
@@ -120,8 +122,7 @@ for _, entry in ipairs(entries) do
   local kind, token = fields[3], fields[4]
   local counted = true
   if token and #token == size and (kind == 't' or kind == 'r') then
-    if seen[token] or (kind == 'r' and folded_before(token))
-       or (kind == 't' and copied ~= '' and aligned_in(copied, token)) then
+    if seen[token] or (copied ~= '' and aligned_in(copied, token)) or (kind == 'r' and folded_before(token)) then
       counted = false  -- a copy of an entry already counted
     else
       seen[token] = true
@@ -156,20 +157,19 @@ for i = 1, #entries, 500 do
   redis.call('XDEL', KEYS[1], unpack(ids))
 end
 -- The tokens before the sums: a fold that fails part-way through its sums must not leave them to be
--- counted again by a copy. The current record is made older once it has been current for a rotation
--- (it expires three rotations after it was made).
-if #tokens > 0 then
+-- counted again by a copy. A record is made the older one once it has been current for a rotation (it
+-- expires three rotations after it was made).
+local function record(current, older, ttl, added)
+  if #added == 0 then return end
   if ttl >= 0 and ttl <= 2000 * rotate_s then
-    redis.call('RENAME', KEYS[3], KEYS[4])
+    redis.call('RENAME', current, older)
     ttl = -2
   end
-  redis.call('APPEND', KEYS[3], table.concat(tokens))
-  if ttl < 0 then redis.call('EXPIRE', KEYS[3], 3 * rotate_s) end
+  redis.call('APPEND', current, table.concat(added))
+  if ttl < 0 then redis.call('EXPIRE', current, 3 * rotate_s) end
 end
-if #copies > 0 then
-  redis.call('APPEND', KEYS[5], table.concat(copies))
-  redis.call('EXPIRE', KEYS[5], 3 * rotate_s)
-end
+record(KEYS[3], KEYS[4], folded_ttl, tokens)
+record(KEYS[5], KEYS[6], copied_ttl, copies)
 for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.format('%d', value)) end
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
@@ -180,10 +180,11 @@ FOLD_MAX = 2_000
 
 
 def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
-              rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, str, int, int, int]:
+              rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, str, str, int, int, int]:
     """EVAL's arguments after the command name: fold `model`'s stats log into its hash."""
-    return (FOLD_STATS, 5, keys.stats_log(model), keys.stats(model), keys.stats_tokens(model),
-            keys.stats_tokens(model, "old"), keys.stats_tokens(model, "copied"), most, rotate_s, TOKEN_BYTES)
+    return (FOLD_STATS, 6, keys.stats_log(model), keys.stats(model), keys.stats_tokens(model),
+            keys.stats_tokens(model, "old"), keys.stats_tokens(model, "copied"),
+            keys.stats_tokens(model, "copied:old"), most, rotate_s, TOKEN_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,22 +195,11 @@ class LoggedBatch:
     token: bytes
 
 
-_process = os.urandom(8)  # with a counter: tokens no other process or batch has
-_counter = itertools.count()
-
-
-def _new_process() -> None:
-    global _process, _counter
-    _process, _counter = os.urandom(8), itertools.count()
-
-
-os.register_at_fork(after_in_child=_new_process)  # a forked child's tokens are its own
-
-
 def logged_batches(samples: list[BatchSample]) -> list[LoggedBatch]:
-    """The stats-log entries of `samples` (those with anything to count), each with a new token: the
-    counter first, so that a search through folded tokens (FOLD_STATS) seldom stops at a false start."""
-    return [LoggedBatch(entry, next(_counter).to_bytes(TOKEN_BYTES - len(_process), "little") + _process)
+    """The stats-log entries of `samples` (those with anything to count), each with a new random token
+    (uniform bytes: a search through folded tokens in FOLD_STATS seldom stops at a false start; `random`
+    reseeds itself in a forked child)."""
+    return [LoggedBatch(entry, random.getrandbits(8 * TOKEN_BYTES).to_bytes(TOKEN_BYTES, "little"))
             for s in samples if (entry := log_entry(s)) is not None]
 
 

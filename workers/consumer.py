@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,7 +211,7 @@ class StreamConsumer:
             self._ttl_set = {k: t for k, t in self._ttl_set.items() if now - t < TTL_REFRESH_S}
         first_ack = len(commands)
         commands += self._ack_commands(acks)
-        resend = None
+        resend: Callable[[], list[Command]] | None = None
         if counts and not copies:
             def resend() -> list[Command]:  # the link sends the round trip again: the counts as copies
                 return [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry, COPY_FIELD, c.token)

@@ -205,6 +205,9 @@ class Custody:
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
                 to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
                 counts = list(w.uncounted)
+                # Refused counts never landed, but the link may have sent them twice on its own: any
+                # later attempt goes as copies (a copy whose first never landed counts once).
+                copies = copies or bool(counts)
                 error = w.error if (to_write or counts or to_park) else None
             if not to_write and written is not None and not written.done():
                 written.set_result(None)
