@@ -89,11 +89,12 @@ class RedisLink:
             try:
                 return await self._round_trip(packed, len(commands), deadline_s)
             except RedisConnectionError:
-                # A connection Redis closed while it sat idle (Redis restarted): once more on a new one,
-                # as redis-py's own retry does. Commands may then run twice if the first attempt reached
-                # Redis before it went away, as with redis-py: a request enqueued twice is computed twice
-                # and answered once (replies are by id); a batch's statistics go again as copies
-                # (`resend`), which count once (fleet/stats.py).
+                # A reused connection that failed (Redis closed it while it sat idle, or it dropped
+                # mid-round-trip): once more on a new one, as redis-py's own retry does. Commands may
+                # then run twice if the first attempt reached Redis before it went away, as with
+                # redis-py: a request enqueued twice is computed twice and answered once (replies are
+                # by id); a batch's statistics go again as copies (`resend`), which count once
+                # (fleet/stats.py).
                 if not reused:
                     raise
                 if resend is not None:

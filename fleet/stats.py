@@ -189,7 +189,7 @@ def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
 
 @dataclass(frozen=True, slots=True)
 class LoggedBatch:
-    """One batch's stats-log entry (LOG_FIELD's value) and its token (unique to this process and batch)."""
+    """One batch's stats-log entry (LOG_FIELD's value) and its token (TOKEN_BYTES random bytes)."""
 
     entry: bytes
     token: bytes
