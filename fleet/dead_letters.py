@@ -51,20 +51,19 @@ def replay(client: redis.Redis, keys: Keys, model: str, letters: list[DeadLetter
     letters of one message (the same request id, version, lane and original entry id: a sequence model's
     lane 0 is one stream per worker, whose ids may coincide) are queued once, and all of them removed
     with it."""
-    payloads: dict[tuple[str, int, int, str], bytes] = {}
-    entries: dict[tuple[str, int, int, str], list[str]] = {}
+    # (request id, version, lane, original id) -> the payload, and the letters that hold it
+    messages: dict[tuple[str, int, int, str], tuple[bytes, list[str]]] = {}
     for letter in letters:
         if letter.request_id and letter.payload is not None:
             # No original id (nothing to tell copies apart by): a letter of its own.
-            message = (letter.request_id, letter.version, letter.lane, letter.original or letter.entry)
-            payloads.setdefault(message, letter.payload)
-            entries.setdefault(message, []).append(letter.entry)
-    for message, payload in payloads.items():
+            key = (letter.request_id, letter.version, letter.lane, letter.original or letter.entry)
+            messages.setdefault(key, (letter.payload, []))[1].append(letter.entry)
+    for (_, version, lane, _), (payload, entries) in messages.items():
         pipe = client.pipeline(transaction=True)
-        pipe.xadd(keys.queue(model, message[2], version=message[1]), {b"d": payload})
-        pipe.xdel(keys.dead(model), *entries[message])
+        pipe.xadd(keys.queue(model, lane, version=version), {b"d": payload})
+        pipe.xdel(keys.dead(model), *entries)
         pipe.execute()
-    return len(payloads)
+    return len(messages)
 
 
 def run(model: str, redis_url: str, key_prefix: str, do_replay: bool) -> int:

@@ -182,9 +182,7 @@ class StreamConsumer:
         counts each once (fleet/stats.py)."""
         # The batches' statistics first: a reply's reader may read the statistics as soon as it has the
         # reply, and must find its request counted (the log is folded into the hash on every read).
-        marked = COPY_FIELD if copies else TOKEN_FIELD
-        commands: list[Command] = [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry, marked,
-                                    c.token) for c in counts]
+        commands = self._count_commands(counts, copies)
         # Then the dead letters, ahead of the replies that tell their callers: whoever got the error
         # finds the message parked (two commands each: the entry, then the count).
         for letter in letters:
@@ -214,8 +212,7 @@ class StreamConsumer:
         resend: Callable[[], list[Command]] | None = None
         if counts and not copies:
             def resend() -> list[Command]:  # the link sends the round trip again: the counts as copies
-                return [("XADD", self._keys.stats_log(self.model), "*", LOG_FIELD, c.entry, COPY_FIELD, c.token)
-                        for c in counts] + commands[len(counts):]
+                return self._count_commands(counts, True) + commands[len(counts):]
         results = await self._writer.execute(commands, resend=resend)
         written: set[int] = set()
         errors: list[BaseException] = []
@@ -236,6 +233,13 @@ class StreamConsumer:
         acked = not any(isinstance(r, BaseException) for r in results[first_ack:])
         errors += [r for r in results[:first_letter] + results[first_ack:] if isinstance(r, BaseException)]
         return Written(frozenset(written), uncounted, acked, errors[0] if errors else None, frozenset(lettered))
+
+    def _count_commands(self, counts: Sequence[LoggedBatch], copies: bool) -> list[Command]:
+        """The batches' stats-log entries, each with its token, marked as copies if they may have been
+        written already (fleet/stats.py)."""
+        marked = COPY_FIELD if copies else TOKEN_FIELD
+        log_key = self._keys.stats_log(self.model)
+        return [("XADD", log_key, "*", LOG_FIELD, c.entry, marked, c.token) for c in counts]
 
     async def ack(self, messages: list[MessageId]) -> None:
         """Acknowledge and delete: only for messages whose reply is written (or that need none)."""

@@ -184,7 +184,7 @@ class Custody:
         to_write, done = answers, []
         to_park = [a for a in answers if a.park is not None]  # each parked once, however often its reply is retried
         counts = logged_batches(samples)  # the same tokens in every retry
-        copies = False  # whether an earlier write may have counted them (its outcome unknown)
+        copies = False  # every attempt after the first follows a failure: it may have counted them already
         while to_write or counts or to_park:
             carried = self._acks.take()
             try:
@@ -197,18 +197,16 @@ class Custody:
                 # twice are dropped by the gateway, letters are at least once; counts go again as copies,
                 # which the fold counts only if their first did not land (fleet/stats.py).
                 self._acks.settle(carried, False)
-                copies = True
                 error: BaseException | None = exc
             else:
                 self._acks.settle(carried, w.acked)
                 done += [a for i, a in enumerate(to_write) if i in w.replies]
                 to_write = [a for i, a in enumerate(to_write) if i not in w.replies]
                 to_park = [a for i, a in enumerate(to_park) if i not in w.letters]
+                # Refused counts never landed, but the link may have sent them twice on its own.
                 counts = list(w.uncounted)
-                # Refused counts never landed, but the link may have sent them twice on its own: any
-                # later attempt goes as copies (a copy whose first never landed counts once).
-                copies = copies or bool(counts)
                 error = w.error if (to_write or counts or to_park) else None
+            copies = True
             if not to_write and written is not None and not written.done():
                 written.set_result(None)
             if error is None:

@@ -51,6 +51,13 @@ def samples(draw: st.DrawFn) -> BatchSample:
         resource_wait_ns=draw(st.integers(-1, 10**6)))
 
 
+def one_row(finished_ms: int) -> BatchSample:
+    """A batch of one successful request, finished at `finished_ms`."""
+    return BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
+                       request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
+                       compute_output_ns=1, finished_ms=finished_ms)
+
+
 def expected(batches: list[BatchSample], before: dict[str, int]) -> dict[str, int]:
     sums = Counter(before)
     for s in batches:
@@ -190,9 +197,7 @@ def test_the_worker_writes_counts_before_replies_and_reports_each_part(redis_ser
     from workers.consumer import StreamConsumer
 
     keys = Keys(key_prefix)
-    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
-                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1, compute_output_ns=1,
-                        finished_ms=42)
+    batch = one_row(42)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
     sync.set(f"{key_prefix}:broken-reply", "not a stream")
 
@@ -238,9 +243,7 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
     later_ms = int(time.time() * 1000) + 3_600_000  # a worker's batch that finished "later"
-    worker = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
-                         request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
-                         compute_output_ns=1, finished_ms=later_ms)
+    worker = one_row(later_ms)
     entry = log_entry(worker)
     assert entry is not None
     sync.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
@@ -415,9 +418,7 @@ def test_a_token_is_found_only_where_a_token_starts(redis_server: LocalServer, k
     one and the start of the next) is not taken for one folded."""
     keys = Keys(key_prefix)
     client = redis.Redis.from_url(redis_server.url, protocol=2)
-    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
-                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
-                        compute_output_ns=1, finished_ms=7)
+    batch = one_row(7)
     (logged,) = logged_batches([batch])
     a, b = b"A" * 16, b"B" * 16
     client.set(keys.stats_tokens(MODEL), a + b, ex=3 * FOLDED_ROTATE_S)  # as if made just now
@@ -438,9 +439,7 @@ def test_folded_tokens_are_kept_for_a_rotation_and_then_forgotten(redis_server: 
 
     keys = Keys(key_prefix)
     client = redis.Redis.from_url(redis_server.url, protocol=2)
-    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
-                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
-                        compute_output_ns=1, finished_ms=7)
+    batch = one_row(7)
     first, other, third = logged_batches([batch, batch, batch])
 
     def write(logged: LoggedBatch, marked: str) -> None:
@@ -486,9 +485,7 @@ def test_a_write_whose_reply_is_lost_is_written_again_and_counted_once(redis_ser
     from workers.custody import Answer, Custody, CustodyConfig
 
     keys = Keys(key_prefix)
-    batch = BatchSample(version=1, batch_size=1, requests_ok=1, requests_failed=0, request_ns_ok=10,
-                        request_ns_failed=0, queue_ns=1, compute_input_ns=1, compute_infer_ns=1,
-                        compute_output_ns=1, finished_ms=42)
+    batch = one_row(42)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
     cut = {"armed": False, "done": 0}
 
