@@ -9,6 +9,8 @@ the driver, keepalive, claims, the watchdog. The driver itself never waits on Re
 written by custody in the background, so a Redis error can never stop scheduling.
 
 The requests it holds, and how their times (in Redis's clock) become the scheduler's: workers/held.py.
+How the schedulers' actions reach the instances, and the instances' events the schedulers:
+workers/dispatch.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import replace
 from redis.exceptions import RedisError
 
 from batching.holding import Holding, MessageId
-from batching.plan import Batch, Drop, Expire, Grow, Release, Run, Stage, Unstage
+from batching.plan import Batch
 from batching.policy import Pending
 from batching.scheduler import Scheduler
 from batching.sequences import Admit, Refuse, Verdict
@@ -36,24 +38,20 @@ from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
-from fleet.trace_points import (
-    BATCH_FORMED,
-    WORKER_READ,
-)
-from workers import gil
+from fleet.trace_points import WORKER_READ
 from workers.consumer import StreamConsumer
 from workers.custody import Answer, Custody, LiveWorkers
-from workers.execute import BatchOutcome, run_batch
+from workers.dispatch import Dispatch
+from workers.execute import BatchOutcome
 from workers.held import (
     HeldRequest,
     HeldRequests,
     arrival_order,
     enqueue_times,
     pending_for,
-    stamp,
     stamp_replies,
 )
-from workers.instance import Callbacks, Instance, Job
+from workers.instance import Instance
 from workers.loop_config import DEFAULT_LOOP_CONFIG, LoopConfig, policy_for, preserves_ordering, scheduler_config
 from workers.samples import batch_sample, rejected_samples
 from workers.sequence_driver import Sequences
@@ -94,13 +92,13 @@ class ModelLoop:
         self.supervisor = Supervisor(f"model '{spec.name}'", on_give_up=on_give_up)
         self._on_health = on_health or (lambda: None)
         self._preserve_ordering = preserves_ordering(spec)
-        self._lane_aware = is_llm(spec)  # a generation engine admits by (lane, arrival) among its requests
         self._delay_lanes = frozenset(lane for lane in range(self.bulk_lane)
                                       if lane_policy(spec, lane).delay_on_timeout)
         self._held = HeldRequests()
-        self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
-        self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
         self._wake = Wakeup(spec.name)
+        self._dispatch = Dispatch(spec, instances, self.schedulers, self._sequences, self._held, self.custody, clock,
+                                  redis_clock, bulk_lane=self.bulk_lane, lane_aware=is_llm(spec), wake=self._wake.set,
+                                  expired=self._expire, dropped=self._drop, released=self._release)
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
@@ -278,7 +276,7 @@ class ModelLoop:
                 if plan.actions:
                     acted = True
                     for action in plan.actions:
-                        self._apply(version, scheduler, action, now)
+                        self._dispatch.apply(version, scheduler, action, now)
                 if plan.wake_at_us is not None:
                     wake = plan.wake_at_us if wake is None else min(wake, plan.wake_at_us)
             idle_at = self._sequences.release_idle(now)
@@ -289,75 +287,6 @@ class ModelLoop:
             if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                 return
             await self._wake.wait(None if wake is None else (wake - now) / 1e6)
-
-    def _apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
-        if isinstance(action, Run):
-            self._start(version, action.instance, action.batch, now)
-        elif isinstance(action, Stage):
-            job = self._job(version, action.instance, action.batch)
-            if not self.instances[version][action.instance].stage(job):
-                self._jobs.pop((version, action.batch.id), None)
-                scheduler.stage_refused(action.instance, action.batch.id)
-        elif isinstance(action, Grow):
-            old = self._jobs.pop((version, action.batch.id))
-            job = self._job(version, action.instance, action.into)
-            replaced = self.instances[version][action.instance].restage(old, job)
-            if not replaced:  # the thread took the staged batch meanwhile: it runs as it was
-                self._jobs.pop((version, action.into.id))
-                self._jobs[(version, action.batch.id)] = old
-            scheduler.grown(action.instance, action.into.id, replaced)
-        elif isinstance(action, Unstage):
-            taken = self.instances[version][action.instance].unstage()
-            if taken is not None:
-                self._jobs.pop((version, action.batch.id), None)
-            scheduler.unstaged(action.instance, action.batch.id, taken is not None)
-        elif isinstance(action, Expire):
-            self._expire(action.items, now)
-        elif isinstance(action, Drop):
-            self._drop(action.items)
-        elif isinstance(action, Release):
-            for batch_id in action.batches:
-                self._release(version, batch_id)
-
-    def _job(self, version: int, index: int, batch: Batch) -> Job:
-        envs, state_of = self._sequences.requests(version, [self._held[p.request_id].env for p in batch.items],
-                                                  batch.items)
-        if self._held.traced:
-            stamp(envs, BATCH_FORMED, self.redis_clock.now_ns())
-        backend = self.instances[version][index].backend
-        lanes = [p.lane for p in batch.items] if self._lane_aware else None
-        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of, lanes))
-        self._jobs[(version, batch.id)] = job
-        gil.batch_started(any(p.lane == self.bulk_lane for p in batch.items), self.clock.now_us())
-        return job
-
-    def _start(self, version: int, index: int, batch: Batch, now: int) -> None:
-        instance = self.instances[version][index]
-        callbacks = Callbacks(done=functools.partial(self._on_done, version, index),
-                              idle=functools.partial(self._on_idle, version, index),
-                              refused=functools.partial(self._on_refused, version, index),
-                              custody_fresh=self.custody.fresh)
-        instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
-
-    def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
-                 started_us: int) -> None:
-        """On the loop, as soon as an instance has computed a batch."""
-        now = self.clock.now_us()
-        self.custody.claim_timeout.observe((now - started_us) / 1000)
-        batch: Batch = job.batch
-        self._outcomes[(version, batch.id)] = (result, started_us)
-        self.schedulers[version].done(index, batch.id, now, started_us)
-        self._wake.set()
-
-    def _on_refused(self, version: int, index: int, job: Job) -> None:
-        """The thread would not start a staged batch (custody had gone stale): back to the queue."""
-        self._jobs.pop((version, job.batch.id), None)
-        self.schedulers[version].stage_refused(index, job.batch.id)
-        self._wake.set()
-
-    def _on_idle(self, version: int, index: int, instance: Instance) -> None:
-        self.schedulers[version].idle(index)
-        self._wake.set()
 
     # ------------------------------------------------------------------ answering
 
@@ -381,10 +310,7 @@ class ModelLoop:
         if self._sequences.active:
             self._sequences_done(held, None, self.clock.now_us())
 
-    def _release(self, version: int, batch_id: int) -> None:
-        job = self._jobs.pop((version, batch_id))
-        result, started_us = self._outcomes.pop((version, batch_id))
-        batch: Batch = job.batch
+    def _release(self, version: int, batch: Batch, result: BatchOutcome | BaseException, started_us: int) -> None:
         traced = self._held.traced
         held = self._held.forget(batch.items)
         if isinstance(result, BaseException):

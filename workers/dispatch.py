@@ -1,0 +1,125 @@
+"""Carries one model's scheduler actions to its instances (the driver of workers/loop.py): runs, stages,
+grows and takes back batches on the instances' threads, and reports what the threads say (a batch done,
+a staged one refused, idle) to the schedulers. What becomes of the requests a scheduler expires, drops or
+releases is the loop's: it answers them, through the three callables it gives here.
+
+The jobs dispatched and the outcomes computed are kept here, by (version, batch id), until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+
+from batching.plan import Batch, Drop, Expire, Grow, Release, Run, Stage, Unstage
+from batching.policy import Pending
+from batching.scheduler import Scheduler
+from fleet.clock import Clock
+from fleet.model_spec import ModelSpec
+from fleet.redis_time import RedisClock
+from fleet.trace_points import BATCH_FORMED
+from workers import gil
+from workers.custody import Custody
+from workers.execute import BatchOutcome, run_batch
+from workers.held import HeldRequests, stamp
+from workers.instance import Callbacks, Instance, Job
+from workers.sequence_driver import Sequences
+
+# What the loop does with requests the scheduler is done with: expired in the queue (items, now µs),
+# dropped (items), released once computed (version, batch, outcome or error, started µs).
+Expired = Callable[[tuple[Pending, ...], int], None]
+Dropped = Callable[[tuple[Pending, ...]], None]
+Released = Callable[[int, Batch, "BatchOutcome | BaseException", int], None]
+
+
+class Dispatch:
+    def __init__(self, spec: ModelSpec, instances: dict[int, list[Instance]], schedulers: dict[int, Scheduler],
+                 sequences: Sequences, held: HeldRequests, custody: Custody, clock: Clock, redis_clock: RedisClock,
+                 *, bulk_lane: int, lane_aware: bool, wake: Callable[[], None], expired: Expired,
+                 dropped: Dropped, released: Released) -> None:
+        self.spec = spec
+        self.instances = instances
+        self.schedulers = schedulers
+        self._sequences = sequences
+        self._held = held
+        self._custody = custody
+        self._clock = clock
+        self._redis_clock = redis_clock
+        self._bulk_lane = bulk_lane
+        self._lane_aware = lane_aware  # a generation engine admits by (lane, arrival) among its requests
+        self._wake = wake
+        self._expired, self._dropped, self._released = expired, dropped, released
+        self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
+        self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
+
+    def apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
+        if isinstance(action, Run):
+            self._start(version, action.instance, action.batch)
+        elif isinstance(action, Stage):
+            job = self._job(version, action.instance, action.batch)
+            if not self.instances[version][action.instance].stage(job):
+                self._jobs.pop((version, action.batch.id), None)
+                scheduler.stage_refused(action.instance, action.batch.id)
+        elif isinstance(action, Grow):
+            old = self._jobs.pop((version, action.batch.id))
+            job = self._job(version, action.instance, action.into)
+            replaced = self.instances[version][action.instance].restage(old, job)
+            if not replaced:  # the thread took the staged batch meanwhile: it runs as it was
+                self._jobs.pop((version, action.into.id))
+                self._jobs[(version, action.batch.id)] = old
+            scheduler.grown(action.instance, action.into.id, replaced)
+        elif isinstance(action, Unstage):
+            taken = self.instances[version][action.instance].unstage()
+            if taken is not None:
+                self._jobs.pop((version, action.batch.id), None)
+            scheduler.unstaged(action.instance, action.batch.id, taken is not None)
+        elif isinstance(action, Expire):
+            self._expired(action.items, now)
+        elif isinstance(action, Drop):
+            self._dropped(action.items)
+        elif isinstance(action, Release):
+            for batch_id in action.batches:
+                job = self._jobs.pop((version, batch_id))
+                result, started_us = self._outcomes.pop((version, batch_id))
+                self._released(version, job.batch, result, started_us)
+
+    def _job(self, version: int, index: int, batch: Batch) -> Job:
+        envs, state_of = self._sequences.requests(version, [self._held[p.request_id].env for p in batch.items],
+                                                  batch.items)
+        if self._held.traced:
+            stamp(envs, BATCH_FORMED, self._redis_clock.now_ns())
+        backend = self.instances[version][index].backend
+        lanes = [p.lane for p in batch.items] if self._lane_aware else None
+        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of, lanes))
+        self._jobs[(version, batch.id)] = job
+        gil.batch_started(any(p.lane == self._bulk_lane for p in batch.items), self._clock.now_us())
+        return job
+
+    def _start(self, version: int, index: int, batch: Batch) -> None:
+        instance = self.instances[version][index]
+        callbacks = Callbacks(done=functools.partial(self._on_done, version, index),
+                              idle=functools.partial(self._on_idle, version, index),
+                              refused=functools.partial(self._on_refused, version, index),
+                              custody_fresh=self._custody.fresh)
+        instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
+
+    def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
+                 started_us: int) -> None:
+        """On the loop, as soon as an instance has computed a batch."""
+        now = self._clock.now_us()
+        self._custody.claim_timeout.observe((now - started_us) / 1000)
+        batch: Batch = job.batch
+        self._outcomes[(version, batch.id)] = (result, started_us)
+        self.schedulers[version].done(index, batch.id, now, started_us)
+        self._wake()
+
+    def _on_refused(self, version: int, index: int, job: Job) -> None:
+        """The thread would not start a staged batch (custody had gone stale): back to the queue."""
+        self._jobs.pop((version, job.batch.id), None)
+        self.schedulers[version].stage_refused(index, job.batch.id)
+        self._wake()
+
+    def _on_idle(self, version: int, index: int, instance: Instance) -> None:
+        self.schedulers[version].idle(index)
+        self._wake()
