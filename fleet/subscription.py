@@ -41,7 +41,7 @@ async def follow_channel(url: str, channel: str, what: str, on_message: Callable
             log.warning("%s: %s", what, exc)
         finally:
             try:
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()
                 await client.aclose()
             except (RedisError, OSError):
                 pass

@@ -20,6 +20,9 @@ RUN_JOB = "fleet.jobs.runner.run_job"  # by name: RQ imports it in the job worke
 # RQ retries a lost connection while it waits for a job, doubling from 1 s up to this (RQ's own default
 # is 60 s: a worker could sit a minute idle after Redis is back). fleet's Backoff caps at 2 s too.
 MAX_CONNECTION_WAIT_S = 2.0
+# How long RQ's pub/sub thread blocks in one read. RQ uses 60 s; since redis-py 8.2 stopping that thread
+# waits for its read to end, so RQ's teardown (and a stop signal) could take up to a minute.
+PUBSUB_POLL_S = 1.0
 
 
 def jobs_queue(client: redis.Redis, keys: Keys) -> Queue:
@@ -33,6 +36,15 @@ class JobsWorker(SimpleWorker):
     shutdown waiting for a job that may run for hours; the job is resumed by the next job worker."""
 
     max_connection_wait_time = MAX_CONNECTION_WAIT_S
+
+    def subscribe(self) -> None:
+        """RQ's own, with a short read: the commands channel (e.g. `rq` stop-job) is heard as before."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_POLL_S, daemon=True,
+            exception_handler=self._pubsub_exception_handler)  # type: ignore[assignment]  # RQ types it None
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         STOP.set()

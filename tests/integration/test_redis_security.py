@@ -85,7 +85,12 @@ async def run_a_job(s: InProcessSystem, url: str, jobs_dir: Path, n: int = 20) -
         assert record["state"] == "completed" and record["done"] == n and record["failed"] == 0, record
     finally:
         worker.send_signal(signal.SIGTERM)
-        out = worker.communicate(timeout=30)[0].decode()
+        try:
+            out = worker.communicate(timeout=30)[0].decode()
+        except subprocess.TimeoutExpired:
+            worker.kill()  # not left running (and its pipe open) into the next test on this xdist worker
+            out = worker.communicate()[0].decode()
+            raise AssertionError(f"the job worker did not stop within 30 s of SIGTERM:\n{out[-3000:]}") from None
     assert "NOPERM" not in out and "Traceback" not in out, out[-3000:]
     results = (await s.client.get(f"/v2/jobs/{job_id}/results")).text.splitlines()
     assert [json.loads(line)["outputs"][0]["data"] for line in results] == [[2.0 * i, 2.0] for i in range(n)]
