@@ -2,7 +2,8 @@
 not CPU (the `sleep` backend: a batch of n takes a + b*n, like a GPU), so that N workers fit on this machine.
 
     .venv/bin/python bench/scale.py [--workers "1 2 4 8"] [--gateways "1"] [--delay-us 40000] [--per-item-us 2000]
-                                    [--conc-per-worker 24] [--interval-ms 3000] [--port 19000] [--out DIR]
+                                    [--conc-per-worker 24] [--interval-ms 3000] [--port 19000] [--shared-port]
+                                    [--out DIR]
 
 For each (G gateways, N workers): starts its own embedded Redis (fleet.redis_server, unix socket, no AOF),
 G `fleet gateway` processes on ports P, P+10, ... (gRPC off) and N `fleet worker` processes, all serving a
@@ -11,6 +12,8 @@ batching with a 2 ms queue delay, one instance per worker); waits until every wo
 and every gateway answers ready; then runs G perf_analyzers at once (one per gateway, C = N x
 --conc-per-worker split over them: `-i http -b 1 --concurrency-range C --measurement-interval MS
 --stability-percentage 20 --max-trials 8`), reading the CPU time of every process from /proc around them.
+With --shared-port the G gateways share port P (`--reuse-port`, as `fleet up --gateways G` runs them) and one
+perf_analyzer drives them all: the kernel spreads its connections.
 Stops what it started by PID (SIGTERM, then SIGKILL after 20 s). One table: infer/s (summed over the
 gateways), its ratio to N x the one-worker rate of the same run, p50/p99, mean batch, and the CPU of the
 gateways, workers, Redis and perf_analyzer as % of one core (so which saturates first shows).
@@ -68,12 +71,13 @@ class Stack:
     workers: int
     port: int
     out: Path
+    shared_port: bool = False
     data: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fleet-scale-")))
     redis: LocalServer | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def gateway_ports(self) -> list[int]:
-        return [self.port + 10 * g for g in range(self.gateways)]
+        return [self.port] if self.shared_port else [self.port + 10 * g for g in range(self.gateways)]
 
     def start(self, timeout: float = 120.0) -> None:
         for p in self.gateway_ports():
@@ -83,9 +87,11 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": self.redis.local_url}
         common = [sys.executable, "-m", "fleet"]
         repo = ["--model-repository", str(self.repo)]
-        for g, p in enumerate(self.gateway_ports()):
+        for g in range(self.gateways):
+            p = self.gateway_ports()[0 if self.shared_port else g]
+            shared = ["--reuse-port", "--trace-file", str(self.data / f"trace-{g}.json")] if self.shared_port else []
             self._spawn(f"gateway-{g}", [*common, "gateway", *repo, "--http-port", str(p), "--metrics-port",
-                                         str(p + 2), "--allow-grpc", "false"], env)
+                                         str(p + 2), "--allow-grpc", "false", *shared], env)
         for w in range(self.workers):
             self._spawn(f"worker-{w}", [*common, "worker", *repo, "--device", "cpu"], env)
         t0 = time.monotonic()
@@ -96,8 +102,10 @@ class Stack:
             ready = f"model '{MODEL}' version 1 ready"
             logs = [(self.out / f"worker-{w}.log").read_text(errors="replace") for w in range(self.workers)]
             loaded = sum(ready in text for text in logs)
+            # A shared port answers from either process: ready 10 times over fresh connections.
+            asks = 10 if self.shared_port and self.gateways > 1 else 1
             if loaded == self.workers and all(http_get(p, f"/v2/models/{MODEL}/ready", 2)[0] == 200
-                                              for p in self.gateway_ports()):
+                                              for p in self.gateway_ports() for _ in range(asks)):
                 return
             time.sleep(0.5)
         raise SystemExit(f"not ready within {timeout:.0f}s; see the logs in {self.out}")
@@ -187,6 +195,7 @@ def main() -> None:
     p.add_argument("--conc-per-worker", type=int, default=24, help="perf_analyzer concurrency per worker (24)")
     p.add_argument("--interval-ms", type=int, default=3000)
     p.add_argument("--port", type=int, default=19000)
+    p.add_argument("--shared-port", action="store_true", help="the gateways share one port (SO_REUSEPORT)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     p.add_argument("--out", type=Path)
     a = p.parse_args()
@@ -208,7 +217,7 @@ def main() -> None:
             for n in (int(x) for x in a.workers.split()):
                 level_out = out / f"g{g}_n{n}"
                 level_out.mkdir(exist_ok=True)
-                stack = Stack(repo, g, n, a.port, level_out)
+                stack = Stack(repo, g, n, a.port, level_out, shared_port=a.shared_port)
                 try:
                     stack.start()
                     conc = n * a.conc_per_worker

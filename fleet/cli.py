@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=None, help="worker processes (default: one per device)")
     up.add_argument("--data-dir", type=Path, default=Path(".fleet"), help="embedded Redis files and logs")
     up.add_argument("--job-workers", type=int, default=None, help="RQ workers for bulk jobs (default 1)")
+    up.add_argument("--gateways", type=int, default=None,
+                    help="gateway processes sharing the ports (SO_REUSEPORT; default 1)")
     grpc_flags.add_arguments(up)
 
     gw = sub.add_parser("gateway", help="run the gateway (HTTP and gRPC)")
@@ -73,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--http-port", type=int, default=None)
     gw.add_argument("--metrics-port", type=int, default=None)
     gw.add_argument("--http-address", default=None)
+    gw.add_argument("--reuse-port", action="store_true", default=None,
+                    help="share the ports with other gateway processes on this host (SO_REUSEPORT)")
+    gw.add_argument("--trace-file", type=Path, default=None, help="where this process writes traces")
+    gw.add_argument("--shared-memory-dir", type=Path, default=None,
+                    help="share system shared-memory registrations with this host's other gateways through it")
     grpc_flags.add_arguments(gw)
 
     wk = sub.add_parser("worker", help="run one worker process")
@@ -126,7 +133,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if getattr(args, "job_workers", None) is not None:
         overrides["job_workers"] = args.job_workers
     for flag, field in (("http_port", "http_port"), ("metrics_port", "metrics_port"),
-                        ("http_address", "http_host"), ("worker_id", "worker_id")):
+                        ("http_address", "http_host"), ("worker_id", "worker_id"), ("gateways", "gateways"),
+                        ("reuse_port", "reuse_port"), ("trace_file", "trace_file"),
+                        ("shared_memory_dir", "shared_memory_dir")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field] = value

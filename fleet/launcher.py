@@ -1,8 +1,9 @@
 """`fleet up`: one command that runs the whole system on one machine.
 
-Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway, one worker per
-device and the bulk-job workers as child processes, prefixes their logs with their names, and stops
-everything on Ctrl-C/SIGTERM: children first (they drain and reply to what they hold), the server last.
+Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway (or --gateways N
+sharing its ports), one worker per device and the bulk-job workers as child processes, prefixes their logs
+with their names, and stops everything on Ctrl-C/SIGTERM: children first (they drain and reply to what
+they hold), the server last.
 
 Supervision, as compose's restart policy does it:
 - A child that dies is restarted: a worker's pending messages are claimed by the others meanwhile, a
@@ -116,15 +117,23 @@ def _common_args(settings: Settings) -> list[str]:
     return args
 
 
-def _child_commands(settings: Settings, workers: int | None) -> dict[str, list[str]]:
+def _child_commands(settings: Settings, workers: int | None, shm_dir: Path = Path(".fleet/shm-regions")
+                    ) -> dict[str, list[str]]:
     devices = count_devices()
     if workers is not None:
         devices = [devices[i % len(devices)] for i in range(max(1, workers))]
     common = _common_args(settings)
-    commands = {"gateway": [
-        sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
-        "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host,
-        *grpc_flags.argv(settings)]}
+    gateway = [sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
+               "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host,
+               *grpc_flags.argv(settings)]
+    commands: dict[str, list[str]] = {}
+    if settings.gateways == 1:
+        commands["gateway"] = gateway
+    for i in range(settings.gateways if settings.gateways > 1 else 0):
+        # The same ports (SO_REUSEPORT); a trace file each, as two processes cannot append to one.
+        trace = settings.trace_file.with_name(f"{settings.trace_file.stem}-gateway-{i}{settings.trace_file.suffix}")
+        commands[f"gateway-{i}"] = [*gateway, "--reuse-port", "--trace-file", str(trace),
+                                    "--shared-memory-dir", str(shm_dir)]
     for i, device in enumerate(devices):
         commands[f"worker-{i}"] = [sys.executable, "-m", "fleet", "worker", *common, "--device", device]
     for i in range(settings.job_workers):
@@ -274,15 +283,21 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
         _generate_models(repo, json_lines=settings.log_format == "json")
     # The URL may hold a password: children get it in their environment, not on a visible command line.
     child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
-    children = _Children(_child_commands(settings, workers), child_env, json_lines=settings.log_format == "json")
+    # Gateways sharing the ports share their shared-memory registrations, forgotten at each start as
+    # tritonserver forgets its own.
+    shm_dir = data_dir / "shm-regions"
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    children = _Children(_child_commands(settings, workers, shm_dir), child_env,
+                         json_lines=settings.log_format == "json")
     try:
         for name in children.commands:
             if not stopping.is_set():  # (Ctrl-C while the server started or models were generated)
                 children.start(name)
         grpc = f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else ""
-        log.info("serving %s on http://%s:%d (metrics :%d%s); Ctrl-C stops",
+        shared = f"; {settings.gateways} gateway processes share these ports" if settings.gateways > 1 else ""
+        log.info("serving %s on http://%s:%d (metrics :%d%s%s); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
-                 settings.http_port, settings.metrics_port, grpc)
+                 settings.http_port, settings.metrics_port, grpc, shared)
         _supervise(children, embedded, redis_url, stopping)
     finally:
         children.stop()

@@ -34,6 +34,14 @@ class Settings(BaseSettings):
     allow_grpc: bool = True
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 8001
+    # Several gateway processes on one host serve the same HTTP, metrics and gRPC ports (SO_REUSEPORT,
+    # gateway/listen.py); `fleet up --gateways N` sets it for each. Off: a taken port fails the start.
+    reuse_port: bool = False
+    # Gateway processes `fleet up` runs (one Python event loop each; the kernel spreads connections).
+    gateways: int = Field(default=1, ge=1)
+    # A directory the gateway processes of one host share their system shared-memory registrations
+    # through (gateway/shm_registrations.py); `fleet up --gateways N` sets one. None: each process its own.
+    shared_memory_dir: Path | None = None
     # tritonserver's --grpc-keepalive-* / --grpc-http2-* flags, with its defaults (times in ms).
     grpc_keepalive_time_ms: int = 7_200_000
     grpc_keepalive_timeout_ms: int = 20_000

@@ -1,5 +1,6 @@
 """`fleet gateway`: uvicorn serving the app on --http-port and /metrics on --metrics-port, and (unless
---allow-grpc false) Triton's gRPC service on --grpc-port, on the same event loop (gateway/grpc/server.py)."""
+--allow-grpc false) Triton's gRPC service on --grpc-port, on the same event loop (gateway/grpc/server.py).
+With --reuse-port all three ports are shared with the host's other gateway processes (gateway/listen.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gateway.app import create_app
 from gateway.grpc.server import GrpcFrontend
 from gateway.http_protocol import protocol_class
 from gateway.infer_protocol import serving_infer
+from gateway.listen import server_socket
 from gateway.metrics import metrics_route
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,16 @@ def serve(settings: Settings) -> int:
     ))
 
     async def run_both() -> int:
+        http_sockets: list[socket.socket] | None = None
+        metrics_sockets: list[socket.socket] | None = None
+        if settings.reuse_port:
+            # Sockets of its own, shared with the host's other gateway processes (uvicorn sets no SO_REUSEPORT).
+            try:
+                http_sockets = [server_socket(settings.http_host, settings.http_port, reuse_port=True)]
+                metrics_sockets = [server_socket(settings.http_host, settings.metrics_port, reuse_port=True)]
+            except OSError as exc:
+                log.error("%s", exc)
+                return 1
         if settings.allow_grpc:
             # Made in the running loop and its port taken before anything serves:
             # a taken port fails the start, as a taken HTTP port does.
@@ -61,9 +73,9 @@ def serve(settings: Settings) -> int:
                 return 1
             main.grpc = frontend
             app.state.fleet.drains.append(lambda: frontend.stop(GRACEFUL_STOP_S))
-        task = asyncio.create_task(side.serve())
+        task = asyncio.create_task(side.serve(metrics_sockets))
         try:
-            await main.serve()
+            await main.serve(http_sockets)
         finally:
             side.should_exit = True
             await task

@@ -25,10 +25,11 @@ such object) is refused, so a client cannot make the gateway map an arbitrary fi
 own window of the object (page-aligned below its offset, so any offset works); the file descriptor is
 closed at once, as Triton does (mmap keeps its own).
 
-A region is this process's: with several gateway processes behind one address, a request may reach one
-that lacks the region, and gets a 400 naming it. Registration is not shared through Redis on purpose:
-a key names an object on one host only, and another host's gateway would map a different object, or
-none, under the same key.
+A region is this process's, unless the gateway processes of one host share a directory of registrations
+(`--shared-memory-dir`, which `fleet up --gateways N` sets; gateway/shm_registrations.py). Otherwise, with
+several gateway processes behind one address, a request may reach one that lacks the region, and gets a
+400 naming it. Registration is not shared through Redis on purpose: a key names an object on one host
+only, and another host's gateway would map a different object, or none, under the same key.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 
 from fleet.errors import InvalidInput, NotFound, TooLarge
 from fleet.tensor_regions import RegionRef, RegionSlice
+from gateway.shm_registrations import Identity, Registration, RegistrationFiles
 
 SHM_DIR = Path("/dev/shm")
 # Each region is one memory mapping; the kernel allows a process ~65k (vm.max_map_count), and malloc and
@@ -150,13 +152,17 @@ def _map(name: str, key: str, offset: int, byte_size: int) -> _Region:
 
 
 class SharedMemoryRegistry:
-    """The regions of one gateway process by name. Thread-safe (the gRPC server may run handlers on
-    threads); reads and writes of tensors take no lock: a slice holds what it needs."""
+    """The regions of one gateway process by name; with `shared_dir`, the regions registered with any
+    gateway process sharing that directory (gateway/shm_registrations.py), mapped here on first use.
+    Thread-safe (the gRPC server may run handlers on threads); reads and writes of tensors take no lock:
+    a slice holds what it needs."""
 
-    def __init__(self, max_read_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_read_bytes: int = 64 * 1024 * 1024, shared_dir: Path | None = None) -> None:
         self._regions: dict[str, _Region] = {}
         self._max_read_bytes = max_read_bytes  # per input read from a region (Settings.max_input_bytes)
         self._lock = threading.Lock()
+        self._files = RegistrationFiles(shared_dir) if shared_dir is not None else None
+        self._mapped: dict[str, Identity] = {}  # with _files: the registration each mapped region came from
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map `byte_size` bytes at `offset` of shared-memory object `key` as region `name`. Raises
@@ -167,12 +173,20 @@ class SharedMemoryRegistry:
         if byte_size < 1:
             raise InvalidInput(f"failed to register shared memory region '{name}': byte_size must be at least 1")
         with self._lock:
-            if name in self._regions:
+            files = self._files
+            registered = name in self._regions if files is None else files.identity(name) is not None
+            if registered:
                 raise InvalidInput(f"shared memory region '{name}' already in manager")
-            if len(self._regions) >= MAX_REGIONS:
+            if (len(self._regions) if files is None else files.count()) >= MAX_REGIONS:
                 raise InvalidInput(f"failed to register shared memory region '{name}': this gateway holds "
                                    f"{MAX_REGIONS} regions already; unregister some first")
-            self._regions[name] = _map(name, key, offset, byte_size)
+            region = _map(name, key, offset, byte_size)
+            if files is not None:
+                identity = files.publish(Registration(name, key, offset, byte_size))
+                if identity is None:  # by another process, meanwhile
+                    raise InvalidInput(f"shared memory region '{name}' already in manager")
+                self._mapped[name] = identity
+            self._regions[name] = region
 
     def unregister(self, name: str = "") -> None:
         """Forget region `name` ("" = every region); an unknown name is no error (Triton). In-flight
@@ -180,12 +194,23 @@ class SharedMemoryRegistry:
         with self._lock:
             if name:
                 self._regions.pop(name, None)
+                if self._files is not None:
+                    self._files.remove(name)
             else:
                 self._regions.clear()
+                if self._files is not None:
+                    self._files.remove_all()
 
     def status(self, name: str = "") -> list[dict[str, str | int]]:
         """Triton's status objects (name, key, offset, byte_size) of region `name`, or of all ("");
         NotFound for an unknown name."""
+        if self._files is not None:
+            found: list[dict[str, str | int]] = [
+                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for r in self._files.all() if not name or r.name == name]
+            if name and not found:
+                raise NotFound(f"Unable to find system shared memory region: '{name}'")
+            return found
         with self._lock:
             if not name:
                 return [r.status() for r in self._regions.values()]
@@ -198,10 +223,11 @@ class SharedMemoryRegistry:
         """Region `ref.region`'s bytes [offset, offset + byte_size), checked as Triton's GetMemoryInfo does.
         InvalidInput: unregistered (with this process), offset or end outside the region."""
         with self._lock:
-            region = self._regions.get(ref.region)
+            region = self._regions.get(ref.region) if self._files is None else self._current(ref.region)
         if region is None:
-            raise InvalidInput(f"Unable to find shared memory region: '{ref.region}' (not registered with this "
-                               f"gateway process; each gateway process has its own regions)")
+            alone = "" if self._files is not None else (" (not registered with this gateway process; each gateway "
+                                                        "process has its own regions)")
+            raise InvalidInput(f"Unable to find shared memory region: '{ref.region}'{alone}")
         if ref.offset >= region.byte_size:
             raise InvalidInput(f"Invalid offset for shared memory region: '{ref.region}' (offset {ref.offset}, "
                                f"the region has {region.byte_size} bytes)")
@@ -210,6 +236,29 @@ class SharedMemoryRegistry:
                                f"{ref.offset} + byte size {ref.byte_size} > {region.byte_size} bytes)")
         return _Slice(ref, region, self._max_read_bytes)
 
+    def _current(self, name: str) -> _Region | None:
+        """With shared registrations (lock held): the region registered as `name` now, mapped here. A stat
+        a lookup; the file is read and the object mapped only when the registration changed."""
+        assert self._files is not None
+        identity = self._files.identity(name)
+        if identity is not None and self._mapped.get(name) == identity and name in self._regions:
+            return self._regions[name]
+        self._regions.pop(name, None)
+        self._mapped.pop(name, None)
+        for other in [n for n in self._regions if self._files.identity(n) != self._mapped.get(n)]:
+            del self._regions[other]  # unregistered (or registered anew) by another process: unmap
+            self._mapped.pop(other, None)
+        found = self._files.read(name) if identity is not None else None
+        if found is None:
+            return None
+        identity, reg = found
+        try:
+            self._regions[name] = _map(name, reg.key, reg.offset, reg.byte_size)
+        except InvalidInput as exc:  # its object removed or shrunk since it was registered
+            raise InvalidInput(f"Unable to map shared memory region: '{name}': {exc}") from None
+        self._mapped[name] = identity
+        return self._regions[name]
+
     # CUDA shared memory: no region is ever registered, so status lists none and unregistering succeeds,
     # as Triton answers with nothing registered (tritonclient's examples unregister everything first).
 
@@ -217,7 +266,7 @@ class SharedMemoryRegistry:
         if not name:
             return []
         with self._lock:
-            system = name in self._regions
+            system = name in self._regions if self._files is None else self._files.identity(name) is not None
         if system:
             raise NotFound(f"The region named '{name}' is registered as system shared memory, not CUDA shared "
                            f"memory")

@@ -65,8 +65,8 @@ class GatewayState:
         self.broker = Broker(self.client, async_client(url), self.keys, gateway_id,
                              block_ms=settings.block_ms, request_timeout_s=settings.request_timeout_s,
                              outage_s=settings.redis_outage_s, on_give_up=on_give_up)
-        # Shared-memory regions are this process's own (gateway/shared_memory.py says why).
-        self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes)
+        # Shared-memory regions are this process's own, or its host's gateways' (gateway/shared_memory.py).
+        self.shared_memory = SharedMemoryRegistry(settings.max_input_bytes, settings.shared_memory_dir)
         # Statistics this gateway adds itself (gateway/counters.py).
         self.counters = Counters(self.client, self.keys)
         self.cache = ResponseCache(self.client, settings.key_prefix, parse_cache_config(settings.cache_config),

@@ -9,8 +9,8 @@ task, and the responses finished in one loop turn leave in one write per connect
 Options follow tritonserver's flags (fleet/grpc_flags.py): keepalive and HTTP/2 ping policy, the
 response compression level; message sizes are bounded by the body limit (`max_input_bytes`) both ways.
 gzip and deflate request compression, as tritonclient sends it, is decompressed here, and the
-decompressed size is what the limit bounds. The port is taken without SO_REUSEPORT, so a second gateway
-on a taken port fails at start instead of silently sharing it.
+decompressed size is what the limit bounds. The port is taken without SO_REUSEPORT unless `--reuse-port`
+(gateway/listen.py), so a second gateway on a taken port fails at start instead of silently sharing it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gateway.grpc.calls import Call, response_encoding
 from gateway.grpc.h2_frames import ConnectionError_, LocalSettings
 from gateway.grpc.handlers import Method, methods
 from gateway.grpc.service import InferenceService
+from gateway.listen import address, server_socket
 from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,6 @@ def local_settings(settings: Settings) -> LocalSettings:
         max_ping_strikes=settings.grpc_http2_max_ping_strikes,
         max_header_list_size=settings.max_header_bytes,
     )
-
-
-def address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -202,24 +199,11 @@ class GrpcFrontend:
         self.port = 0
 
     def bind(self) -> int:
-        where = address(self.settings.grpc_host, self.settings.grpc_port)
         try:
-            infos = socket.getaddrinfo(self.settings.grpc_host.strip("[]"), self.settings.grpc_port,
-                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-            family, kind, proto, _, sockaddr = infos[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                sock.bind(sockaddr)
-                sock.listen(1024)
-            except OSError:
-                sock.close()
-                raise
+            sock = server_socket(self.settings.grpc_host, self.settings.grpc_port,
+                                    reuse_port=self.settings.reuse_port)
         except OSError as exc:
-            raise OSError(f"cannot serve gRPC on {where}: {exc.strerror or exc}") from None
-        sock.setblocking(False)
+            raise OSError(f"cannot serve gRPC: {exc}") from None
         self._socket = sock
         self.port = int(sock.getsockname()[1])
         return self.port

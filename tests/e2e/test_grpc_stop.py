@@ -99,4 +99,4 @@ def test_a_taken_grpc_port_fails_the_start(tmp_path: Path) -> None:
                                "--metrics-port", str(free_port()), "--grpc-port", str(port)],
                               capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"cannot serve gRPC on 127.0.0.1:{port}" in proc.stdout + proc.stderr
+    assert f"cannot serve gRPC: cannot take 127.0.0.1:{port}" in proc.stdout + proc.stderr

@@ -33,8 +33,9 @@ from gateway.grpc.calls import response_encoding
 from gateway.grpc.codec import decode_infer, encode_infer, parse_message, request_version
 from gateway.grpc.handlers import HTTP_TWIN, SERVICE
 from gateway.grpc.not_yet import NOT_YET
-from gateway.grpc.server import address, local_settings
+from gateway.grpc.server import local_settings
 from gateway.grpc.service import InferenceService
+from gateway.listen import address
 
 DATATYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
              "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",

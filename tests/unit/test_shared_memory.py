@@ -262,3 +262,55 @@ def test_without_regions_shared_memory_is_unsupported() -> None:
                   [{"name": "C", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 64}}])
     with pytest.raises(Unsupported, match="shared memory"):
         parse_infer(body, None, SIMPLE)  # a bulk job's line: the client's region is on another host
+
+
+# --- registrations shared by the gateway processes of one host (--shared-memory-dir) ---
+# Two registries on one directory stand for two gateway processes on the same ports.
+
+
+def test_a_region_registered_with_one_process_is_served_by_another(objects: Objects, tmp_path: Path) -> None:
+    key, handle = objects.make(64)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    a, b = SharedMemoryRegistry(shared_dir=tmp_path), SharedMemoryRegistry(shared_dir=tmp_path)
+    a.register("in", key, 0, 64)
+    assert b.status() == a.status() == [{"name": "in", "key": key, "offset": 0, "byte_size": 64}]
+    assert np.frombuffer(b.slice(RegionRef("in", 8, 8)).read(), np.int32).tolist() == [2, 3]
+    with pytest.raises(InvalidInput, match="shared memory region 'in' already in manager"):
+        b.register("in", key, 0, 8)  # across processes too
+    b.slice(RegionRef("in", 0, 64)).write("OUT", np.full(16, 7, np.int32).tobytes())
+    assert np.frombuffer(a.slice(RegionRef("in", 0, 8)).read(), np.int32).tolist() == [7, 7]
+
+
+def test_an_unregistration_or_a_new_registration_reaches_every_process(objects: Objects, tmp_path: Path) -> None:
+    key, handle = objects.make(64)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    a, b = SharedMemoryRegistry(shared_dir=tmp_path), SharedMemoryRegistry(shared_dir=tmp_path)
+    a.register("r", key, 0, 64)
+    assert b.slice(RegionRef("r", 0, 4)).read() == np.int32(0).tobytes()  # b maps it
+    a.unregister("r")
+    with pytest.raises(InvalidInput, match="Unable to find shared memory region: 'r'"):
+        b.slice(RegionRef("r", 0, 4))
+    with pytest.raises(NotFound):
+        b.status("r")
+    a.register("r", key, 32, 32)  # the same name, another window: b maps the new one
+    assert np.frombuffer(b.slice(RegionRef("r", 0, 4)).read(), np.int32).tolist() == [8]
+    b.register("s", key, 0, 8)
+    assert [r["name"] for r in a.status()] == ["r", "s"]
+    b.unregister()  # all, from either process
+    assert a.status() == [] and b.status() == []
+    with pytest.raises(InvalidInput, match="Unable to find shared memory region: 's'"):
+        a.slice(RegionRef("s", 0, 4))
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_the_region_cap_counts_every_process(objects: Objects, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_memory, "MAX_REGIONS", 2)
+    key, _ = objects.make(64)
+    a, b = SharedMemoryRegistry(shared_dir=tmp_path), SharedMemoryRegistry(shared_dir=tmp_path)
+    a.register("1", key, 0, 8)
+    b.register("2", key, 0, 8)
+    with pytest.raises(InvalidInput, match="regions already"):
+        a.register("3", key, 0, 8)
+    with pytest.raises(NotFound, match="registered as system shared memory"):
+        b.cuda_status("1")
