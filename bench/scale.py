@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from procs import cpu_ticks, rss_mib  # bench/procs.py
 from served import DEFAULT_PA, HOST, counts, http_get, port_in_use  # bench/served.py
@@ -136,7 +137,7 @@ class Stack:
         shutil.rmtree(self.data, ignore_errors=True)
 
 
-def measure(stack: Stack, conc: int, interval_ms: int, pa: str, out: Path) -> dict[str, float]:
+def measure(stack: Stack, conc: int, interval_ms: int, pa: str, out: Path) -> dict[str, Any]:
     """G perf_analyzers at once, one per gateway; the summed rate and the CPU of each role."""
     ports = stack.gateway_ports()
     shares = [conc // len(ports) + (1 if i < conc % len(ports) else 0) for i in range(len(ports))]
@@ -177,6 +178,8 @@ def measure(stack: Stack, conc: int, interval_ms: int, pa: str, out: Path) -> di
         "p99_ms": max(lv.p99_ms or 0 for lv in levels),
         "mean_batch": batch or 0.0,
         "gateway_cpu": sum(v for k, v in cpu.items() if k.startswith("gateway")),
+        # Each gateway's share: with --shared-port, how evenly the kernel spread the connections.
+        "gateway_cpu_each": [round(v) for k, v in sorted(cpu.items()) if k.startswith("gateway")],
         "worker_cpu": sum(v for k, v in cpu.items() if k.startswith("worker")),
         "redis_cpu": cpu.get("redis", 0.0),
         "pa_cpu": pa_cpu,
@@ -228,7 +231,8 @@ def main() -> None:
                 (level_out / "result.json").write_text(json.dumps(r) + "\n")
                 print(f"G={g} N={n} C={conc}: {r['infer_s']:,.0f} infer/s, p99 {r['p99_ms']:.1f} ms, batch "
                       f"{r['mean_batch']:.2f}, CPU gw {r['gateway_cpu']:.0f}% wk {r['worker_cpu']:.0f}% "
-                      f"redis {r['redis_cpu']:.0f}% pa {r['pa_cpu']:.0f}%", flush=True)
+                      f"redis {r['redis_cpu']:.0f}% pa {r['pa_cpu']:.0f}% (gateways {r['gateway_cpu_each']})",
+                      flush=True)
     finally:
         shutil.rmtree(repo, ignore_errors=True)
     rows = []

@@ -1,0 +1,166 @@
+"""fleet on a CUDA host: `fleet up` serving `mlp` on KIND_GPU, its outputs against the same model on the
+CPU, and perf_analyzer against it with G gateway processes sharing the ports (`--gateways G`).
+
+    python bench/gpu_check.py [--gateways "1 4"] [--conc "1 32"] [--kind KIND_GPU] [--port 19300] [--out DIR]
+
+For each G: a repository in a temporary directory holding `mlp` (model_repository/mlp's config with its
+instance group's kind set to --kind; the TorchScript file written by workers.generate_models with the
+torch at hand), `fleet up --workers 1 --job-workers 0 --gateways G` on it (a worker per visible GPU:
+fleet/launcher.py), ready once 20 fresh connections in a row say so; then 64 rows of seeded random input
+through HTTP (JSON), compared with the eager model (seed 0) on the CPU; then perf_analyzer (`-i http
+-b 1 --concurrency-range C`, 2 s windows, at most 6 trials) at each C, with the model's statistics
+before and after for the mean batch, and the GPU's readings on the metrics port. Stops `fleet up` with
+SIGINT (its children and server with it) and prints one JSON line per G and C, and a table. --kind
+KIND_CPU runs the same on a machine without a GPU (the check of this script itself). Only 127.0.0.1 is
+contacted; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.summary import read_level  # noqa: E402
+from workers.generate_models import build_mlp, ensure_models  # noqa: E402
+
+DEFAULT_PA = ROOT / ".tools" / "perf_analyzer" / "perf_analyzer"
+HOST = "127.0.0.1"
+
+
+def http(port: int, path: str, body: bytes | None = None, timeout: float = 30) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=body, method="POST" if body else "GET",
+                                 headers={"Content-Type": "application/json"} if body else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def repository(root: Path, kind: str) -> Path:
+    repo = root / "repo"
+    (repo / "mlp" / "1").mkdir(parents=True)
+    config = (ROOT / "model_repository" / "mlp" / "config.pbtxt").read_text()
+    (repo / "mlp" / "config.pbtxt").write_text(config.replace("kind: KIND_CPU", f"kind: {kind}"))
+    ensure_models(repo)
+    return repo
+
+
+def counts(port: int) -> tuple[int, int]:
+    status, body = http(port, "/v2/models/mlp/stats")
+    stats = json.loads(body)["model_stats"][0] if status == 200 else {}
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def check_outputs(port: int) -> float:
+    """Largest |served - CPU eager| over 64 seeded rows."""
+    import torch
+
+    rows = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [64, 256],
+                                   "data": rows.ravel().tolist()}]}).encode()
+    status, reply = http(port, "/v2/models/mlp/infer", body, timeout=60)
+    if status != 200:
+        raise SystemExit(f"infer answered {status}: {reply[:500]!r}")
+    served = np.array(json.loads(reply)["outputs"][0]["data"], dtype=np.float32).reshape(64, 256)
+    with torch.inference_mode():
+        expected = build_mlp()(torch.from_numpy(rows)).numpy()
+    return float(np.abs(served - expected).max())
+
+
+def run_one(gateways: int, concs: list[int], kind: str, port: int, pa: str, out: Path) -> list[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="fleet-gpu-check-"))
+    repo = repository(work, kind)
+    log = out / f"fleet-up-g{gateways}.log"
+    cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(repo), "--data-dir", str(work / "data"),
+           "--http-port", str(port), "--metrics-port", str(port + 2), "--grpc-port", str(port + 1),
+           "--workers", "1", "--job-workers", "0", "--gateways", str(gateways)]
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    rows: list[dict[str, Any]] = []
+    try:
+        deadline, in_a_row = time.monotonic() + 180, 0
+        while in_a_row < 20:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"fleet up not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            in_a_row = in_a_row + 1 if http(port, "/v2/models/mlp/ready", timeout=5)[0] == 200 else 0
+            time.sleep(0.02 if in_a_row else 0.5)
+        text = log.read_text(errors="replace")
+        device = "cuda" if "on cuda:" in text else "cpu"
+        max_diff = check_outputs(port)
+        for conc in concs:
+            base = out / f"mlp_g{gateways}_c{conc}"
+            before = counts(port)
+            pa_cmd = [pa, "-m", "mlp", "-i", "http", "-u", f"{HOST}:{port}", "-b", "1", "--concurrency-range",
+                      str(conc), "--measurement-interval", "2000", "--stability-percentage", "20",
+                      "--max-trials", "6", "-f", str(base.with_suffix(".csv")), "--verbose-csv"]
+            with base.with_suffix(".txt").open("w") as f:
+                subprocess.run(pa_cmd, stdout=f, stderr=subprocess.STDOUT, timeout=120, check=False)
+            after = counts(port)
+            level = read_level(base, "mlp", conc)
+            batches = after[1] - before[1]
+            rows.append({"gateways": gateways, "conc": conc, "worker_device": device, "max_abs_diff": max_diff,
+                         "infer_s": level.infer_s, "p50_ms": level.p50_ms, "p99_ms": level.p99_ms,
+                         "compute_ms": level.compute_ms, "queue_ms": level.queue_ms,
+                         "mean_batch": (after[0] - before[0]) / batches if batches else None})
+            print(json.dumps(rows[-1]), flush=True)
+        # The workers' NVML readings, as the gateway serves them (absent on a host without a GPU).
+        metrics = http(port + 2, "/metrics")[1].decode(errors="replace").splitlines()
+        gpu = [line for line in metrics if line.startswith(("nv_gpu_utilization", "nv_gpu_memory_used_bytes"))]
+        print(json.dumps({"gateways": gateways, "gpu_metrics": gpu}), flush=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="fleet on a CUDA host: mlp on the GPU, checked and measured")
+    p.add_argument("--gateways", default="1 4")
+    p.add_argument("--conc", default="1 32")
+    p.add_argument("--kind", default="KIND_GPU", choices=["KIND_GPU", "KIND_CPU"])
+    p.add_argument("--port", type=int, default=19300)
+    p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / time.strftime("gpu-%Y%m%d-%H%M%S"))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for g in (int(x) for x in a.gateways.split()):
+        rows += run_one(g, [int(c) for c in a.conc.split()], a.kind, a.port, a.perf_analyzer, a.out)
+    print(f"{'G':>2} {'C':>3} {'device':>6} {'max|diff|':>9} {'infer/s':>9} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'compute':>7} {'batch':>6}")
+    for r in rows:
+        def f(v: Any, spec: str) -> str:
+            return format(v, spec) if isinstance(v, (int, float)) else "-"
+        print(f"{r['gateways']:>2} {r['conc']:>3} {r['worker_device']:>6} {f(r['max_abs_diff'], '9.2e')} "
+              f"{f(r['infer_s'], '9,.0f')} {f(r['p50_ms'], '7.2f')} {f(r['p99_ms'], '7.2f')} "
+              f"{f(r['compute_ms'], '7.3f')} {f(r['mean_batch'], '6.2f')}")
+    (a.out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
