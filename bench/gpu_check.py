@@ -5,7 +5,7 @@ CPU, and perf_analyzer against it with G gateway processes sharing the ports (`-
 
 For each G: a repository in a temporary directory holding `mlp` (model_repository/mlp's config with its
 instance group's kind set to --kind; the TorchScript file written by workers.generate_models with the
-torch at hand), `fleet up --workers 1 --job-workers 0 --gateways G` on it (a worker per visible GPU:
+torch at hand), `fleet up --workers 1 --job-workers 0 --gateways G` on it (its worker on the first GPU:
 fleet/launcher.py), ready once 20 fresh connections in a row say so; then 64 rows of seeded random input
 through HTTP (JSON), compared with the eager model (seed 0) on the CPU; then perf_analyzer (`-i http
 -b 1 --concurrency-range C`, 2 s windows, at most 6 trials) at each C, with the model's statistics

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--reuse-port", action="store_true", default=None,
                     help="share the ports with other gateway processes on this host (SO_REUSEPORT)")
     gw.add_argument("--trace-file", type=Path, default=None, help="where this process writes traces")
+    gw.add_argument("--gateway-id", default=None, help="this gateway's id (its reply stream; default: made up)")
     gw.add_argument("--shared-memory-dir", type=Path, default=None,
                     help="share system shared-memory registrations with this host's other gateways through it")
     grpc_flags.add_arguments(gw)
@@ -135,7 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for flag, field in (("http_port", "http_port"), ("metrics_port", "metrics_port"),
                         ("http_address", "http_host"), ("worker_id", "worker_id"), ("gateways", "gateways"),
                         ("reuse_port", "reuse_port"), ("trace_file", "trace_file"),
-                        ("shared_memory_dir", "shared_memory_dir")):
+                        ("shared_memory_dir", "shared_memory_dir"), ("gateway_id", "gateway_id")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[field] = value

@@ -41,6 +41,7 @@ import redis
 
 from fleet import grpc_flags
 from fleet.lifetime import DataDirInUse, dies_with_this_process, lock_data_dir
+from fleet.listen import taken
 from fleet.log_format import as_json_line
 from fleet.logs import configure_logging
 from fleet.redis_server import LocalServer, start_server
@@ -117,8 +118,7 @@ def _common_args(settings: Settings) -> list[str]:
     return args
 
 
-def _child_commands(settings: Settings, workers: int | None, shm_dir: Path = Path(".fleet/shm-regions")
-                    ) -> dict[str, list[str]]:
+def _child_commands(settings: Settings, workers: int | None, shm_dir: Path) -> dict[str, list[str]]:
     devices = count_devices()
     if workers is not None:
         devices = [devices[i % len(devices)] for i in range(max(1, workers))]
@@ -129,11 +129,15 @@ def _child_commands(settings: Settings, workers: int | None, shm_dir: Path = Pat
     commands: dict[str, list[str]] = {}
     if settings.gateways == 1:
         commands["gateway"] = gateway
-    for i in range(settings.gateways if settings.gateways > 1 else 0):
-        # The same ports (SO_REUSEPORT); a trace file each, as two processes cannot append to one.
-        trace = settings.trace_file.with_name(f"{settings.trace_file.stem}-gateway-{i}{settings.trace_file.suffix}")
-        commands[f"gateway-{i}"] = [*gateway, "--reuse-port", "--trace-file", str(trace),
-                                    "--shared-memory-dir", str(shm_dir)]
+    else:
+        for i in range(settings.gateways):
+            # The same ports (SO_REUSEPORT); a trace file each, as two processes cannot append to one; an
+            # id each (a reply stream each) if one was set.
+            stem, suffix = settings.trace_file.stem, settings.trace_file.suffix
+            trace = settings.trace_file.with_name(f"{stem}-gateway-{i}{suffix}")
+            own_id = ["--gateway-id", f"{settings.gateway_id}-{i}"] if settings.gateway_id else []
+            commands[f"gateway-{i}"] = [*gateway, "--reuse-port", "--trace-file", str(trace),
+                                        "--shared-memory-dir", str(shm_dir), *own_id]
     for i, device in enumerate(devices):
         commands[f"worker-{i}"] = [sys.executable, "-m", "fleet", "worker", *common, "--device", device]
     for i in range(settings.job_workers):
@@ -262,6 +266,14 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     except DataDirInUse as exc:
         log.error("%s", exc)
         return 1
+    if settings.gateways > 1:
+        # Shared ports must be free at start: else these gateways would join whoever holds them.
+        for host, port in ((settings.http_host, settings.http_port), (settings.http_host, settings.metrics_port),
+                           *([(settings.grpc_host, settings.grpc_port)] if settings.allow_grpc else [])):
+            if (why := taken(host, port)) is not None:
+                log.error("%s (another server, or another fleet's gateways?)", why)
+                data_lock.release()
+                return 1
     if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
         settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
     stopping = threading.Event()
@@ -287,6 +299,7 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     # tritonserver forgets its own.
     shm_dir = data_dir / "shm-regions"
     shutil.rmtree(shm_dir, ignore_errors=True)
+
     children = _Children(_child_commands(settings, workers, shm_dir), child_env,
                          json_lines=settings.log_format == "json")
     try:

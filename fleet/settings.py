@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 8001
     # Several gateway processes on one host serve the same HTTP, metrics and gRPC ports (SO_REUSEPORT,
-    # gateway/listen.py); `fleet up --gateways N` sets it for each. Off: a taken port fails the start.
+    # fleet/listen.py); `fleet up --gateways N` sets it for each. Off: a taken port fails the start.
     reuse_port: bool = False
     # Gateway processes `fleet up` runs (one Python event loop each; the kernel spreads connections).
     gateways: int = Field(default=1, ge=1)

@@ -1,6 +1,6 @@
 """`fleet gateway`: uvicorn serving the app on --http-port and /metrics on --metrics-port, and (unless
 --allow-grpc false) Triton's gRPC service on --grpc-port, on the same event loop (gateway/grpc/server.py).
-With --reuse-port all three ports are shared with the host's other gateway processes (gateway/listen.py)."""
+With --reuse-port all three ports are shared with the host's other gateway processes (fleet/listen.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import uvicorn
 import uvloop
 from starlette.applications import Starlette
 
+from fleet.listen import server_socket
 from fleet.logs import configure_logging
 from fleet.settings import Settings
 from gateway.app import create_app
 from gateway.grpc.server import GrpcFrontend
 from gateway.http_protocol import protocol_class
 from gateway.infer_protocol import serving_infer
-from gateway.listen import server_socket
 from gateway.metrics import metrics_route
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ def serve(settings: Settings) -> int:
         metrics_sockets: list[socket.socket] | None = None
         if settings.reuse_port:
             # Sockets of its own, shared with the host's other gateway processes (uvicorn sets no SO_REUSEPORT).
+            ports = [settings.http_port, settings.metrics_port] + ([settings.grpc_port] if settings.allow_grpc else [])
+            if len(set(ports)) < len(ports):  # shared, one port would split its connections between roles
+                log.error("--reuse-port needs distinct HTTP, metrics and gRPC ports, not %s", ports)
+                return 1
             try:
                 http_sockets = [server_socket(settings.http_host, settings.http_port, reuse_port=True)]
                 metrics_sockets = [server_socket(settings.http_host, settings.metrics_port, reuse_port=True)]
@@ -73,12 +77,20 @@ def serve(settings: Settings) -> int:
                 return 1
             main.grpc = frontend
             app.state.fleet.drains.append(lambda: frontend.stop(GRACEFUL_STOP_S))
-        task = asyncio.create_task(side.serve(metrics_sockets))
+        tasks: list[asyncio.Task[None]] = []
+
+        def start_side() -> None:
+            tasks.append(asyncio.create_task(side.serve(metrics_sockets)))
+
+        if settings.reuse_port:
+            main.after_startup = start_side  # a shared metrics port too serves only once the state is up
+        else:
+            start_side()
         try:
             await main.serve(http_sockets)
         finally:
             side.should_exit = True
-            await task
+            await asyncio.gather(*tasks)
         return 0
 
     return uvloop.run(run_both())
@@ -90,11 +102,14 @@ class _GatewayServer(uvicorn.Server):
     app's shutdown (GatewayState.stop) waits for the gRPC calls in flight before the broker stops."""
 
     grpc: GrpcFrontend | None = None
+    after_startup: Callable[[], None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.grpc is not None and not self.should_exit:
             await self.grpc.start()
+        if self.after_startup is not None and not self.should_exit:
+            self.after_startup()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.grpc is not None:

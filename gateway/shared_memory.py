@@ -178,7 +178,8 @@ class SharedMemoryRegistry:
             if registered:
                 raise InvalidInput(f"shared memory region '{name}' already in manager")
             if (len(self._regions) if files is None else files.count()) >= MAX_REGIONS:
-                raise InvalidInput(f"failed to register shared memory region '{name}': this gateway holds "
+                holder = "this gateway holds" if files is None else "this host's gateways hold"
+                raise InvalidInput(f"failed to register shared memory region '{name}': {holder} "
                                    f"{MAX_REGIONS} regions already; unregister some first")
             region = _map(name, key, offset, byte_size)
             if files is not None:
@@ -194,12 +195,23 @@ class SharedMemoryRegistry:
         with self._lock:
             if name:
                 self._regions.pop(name, None)
+                self._mapped.pop(name, None)
                 if self._files is not None:
                     self._files.remove(name)
             else:
                 self._regions.clear()
+                self._mapped.clear()
                 if self._files is not None:
                     self._files.remove_all()
+
+    def sweep(self) -> None:
+        """With shared registrations: unmap what another process unregistered (or registered anew) since
+        this one mapped it, so an idle gateway does not keep a client's released pages. The gateway calls
+        it every few seconds; in-flight requests keep their slices."""
+        if self._files is None:
+            return
+        with self._lock:
+            self._drop_stale()
 
     def status(self, name: str = "") -> list[dict[str, str | int]]:
         """Triton's status objects (name, key, offset, byte_size) of region `name`, or of all ("");
@@ -245,19 +257,25 @@ class SharedMemoryRegistry:
             return self._regions[name]
         self._regions.pop(name, None)
         self._mapped.pop(name, None)
-        for other in [n for n in self._regions if self._files.identity(n) != self._mapped.get(n)]:
-            del self._regions[other]  # unregistered (or registered anew) by another process: unmap
-            self._mapped.pop(other, None)
+        self._drop_stale()
         found = self._files.read(name) if identity is not None else None
         if found is None:
             return None
         identity, reg = found
         try:
             self._regions[name] = _map(name, reg.key, reg.offset, reg.byte_size)
-        except InvalidInput as exc:  # its object removed or shrunk since it was registered
-            raise InvalidInput(f"Unable to map shared memory region: '{name}': {exc}") from None
+        except InvalidInput:  # its object removed or shrunk since it was registered
+            raise InvalidInput(f"Unable to open shared memory region: '{reg.key}' (registered as '{name}'; no "
+                               f"longer there in the size registered)") from None
         self._mapped[name] = identity
         return self._regions[name]
+
+    def _drop_stale(self) -> None:
+        """(Lock held.) Unmap every region whose registration is gone or was made anew elsewhere."""
+        assert self._files is not None
+        for name in [n for n in self._regions if self._files.identity(n) != self._mapped.get(n)]:
+            del self._regions[name]
+            self._mapped.pop(name, None)
 
     # CUDA shared memory: no region is ever registered, so status lists none and unregistering succeeds,
     # as Triton answers with nothing registered (tritonclient's examples unregister everything first).

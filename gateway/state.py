@@ -136,6 +136,7 @@ class GatewayState:
         failing_since: float | None = None
         while True:
             await asyncio.sleep(HEARTBEAT_POLL_S)
+            self.shared_memory.sweep()  # regions other gateways of this host unregistered: unmapped here too
             try:
                 await self.refresh_readiness()
                 failing_since = None

@@ -10,7 +10,7 @@ Options follow tritonserver's flags (fleet/grpc_flags.py): keepalive and HTTP/2 
 response compression level; message sizes are bounded by the body limit (`max_input_bytes`) both ways.
 gzip and deflate request compression, as tritonclient sends it, is decompressed here, and the
 decompressed size is what the limit bounds. The port is taken without SO_REUSEPORT unless `--reuse-port`
-(gateway/listen.py), so a second gateway on a taken port fails at start instead of silently sharing it.
+(fleet/listen.py), so a second gateway on a taken port fails at start instead of silently sharing it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import socket
 
 import grpc
 
+from fleet.listen import BACKLOG, address, server_socket
 from fleet.settings import Settings
 from gateway.auth import Access
 from gateway.grpc import h2
@@ -28,7 +29,6 @@ from gateway.grpc.calls import Call, response_encoding
 from gateway.grpc.h2_frames import ConnectionError_, LocalSettings
 from gateway.grpc.handlers import Method, methods
 from gateway.grpc.service import InferenceService
-from gateway.listen import address, server_socket
 from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -200,8 +200,7 @@ class GrpcFrontend:
 
     def bind(self) -> int:
         try:
-            sock = server_socket(self.settings.grpc_host, self.settings.grpc_port,
-                                    reuse_port=self.settings.reuse_port)
+            sock = server_socket(self.settings.grpc_host, self.settings.grpc_port, reuse_port=self.settings.reuse_port)
         except OSError as exc:
             raise OSError(f"cannot serve gRPC: {exc}") from None
         self._socket = sock
@@ -210,7 +209,8 @@ class GrpcFrontend:
 
     async def start(self) -> None:
         assert self._socket is not None, "bind() first"
-        self._server = await asyncio.get_running_loop().create_server(lambda: GrpcConnection(self), sock=self._socket)
+        self._server = await asyncio.get_running_loop().create_server(lambda: GrpcConnection(self), sock=self._socket,
+                                                                      backlog=BACKLOG)
         self._keepalive = asyncio.ensure_future(self._keep_alive())
         log.info("gRPC inference service on %s", address(self.settings.grpc_host, self.port))
 

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT
 
 MODELS = ROOT / "tests" / "models"
+HOST = "127.0.0.1"
 PERF_ANALYZER = ROOT / ".tools/perf_analyzer/perf_analyzer"
 GATEWAYS = 2
 
@@ -65,12 +67,15 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     system = Up(proc, log, *ports)
     try:
-        # Each process answers ready once it has seen the worker: ready on 20 fresh connections in a row
-        # (each hashed to either process) says both are, but for a chance of 2^-20.
+        # Every process listens on all three ports (a shared socket listens once its process has started),
+        # then each answers ready once it has seen the worker: 20 fresh connections in a row, each hashed
+        # to either process, say both do.
         deadline, in_a_row = time.monotonic() + 120, 0
         while in_a_row < 20:
             assert proc.poll() is None and time.monotonic() < deadline, system.tail()
-            in_a_row = in_a_row + 1 if len(system.gateways()) == GATEWAYS and _ready(system.http_port) else 0
+            pids = system.gateways()
+            up = len(pids) == GATEWAYS and all(set(ports) <= _listening(pid) for pid in pids)
+            in_a_row = in_a_row + 1 if up and _ready(system.http_port) else 0
             time.sleep(0.02 if in_a_row else 0.2)
         yield system
     finally:
@@ -224,3 +229,19 @@ def test_a_killed_gateway_leaves_the_others_serving_and_is_restarted(up: Up) -> 
             assert _infer(conn, float(i)) == (200, [2.0 * i])
         finally:
             conn.close()
+
+
+def test_fleet_up_refuses_ports_another_process_listens_on(tmp_path: Path) -> None:
+    """SO_REUSEPORT would let the new gateways join any listener of this user's: fleet up checks first."""
+    holder = socket.create_server((HOST, 0))
+    port = holder.getsockname()[1]
+    try:
+        cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(MODELS), "--data-dir",
+               str(tmp_path / "data"), "--http-port", str(port), "--metrics-port",
+               str(free_port()), "--grpc-port", str(free_port()), "--gateways", "2"]
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"cannot take {HOST}:{port}" in proc.stdout + proc.stderr

@@ -25,6 +25,7 @@ from fleet.cli import build_parser, settings_from_args
 from fleet.envelope import WireTensor
 from fleet.errors import ErrorCode, InvalidInput, ServingError
 from fleet.kserve import ParsedInfer, parse_infer
+from fleet.listen import address
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
 from fleet.settings import Settings
@@ -35,7 +36,6 @@ from gateway.grpc.handlers import HTTP_TWIN, SERVICE
 from gateway.grpc.not_yet import NOT_YET
 from gateway.grpc.server import local_settings
 from gateway.grpc.service import InferenceService
-from gateway.listen import address
 
 DATATYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
              "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",

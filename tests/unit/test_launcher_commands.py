@@ -15,14 +15,14 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_one_gateway_by_default_without_reuse_port() -> None:
-    commands = _child_commands(Settings(), workers=1)
+    commands = _child_commands(Settings(gateway_id="gw-a"), workers=1, shm_dir=Path("/tmp/x/shm"))
     assert [n for n in commands if "gateway" in n] == ["gateway"]
-    assert not {"--reuse-port", "--trace-file", "--shared-memory-dir"} & set(commands["gateway"])
+    assert not {"--reuse-port", "--trace-file", "--shared-memory-dir", "--gateway-id"} & set(commands["gateway"])
 
 
 def test_n_gateways_share_the_ports_with_a_trace_file_each() -> None:
     settings = Settings(gateways=3, http_port=9100, metrics_port=9102, grpc_port=9101,
-                        trace_file=Path("/tmp/x/trace.json"))
+                        trace_file=Path("/tmp/x/trace.json"), gateway_id="gw-a")
     commands = _child_commands(settings, workers=1, shm_dir=Path("/tmp/x/shm-regions"))
     gateways = [argv for name, argv in commands.items() if name.startswith("gateway")]
     assert [n for n in commands if n.startswith("gateway")] == ["gateway-0", "gateway-1", "gateway-2"]
@@ -32,10 +32,13 @@ def test_n_gateways_share_the_ports_with_a_trace_file_each() -> None:
             ("9100", "9102", "9101")
     assert [_flag(argv, "--trace-file") for argv in gateways] == [
         "/tmp/x/trace-gateway-0.json", "/tmp/x/trace-gateway-1.json", "/tmp/x/trace-gateway-2.json"]
+    # A set id becomes one each: one reply stream each (a shared one would be trimmed under the others).
+    assert [_flag(argv, "--gateway-id") for argv in gateways] == ["gw-a-0", "gw-a-1", "gw-a-2"]
+    assert "--gateway-id" not in _child_commands(Settings(gateways=2), 1, Path("/tmp/x/shm"))["gateway-0"]
     # What each child makes of its command line.
     parsed = settings_from_args(build_parser().parse_args(gateways[1][3:]))
     assert parsed.reuse_port and parsed.trace_file == Path("/tmp/x/trace-gateway-1.json")
-    assert parsed.shared_memory_dir == Path("/tmp/x/shm-regions")
+    assert parsed.shared_memory_dir == Path("/tmp/x/shm-regions") and parsed.gateway_id == "gw-a-1"
     assert parsed.http_port == 9100 and parsed.grpc_port == 9101
 
 

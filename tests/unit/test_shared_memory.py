@@ -314,3 +314,47 @@ def test_the_region_cap_counts_every_process(objects: Objects, tmp_path: Path,
         a.register("3", key, 0, 8)
     with pytest.raises(NotFound, match="registered as system shared memory"):
         b.cuda_status("1")
+
+
+def test_a_quick_re_registration_is_seen_though_the_inode_comes_back(objects: Objects, tmp_path: Path) -> None:
+    key, handle = objects.make(64)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    a, b = SharedMemoryRegistry(shared_dir=tmp_path), SharedMemoryRegistry(shared_dir=tmp_path)
+    for offset in (0, 4, 8, 12, 16, 20):  # no lookup by b between a's unregister and register
+        a.unregister("r")
+        a.register("r", key, offset, 16)
+        assert np.frombuffer(b.slice(RegionRef("r", 0, 4)).read(), np.int32).tolist() == [offset // 4]
+
+
+def test_a_sweep_unmaps_what_another_process_unregistered(objects: Objects, tmp_path: Path) -> None:
+    key, _ = objects.make(64)
+    a, b = SharedMemoryRegistry(shared_dir=tmp_path), SharedMemoryRegistry(shared_dir=tmp_path)
+    a.register("r", key, 0, 64)
+    held = b.slice(RegionRef("r", 0, 4))  # b maps it; an in-flight request holds a slice
+    a.unregister("r")
+    b.sweep()
+    assert b._regions == {} and b._mapped == {}
+    assert held.read() == bytes(4)  # the slice keeps its mapping until the request is answered
+
+
+def test_what_is_not_a_registration_counts_as_none(objects: Objects, tmp_path: Path) -> None:
+    key, _ = objects.make(64)
+    reg = SharedMemoryRegistry(shared_dir=tmp_path)
+    reg.register("good", key, 0, 8)
+    (tmp_path / ("0" * 64 + ".json")).write_text("[1, 2")  # does not decode
+    (tmp_path / ("1" * 64 + ".json")).write_text('{"name": 1, "key": "/x", "offset": 0, "byte_size": 8}')
+    os.mkfifo(tmp_path / ("2" * 64 + ".json"))  # would block a plain open()
+    (tmp_path / ("3" * 64 + ".json")).symlink_to(tmp_path / ("0" * 64 + ".json"))
+    assert [r["name"] for r in reg.status()] == ["good"]
+    with pytest.raises(InvalidInput, match="Unable to find shared memory region: 'bad'"):
+        reg.slice(RegionRef("bad", 0, 4))
+
+
+def test_a_registration_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    with pytest.raises(ValueError, match="mode 0700"):
+        SharedMemoryRegistry(shared_dir=open_dir)
+    SharedMemoryRegistry(shared_dir=tmp_path / "made")  # made 0700
+    assert (tmp_path / "made").stat().st_mode & 0o777 == 0o700

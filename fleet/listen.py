@@ -18,6 +18,7 @@ import socket
 
 BACKLOG = 1024
 
+
 def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -45,3 +46,14 @@ def server_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
         raise OSError(f"cannot take {address(host, port)}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
+
+
+def taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be had by a socket of its own (another process listens there, sharing it or
+    not), or None. `fleet up --gateways N` asks before starting its gateways, so that they never join
+    the port group of another fleet's gateways (SO_REUSEPORT lets any process of this user in)."""
+    try:
+        server_socket(host, port, reuse_port=False).close()
+    except OSError as exc:
+        return str(exc)
+    return None
