@@ -18,6 +18,7 @@ contacted; every wait is bounded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import children  # noqa: E402
 from bench.summary import read_level  # noqa: E402
 from workers.generate_models import build_mlp, ensure_models  # noqa: E402
 
@@ -62,6 +64,19 @@ def repository(root: Path, kind: str) -> Path:
     (repo / "mlp" / "config.pbtxt").write_text(config.replace("kind: KIND_CPU", f"kind: {kind}"))
     ensure_models(repo)
     return repo
+
+
+def gateways_listening(up_pid: int, port: int) -> int:
+    """How many of `fleet up`'s gateway processes listen on `port`."""
+    import psutil
+
+    found = 0
+    for pid, argv in children(up_pid):
+        if argv[1:4] == [b"-m", b"fleet", b"gateway"]:
+            with contextlib.suppress(psutil.Error):
+                found += any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                             for c in psutil.Process(pid).net_connections("tcp"))
+    return found
 
 
 def counts(port: int) -> tuple[int, int]:
@@ -98,11 +113,15 @@ def run_one(gateways: int, concs: list[int], kind: str, port: int, pa: str, out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
     rows: list[dict[str, Any]] = []
     try:
+        # Every gateway listening first: connections made while some still start go to the others, and
+        # perf_analyzer's stay there for the whole run.
         deadline, in_a_row = time.monotonic() + 180, 0
         while in_a_row < 20:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"fleet up not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            in_a_row = in_a_row + 1 if http(port, "/v2/models/mlp/ready", timeout=5)[0] == 200 else 0
+            listening = gateways_listening(proc.pid, port) == gateways
+            ready = listening and http(port, "/v2/models/mlp/ready", timeout=5)[0] == 200
+            in_a_row = in_a_row + 1 if ready else 0
             time.sleep(0.02 if in_a_row else 0.5)
         text = log.read_text(errors="replace")
         device = "cuda" if "on cuda:" in text else "cpu"

@@ -103,13 +103,24 @@ class Stack:
             ready = f"model '{MODEL}' version 1 ready"
             logs = [(self.out / f"worker-{w}.log").read_text(errors="replace") for w in range(self.workers)]
             loaded = sum(ready in text for text in logs)
-            # A shared port answers from either process: ready 10 times over fresh connections.
+            # A shared port answers from either process: every gateway listening (a shared socket listens
+            # once its process has started; connections made before go to those already listening, and
+            # perf_analyzer's stay there), then ready 10 times over fresh connections.
             asks = 10 if self.shared_port and self.gateways > 1 else 1
-            if loaded == self.workers and all(http_get(p, f"/v2/models/{MODEL}/ready", 2)[0] == 200
-                                              for p in self.gateway_ports() for _ in range(asks)):
+            if (loaded == self.workers and self._gateways_listening()
+                    and all(http_get(p, f"/v2/models/{MODEL}/ready", 2)[0] == 200
+                            for p in self.gateway_ports() for _ in range(asks))):
                 return
             time.sleep(0.5)
         raise SystemExit(f"not ready within {timeout:.0f}s; see the logs in {self.out}")
+
+    def _gateways_listening(self) -> bool:
+        import psutil
+
+        ports = set(self.gateway_ports())
+        return all(ports & {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN and c.laddr}
+                   for name, proc in self.procs.items() if name.startswith("gateway"))
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = (self.out / f"{name}.log").open("wb")

@@ -299,7 +299,6 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     # tritonserver forgets its own.
     shm_dir = data_dir / "shm-regions"
     shutil.rmtree(shm_dir, ignore_errors=True)
-
     children = _Children(_child_commands(settings, workers, shm_dir), child_env,
                          json_lines=settings.log_format == "json")
     try:

@@ -34,6 +34,7 @@ only, and another host's gateway would map a different object, or none, under th
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import stat
@@ -44,6 +45,8 @@ from pathlib import Path
 from fleet.errors import InvalidInput, NotFound, TooLarge
 from fleet.tensor_regions import RegionRef, RegionSlice
 from gateway.shm_registrations import Identity, Registration, RegistrationFiles
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 # Each region is one memory mapping; the kernel allows a process ~65k (vm.max_map_count), and malloc and
@@ -211,7 +214,10 @@ class SharedMemoryRegistry:
         if self._files is None:
             return
         with self._lock:
-            self._drop_stale()
+            try:
+                self._drop_stale()
+            except OSError as exc:  # the directory unreadable a moment: the next sweep, or lookup, retries
+                log.warning("shared-memory registrations in %s: %s", self._files.directory, exc)
 
     def status(self, name: str = "") -> list[dict[str, str | int]]:
         """Triton's status objects (name, key, offset, byte_size) of region `name`, or of all ("");
