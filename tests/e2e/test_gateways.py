@@ -112,6 +112,15 @@ def _infer(conn: http.client.HTTPConnection, value: float) -> tuple[int, object]
     return r.status, doc["outputs"][0]["data"] if r.status == 200 else doc
 
 
+def _answered_on_fresh_connections(port: int, n: int) -> None:
+    for i in range(n):
+        conn = http.client.HTTPConnection(HOST, port, timeout=30)
+        try:
+            assert _infer(conn, float(i)) == (200, [2.0 * i])
+        finally:
+            conn.close()
+
+
 def _established(pid: int, port: int) -> int:
     return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
                if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
@@ -210,12 +219,7 @@ def test_a_killed_gateway_leaves_the_others_serving_and_is_restarted(up: Up) -> 
     with contextlib.suppress(psutil.NoSuchProcess):
         process.wait(10)
     # Its socket is gone with it: every new connection lands on a process that is there.
-    for i in range(20):
-        conn = http.client.HTTPConnection("127.0.0.1", up.http_port, timeout=30)
-        try:
-            assert _infer(conn, float(i)) == (200, [2.0 * i])
-        finally:
-            conn.close()
+    _answered_on_fresh_connections(up.http_port, 20)
     deadline = time.monotonic() + 60
     while len(now := up.gateways()) < GATEWAYS or victim in now:
         assert time.monotonic() < deadline, up.tail()
@@ -223,12 +227,7 @@ def test_a_killed_gateway_leaves_the_others_serving_and_is_restarted(up: Up) -> 
     assert set(others) <= set(now)
     assert "exited with -9; restarting it" in up.log.read_text()
     # The new process listens only once it has started (its readiness read first): none of these fails.
-    for i in range(20):
-        conn = http.client.HTTPConnection("127.0.0.1", up.http_port, timeout=30)
-        try:
-            assert _infer(conn, float(i)) == (200, [2.0 * i])
-        finally:
-            conn.close()
+    _answered_on_fresh_connections(up.http_port, 20)
 
 
 def test_fleet_up_refuses_ports_another_process_listens_on(tmp_path: Path) -> None:
