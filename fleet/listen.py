@@ -15,8 +15,11 @@ of them listens, and a second gateway must fail here, not later.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 BACKLOG = 1024
+AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
 
 
 def address(host: str, port: int) -> str:
@@ -24,18 +27,44 @@ def address(host: str, port: int) -> str:
 
 
 def server_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
-    """A non-blocking socket bound to host:port (dual-stack for an IPv6 host), listening unless shared;
-    OSError naming the address when it cannot be taken."""
+    """A non-blocking socket bound to host:port, listening unless shared; OSError naming the address when
+    it cannot be taken. The first address `host` resolves to, dual-stack for an IPv6 one: how the gRPC
+    server has always bound."""
+    family, kind, proto, _, sockaddr = _addresses(host, port)[0]
+    return _bound(host, port, family, kind, proto, sockaddr, reuse_port=reuse_port, v6only=False)
+
+
+def server_sockets(host: str, port: int, *, reuse_port: bool) -> list[socket.socket]:
+    """One socket per address `host` resolves to, IPv6 ones IPv6-only: how asyncio's create_server binds
+    a host (and so uvicorn, for HTTP), e.g. both 127.0.0.1 and ::1 for "localhost"."""
+    sockets: list[socket.socket] = []
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        for family, kind, proto, _, sockaddr in dict.fromkeys(_addresses(host, port)):
+            sockets.append(_bound(host, port, family, kind, proto, sockaddr, reuse_port=reuse_port, v6only=True))
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _addresses(host: str, port: int) -> Sequence[AddrInfo]:
+    try:
+        return socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise OSError(f"cannot take {address(host, port)}: {exc.strerror or exc}") from None
+
+
+def _bound(host: str, port: int, family: socket.AddressFamily, kind: socket.SocketKind, proto: int,
+           sockaddr: Any, *, reuse_port: bool, v6only: bool) -> socket.socket:
+    try:
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
             sock.bind(sockaddr)
             if not reuse_port:
                 sock.listen(BACKLOG)
@@ -53,7 +82,8 @@ def taken(host: str, port: int) -> str | None:
     not), or None. `fleet up --gateways N` asks before starting its gateways, so that they never join
     the port group of another fleet's gateways (SO_REUSEPORT lets any process of this user in)."""
     try:
-        server_socket(host, port, reuse_port=False).close()
+        for sock in server_sockets(host, port, reuse_port=False):
+            sock.close()
     except OSError as exc:
         return str(exc)
     return None

@@ -14,7 +14,7 @@ import uvicorn
 import uvloop
 from starlette.applications import Starlette
 
-from fleet.listen import server_socket
+from fleet.listen import server_sockets
 from fleet.logs import configure_logging
 from fleet.settings import Settings
 from gateway.app import create_app
@@ -61,8 +61,8 @@ def serve(settings: Settings) -> int:
                 log.error("--reuse-port needs distinct HTTP, metrics and gRPC ports, not %s", ports)
                 return 1
             try:
-                http_sockets = [server_socket(settings.http_host, settings.http_port, reuse_port=True)]
-                metrics_sockets = [server_socket(settings.http_host, settings.metrics_port, reuse_port=True)]
+                http_sockets = server_sockets(settings.http_host, settings.http_port, reuse_port=True)
+                metrics_sockets = server_sockets(settings.http_host, settings.metrics_port, reuse_port=True)
             except OSError as exc:
                 log.error("%s", exc)
                 return 1

@@ -10,7 +10,8 @@ import socket
 import pytest
 import uvloop
 
-from fleet.listen import server_socket, taken
+from fleet.listen import server_socket, server_sockets, taken
+from fleet.redis_server import free_port
 
 HOST = "127.0.0.1"
 
@@ -55,3 +56,16 @@ def test_shared_sockets_bind_together_and_listen_only_once_served() -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_http_binds_every_address_a_host_names_as_asyncio_does() -> None:
+    port = free_port()
+    resolved = {info[4][:2] for info in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM,
+                                                            flags=socket.AI_PASSIVE)}
+    sockets = server_sockets("localhost", port, reuse_port=False)
+    try:
+        assert {s.getsockname()[:2] for s in sockets} == resolved and all(listening(s) for s in sockets)
+        assert taken("localhost", port) is not None
+    finally:
+        for s in sockets:
+            s.close()
