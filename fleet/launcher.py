@@ -256,6 +256,20 @@ def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: 
         stopping.wait(0.5)
 
 
+def _shared_ports_problem(settings: Settings) -> str | None:
+    """Why N gateways cannot share the configured ports: equal ports (one port's connections would be
+    split between roles), or one with a listener already (they would join whoever holds it)."""
+    ports = [(settings.http_host, settings.http_port, True), (settings.http_host, settings.metrics_port, True),
+             *([(settings.grpc_host, settings.grpc_port, False)] if settings.allow_grpc else [])]
+    numbers = [port for _, port, _ in ports]
+    if len(set(numbers)) < len(numbers):
+        return f"--gateways needs distinct HTTP, metrics and gRPC ports, not {numbers}"
+    for host, port, every_address in ports:  # bound as each server binds: HTTP every address, gRPC the first
+        if (why := taken(host, port, every_address=every_address)) is not None:
+            return f"{why} (another server, or another fleet's gateways?)"
+    return None
+
+
 def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     if settings.log_format == "json":
         configure_logging(settings, "up")
@@ -266,14 +280,10 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     except DataDirInUse as exc:
         log.error("%s", exc)
         return 1
-    if settings.gateways > 1:
-        # Shared ports must be free at start: else these gateways would join whoever holds them.
-        for host, port in ((settings.http_host, settings.http_port), (settings.http_host, settings.metrics_port),
-                           *([(settings.grpc_host, settings.grpc_port)] if settings.allow_grpc else [])):
-            if (why := taken(host, port)) is not None:
-                log.error("%s (another server, or another fleet's gateways?)", why)
-                data_lock.release()
-                return 1
+    if settings.gateways > 1 and (why := _shared_ports_problem(settings)) is not None:
+        log.error("%s", why)
+        data_lock.release()
+        return 1
     if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
         settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
     stopping = threading.Event()

@@ -40,19 +40,26 @@ def server_sockets(host: str, port: int, *, reuse_port: bool) -> list[socket.soc
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, sockaddr in dict.fromkeys(_addresses(host, port)):
+            try:
+                probe = socket.socket(family, kind, proto)
+            except OSError:  # a family this kernel lacks (IPv6 off): skipped, as asyncio skips it
+                continue
+            probe.close()
             sockets.append(_bound(host, port, family, kind, proto, sockaddr, reuse_port=reuse_port, v6only=True))
     except OSError:
         for sock in sockets:
             sock.close()
         raise
+    if not sockets:
+        raise OSError(f"cannot take {address(host, port)}: no address of it can have a socket here")
     return sockets
 
 
 def _addresses(host: str, port: int) -> Sequence[AddrInfo]:
     try:
         return socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as exc:
-        raise OSError(f"cannot take {address(host, port)}: {exc.strerror or exc}") from None
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
+        raise OSError(f"cannot take {address(host, port)}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _bound(host: str, port: int, family: socket.AddressFamily, kind: socket.SocketKind, proto: int,
@@ -77,13 +84,16 @@ def _bound(host: str, port: int, family: socket.AddressFamily, kind: socket.Sock
     return sock
 
 
-def taken(host: str, port: int) -> str | None:
-    """Why host:port cannot be had by a socket of its own (another process listens there, sharing it or
-    not), or None. `fleet up --gateways N` asks before starting its gateways, so that they never join
-    the port group of another fleet's gateways (SO_REUSEPORT lets any process of this user in)."""
+def taken(host: str, port: int, *, every_address: bool = True) -> str | None:
+    """Why host:port cannot be had by sockets of its own, bound as the server will bind it (every address,
+    as HTTP; or the first, dual-stack, as gRPC: `every_address=False`), or None. Another process listening
+    there, sharing the port or not, takes it. `fleet up --gateways N` asks before starting its gateways, so
+    that they never join the port group of another fleet's (SO_REUSEPORT lets any process of this user in)."""
     try:
-        for sock in server_sockets(host, port, reuse_port=False):
-            sock.close()
+        held = server_sockets(host, port, reuse_port=False) if every_address else [
+            server_socket(host, port, reuse_port=False)]
     except OSError as exc:
         return str(exc)
+    for sock in held:
+        sock.close()
     return None

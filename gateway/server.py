@@ -80,7 +80,16 @@ def serve(settings: Settings) -> int:
         tasks: list[asyncio.Task[None]] = []
 
         def start_side() -> None:
-            tasks.append(asyncio.create_task(side.serve(metrics_sockets)))
+            task = asyncio.create_task(side.serve(metrics_sockets))
+            task.add_done_callback(side_ended)
+            tasks.append(task)
+
+        def side_ended(task: asyncio.Task[None]) -> None:
+            # A metrics server that fails (its socket cannot listen, say) stops the gateway: not one serving
+            # without the metrics port it was asked for.
+            if not task.cancelled() and task.exception() is not None and not main.should_exit:
+                log.error("the metrics server on :%d failed: %s", settings.metrics_port, task.exception())
+                main.should_exit = True
 
         if settings.reuse_port:
             main.after_startup = start_side  # a shared metrics port too serves only once the state is up

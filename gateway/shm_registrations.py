@@ -11,8 +11,10 @@ its identity (inode, and an mtime set to the nanosecond it was written) tells a 
 region it mapped is still the one registered: a freed inode number can come back at once, a nanosecond
 clock reading does not.
 
-The directory is this user's alone (0700, checked): a file in it decides which object a gateway maps.
-Anything else found there (a symlink, a FIFO, a file that does not decode) counts as no registration.
+The directory is this user's, and no one else may write it (made 0700; checked): a file in it decides
+which object a gateway maps. Anything else found under a registration's name (a symlink, a FIFO, a file
+that does not decode) is never followed or mapped: lookups and status see no region, while the name stays
+taken (registering it answers "already in manager") and counts towards the cap until it is unregistered.
 
 A directory, not Redis: a key names an object in this host's /dev/shm, so only processes of this host
 may share a registration (gateway/shared_memory.py).
@@ -42,8 +44,8 @@ class Registration:
 
 
 class RegistrationFiles:
-    """The registrations in `directory` (made 0700 if missing; refused if another user owns it or others
-    may write it). Every method is safe against other processes doing the same at the same time."""
+    """The registrations in `directory` (made 0700 if missing; refused if another user owns it or group or
+    others may write it). Every method is safe against other processes doing the same at the same time."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -51,7 +53,7 @@ class RegistrationFiles:
         st = os.stat(directory, follow_symlinks=False)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise ValueError(f"shared-memory directory {directory}: must be a directory of this user's that "
-                             f"no one else may write (mode 0700)")
+                             f"no one else may write (mode 0700, or 0755)")
 
     def _path(self, name: str) -> Path:
         # surrogatepass: a JSON body may carry a lone surrogate in a region name; it names a file all the same
@@ -114,7 +116,7 @@ def _read(path: Path) -> tuple[Identity, Registration] | None:
         doc = json.loads(os.read(fd, MAX_FILE_BYTES))
         reg = Registration(doc["name"], doc["key"], doc["offset"], doc["byte_size"])
         if not (isinstance(reg.name, str) and isinstance(reg.key, str) and type(reg.offset) is int
-                and type(reg.byte_size) is int):
+                and type(reg.byte_size) is int and reg.offset >= 0 and reg.byte_size >= 1):
             return None
         return (st.st_ino, st.st_mtime_ns), reg
     except (OSError, ValueError, TypeError, KeyError):

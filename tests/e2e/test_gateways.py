@@ -244,3 +244,14 @@ def test_fleet_up_refuses_ports_another_process_listens_on(tmp_path: Path) -> No
         holder.close()
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"cannot take {HOST}:{port}" in proc.stdout + proc.stderr
+
+
+def test_fleet_up_refuses_one_port_for_two_roles(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(MODELS), "--data-dir",
+           str(tmp_path / "data"), "--http-port", str(port), "--metrics-port", str(port), "--grpc-port",
+           str(free_port()), "--gateways", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--gateways needs distinct HTTP, metrics and gRPC ports" in proc.stdout + proc.stderr

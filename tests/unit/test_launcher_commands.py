@@ -34,7 +34,8 @@ def test_n_gateways_share_the_ports_with_a_trace_file_each() -> None:
         "/tmp/x/trace-gateway-0.json", "/tmp/x/trace-gateway-1.json", "/tmp/x/trace-gateway-2.json"]
     # A set id becomes one each: one reply stream each (a shared one would be trimmed under the others).
     assert [_flag(argv, "--gateway-id") for argv in gateways] == ["gw-a-0", "gw-a-1", "gw-a-2"]
-    assert "--gateway-id" not in _child_commands(Settings(gateways=2), 1, Path("/tmp/x/shm"))["gateway-0"]
+    unset = _child_commands(Settings(gateways=2, gateway_id=""), 1, Path("/tmp/x/shm"))
+    assert "--gateway-id" not in unset["gateway-0"]
     # What each child makes of its command line.
     parsed = settings_from_args(build_parser().parse_args(gateways[1][3:]))
     assert parsed.reuse_port and parsed.trace_file == Path("/tmp/x/trace-gateway-1.json")

@@ -354,7 +354,29 @@ def test_a_registration_directory_others_may_write_is_refused(tmp_path: Path) ->
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o777)
     open_dir.chmod(0o777)
-    with pytest.raises(ValueError, match="mode 0700"):
+    with pytest.raises(ValueError, match="no one else may write"):
         SharedMemoryRegistry(shared_dir=open_dir)
     SharedMemoryRegistry(shared_dir=tmp_path / "made")  # made 0700
     assert (tmp_path / "made").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_registration_is_stamped_with_the_nanosecond_it_was_made(objects: Objects, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its identity is (inode, that stamp): a freed inode number can come back at once, the stamp does not."""
+    from gateway import shm_registrations
+
+    key, _ = objects.make(64)
+    files = shm_registrations.RegistrationFiles(tmp_path)
+    monkeypatch.setattr(shm_registrations.time, "time_ns", lambda: 1_765_000_000_123_456_789)
+    identity = files.publish(shm_registrations.Registration("r", key, 0, 8))
+    assert identity is not None and identity[1] == 1_765_000_000_123_456_789 == files.identity("r")[1]
+
+
+def test_a_registration_file_with_impossible_values_counts_as_none(tmp_path: Path) -> None:
+    from gateway import shm_registrations
+
+    files = shm_registrations.RegistrationFiles(tmp_path)
+    for n, (offset, size) in enumerate([(-1, 8), (0, 0), (0, -8)]):
+        (tmp_path / f"{n:064d}.json").write_text(json.dumps({"name": f"r{n}", "key": "/k", "offset": offset,
+                                                             "byte_size": size}))
+    assert files.all() == []
