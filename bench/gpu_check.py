@@ -18,7 +18,6 @@ contacted; every wait is bounded.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.procs import children  # noqa: E402
+from bench.procs import TCP_LISTEN, children, stop, tcp_ports  # noqa: E402
 from bench.summary import read_level  # noqa: E402
 from workers.generate_models import build_mlp, ensure_models  # noqa: E402
 
@@ -68,15 +67,8 @@ def repository(root: Path, kind: str) -> Path:
 
 def gateways_listening(up_pid: int, port: int) -> int:
     """How many of `fleet up`'s gateway processes listen on `port`."""
-    import psutil
-
-    found = 0
-    for pid, argv in children(up_pid):
-        if argv[1:4] == [b"-m", b"fleet", b"gateway"]:
-            with contextlib.suppress(psutil.Error):
-                found += any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                             for c in psutil.Process(pid).net_connections("tcp"))
-    return found
+    return sum(port in tcp_ports(pid, TCP_LISTEN)
+               for pid, argv in children(up_pid) if argv[1:4] == [b"-m", b"fleet", b"gateway"])
 
 
 def counts(port: int) -> tuple[int, int]:
@@ -147,12 +139,7 @@ def run_one(gateways: int, concs: list[int], kind: str, port: int, pa: str, out:
         gpu = [line for line in metrics if line.startswith(("nv_gpu_utilization", "nv_gpu_memory_used_bytes"))]
         print(json.dumps({"gateways": gateways, "gpu_metrics": gpu}), flush=True)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGINT)
         shutil.rmtree(work, ignore_errors=True)
     return rows
 

@@ -1,9 +1,15 @@
 """Processes read from /proc (no psutil): the children of a process (how bench/overload.py finds the gateway,
-worker and Redis that `fleet up` started, and how the e2e tests find their PIDs to signal), CPU time and RSS."""
+worker and Redis that `fleet up` started, and how the e2e tests find their PIDs to signal), CPU time, RSS,
+the TCP ports a process listens on or holds connections on; and stopping a process this program started."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
+
+TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"  # the `st` column of /proc/net/tcp
 
 
 def children(parent_pid: int) -> list[tuple[int, list[bytes]]]:
@@ -19,6 +25,16 @@ def children(parent_pid: int) -> list[tuple[int, list[bytes]]]:
             continue  # gone meanwhile
         found.append((int(stat.parent.name), argv))
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs: not gone, and its main thread not a zombie (exited, waiting for its
+    parent to reap it; other threads of it may still be exiting, their descriptors still open)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def cpu_ticks(pid: int) -> int:
@@ -39,3 +55,41 @@ def rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def tcp_ports(pid: int, state: str) -> list[int]:
+    """The local port of each TCP socket (IPv4 and IPv6) process `pid` holds in `state` (TCP_LISTEN,
+    TCP_ESTABLISHED): its descriptors' socket inodes matched against /proc/net/tcp{,6}; [] if it is gone."""
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    ports = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == state and fields[9] in inodes:
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> None:
+    """Signal a process this program started (if it still runs) and wait for it; SIGKILL after timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from procs import cpu_ticks, rss_mib  # bench/procs.py
+from procs import TCP_LISTEN, cpu_ticks, rss_mib, tcp_ports  # bench/procs.py
 from served import DEFAULT_PA, HOST, counts, http_get, port_in_use  # bench/served.py
 from summary import print_table, read_level  # bench/summary.py
 
@@ -115,11 +115,8 @@ class Stack:
         raise SystemExit(f"not ready within {timeout:.0f}s; see the logs in {self.out}")
 
     def _gateways_listening(self) -> bool:
-        import psutil
-
         ports = set(self.gateway_ports())
-        return all(ports & {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
-                            if c.status == psutil.CONN_LISTEN and c.laddr}
+        return all(ports & set(tcp_ports(proc.pid, TCP_LISTEN))
                    for name, proc in self.procs.items() if name.startswith("gateway"))
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:

@@ -41,7 +41,7 @@ import redis
 
 from fleet import grpc_flags
 from fleet.lifetime import DataDirInUse, dies_with_this_process, lock_data_dir
-from fleet.listen import taken
+from fleet.listen import equal_ports, gateway_ports, taken
 from fleet.log_format import as_json_line
 from fleet.logs import configure_logging
 from fleet.redis_server import LocalServer, start_server
@@ -257,14 +257,11 @@ def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: 
 
 
 def _shared_ports_problem(settings: Settings) -> str | None:
-    """Why N gateways cannot share the configured ports: equal ports (one port's connections would be
-    split between roles), or one with a listener already (they would join whoever holds it)."""
-    ports = [(settings.http_host, settings.http_port, True), (settings.http_host, settings.metrics_port, True),
-             *([(settings.grpc_host, settings.grpc_port, False)] if settings.allow_grpc else [])]
-    numbers = [port for _, port, _ in ports]
-    if len(set(numbers)) < len(numbers):
+    """Why N gateways cannot share the configured ports: equal ports, or one with a listener already
+    (they would join whoever holds it)."""
+    if (numbers := equal_ports(settings)) is not None:
         return f"--gateways needs distinct HTTP, metrics and gRPC ports, not {numbers}"
-    for host, port, every_address in ports:  # bound as each server binds: HTTP every address, gRPC the first
+    for host, port, every_address in gateway_ports(settings):
         if (why := taken(host, port, every_address=every_address)) is not None:
             return f"{why} (another server, or another fleet's gateways?)"
     return None
@@ -308,7 +305,8 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     # Gateways sharing the ports share their shared-memory registrations, forgotten at each start as
     # tritonserver forgets its own.
     shm_dir = data_dir / "shm-regions"
-    shutil.rmtree(shm_dir, ignore_errors=True)
+    if settings.gateways > 1:
+        shutil.rmtree(shm_dir, ignore_errors=True)
     children = _Children(_child_commands(settings, workers, shm_dir), child_env,
                          json_lines=settings.log_format == "json")
     try:

@@ -18,6 +18,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from fleet.settings import Settings
+
 BACKLOG = 1024
 AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
 
@@ -31,7 +33,11 @@ def server_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     it cannot be taken. The first address `host` resolves to, dual-stack for an IPv6 one: how the gRPC
     server has always bound."""
     family, kind, proto, _, sockaddr = _addresses(host, port)[0]
-    return _bound(host, port, family, kind, proto, sockaddr, reuse_port=reuse_port, v6only=False)
+    try:
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise OSError(f"cannot take {address(host, port)}: {exc.strerror or exc}") from None
+    return _bound(sock, host, port, sockaddr, reuse_port=reuse_port, v6only=False)
 
 
 def server_sockets(host: str, port: int, *, reuse_port: bool) -> list[socket.socket]:
@@ -41,11 +47,10 @@ def server_sockets(host: str, port: int, *, reuse_port: bool) -> list[socket.soc
     try:
         for family, kind, proto, _, sockaddr in dict.fromkeys(_addresses(host, port)):
             try:
-                probe = socket.socket(family, kind, proto)
+                sock = socket.socket(family, kind, proto)
             except OSError:  # a family this kernel lacks (IPv6 off): skipped, as asyncio skips it
                 continue
-            probe.close()
-            sockets.append(_bound(host, port, family, kind, proto, sockaddr, reuse_port=reuse_port, v6only=True))
+            sockets.append(_bound(sock, host, port, sockaddr, reuse_port=reuse_port, v6only=True))
     except OSError:
         for sock in sockets:
             sock.close()
@@ -62,26 +67,37 @@ def _addresses(host: str, port: int) -> Sequence[AddrInfo]:
         raise OSError(f"cannot take {address(host, port)}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def _bound(host: str, port: int, family: socket.AddressFamily, kind: socket.SocketKind, proto: int,
-           sockaddr: Any, *, reuse_port: bool, v6only: bool) -> socket.socket:
+def _bound(sock: socket.socket, host: str, port: int, sockaddr: Any, *, reuse_port: bool,
+           v6only: bool) -> socket.socket:
+    """`sock` set up and bound (closed, and OSError naming the address, if it cannot be)."""
     try:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
-            sock.bind(sockaddr)
-            if not reuse_port:
-                sock.listen(BACKLOG)
-        except OSError:
-            sock.close()
-            raise
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
+        sock.bind(sockaddr)
+        if not reuse_port:
+            sock.listen(BACKLOG)
     except OSError as exc:
+        sock.close()
         raise OSError(f"cannot take {address(host, port)}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
+
+
+def gateway_ports(settings: Settings) -> list[tuple[str, int, bool]]:
+    """(host, port, every_address) of each port a gateway serves, bound as its server binds it: HTTP and
+    metrics on every address of the HTTP host (uvicorn's way), gRPC on the first (the gRPC server's)."""
+    return [(settings.http_host, settings.http_port, True), (settings.http_host, settings.metrics_port, True),
+            *([(settings.grpc_host, settings.grpc_port, False)] if settings.allow_grpc else [])]
+
+
+def equal_ports(settings: Settings) -> list[int] | None:
+    """The ports, if two of a gateway's roles share one: gateways sharing their ports cannot have that, as
+    the port's connections would be split between the roles (without SO_REUSEPORT the bind fails)."""
+    numbers = [port for _, port, _ in gateway_ports(settings)]
+    return numbers if len(set(numbers)) < len(numbers) else None
 
 
 def taken(host: str, port: int, *, every_address: bool = True) -> str | None:

@@ -14,7 +14,7 @@ import uvicorn
 import uvloop
 from starlette.applications import Starlette
 
-from fleet.listen import server_sockets
+from fleet.listen import equal_ports, server_sockets
 from fleet.logs import configure_logging
 from fleet.settings import Settings
 from gateway.app import create_app
@@ -56,9 +56,8 @@ def serve(settings: Settings) -> int:
         metrics_sockets: list[socket.socket] | None = None
         if settings.reuse_port:
             # Sockets of its own, shared with the host's other gateway processes (uvicorn sets no SO_REUSEPORT).
-            ports = [settings.http_port, settings.metrics_port] + ([settings.grpc_port] if settings.allow_grpc else [])
-            if len(set(ports)) < len(ports):  # shared, one port would split its connections between roles
-                log.error("--reuse-port needs distinct HTTP, metrics and gRPC ports, not %s", ports)
+            if (numbers := equal_ports(settings)) is not None:
+                log.error("--reuse-port needs distinct HTTP, metrics and gRPC ports, not %s", numbers)
                 return 1
             try:
                 http_sockets = server_sockets(settings.http_host, settings.http_port, reuse_port=True)

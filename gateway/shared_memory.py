@@ -67,7 +67,7 @@ class _Region:
     writable: bool
 
     def status(self) -> dict[str, str | int]:
-        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+        return Registration(self.name, self.key, self.offset, self.byte_size).status()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -223,9 +223,7 @@ class SharedMemoryRegistry:
         """Triton's status objects (name, key, offset, byte_size) of region `name`, or of all ("");
         NotFound for an unknown name."""
         if self._files is not None:
-            found: list[dict[str, str | int]] = [
-                {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for r in self._files.all() if not name or r.name == name]
+            found: list[dict[str, str | int]] = [r.status() for r in self._files.all() if not name or r.name == name]
             if name and not found:
                 raise NotFound(f"Unable to find system shared memory region: '{name}'")
             return found

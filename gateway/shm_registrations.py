@@ -42,6 +42,10 @@ class Registration:
     offset: int
     byte_size: int
 
+    def status(self) -> dict[str, str | int]:
+        """Triton's status object of the region."""
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
 
 class RegistrationFiles:
     """The registrations in `directory` (made 0700 if missing; refused if another user owns it or group or

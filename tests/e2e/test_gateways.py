@@ -5,7 +5,6 @@ killed by PID leaves the others serving while `fleet up` restarts it."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -21,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from bench.procs import children
+from bench.procs import TCP_ESTABLISHED, TCP_LISTEN, children, stop, tcp_ports
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT
 
@@ -79,12 +77,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
             time.sleep(0.02 if in_a_row else 0.2)
         yield system
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGINT)
 
 
 def _ready(port: int) -> bool:
@@ -122,13 +115,11 @@ def _answered_on_fresh_connections(port: int, n: int) -> None:
 
 
 def _established(pid: int, port: int) -> int:
-    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
-               if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
+    return tcp_ports(pid, TCP_ESTABLISHED).count(port)
 
 
 def _listening(pid: int) -> set[int]:
-    return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr}
+    return set(tcp_ports(pid, TCP_LISTEN))
 
 
 def test_every_gateway_listens_on_all_three_ports_and_connections_spread(up: Up) -> None:
@@ -214,10 +205,13 @@ def test_perf_analyzer_with_system_shared_memory(up: Up) -> None:
 
 def test_a_killed_gateway_leaves_the_others_serving_and_is_restarted(up: Up) -> None:
     victim, *others = up.gateways()
-    process = psutil.Process(victim)
-    process.kill()
-    with contextlib.suppress(psutil.NoSuchProcess):
-        process.wait(10)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    # Gone once fleet up has reaped it: only then have all its threads exited and its sockets closed (its
+    # main thread turns zombie before the others finish).
+    while Path(f"/proc/{victim}").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     # Its socket is gone with it: every new connection lands on a process that is there.
     _answered_on_fresh_connections(up.http_port, 20)
     deadline = time.monotonic() + 60

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import redis
 
+from bench.procs import stop
 from fleet.admission import bulk_lane
 from fleet.envelope import RequestEnvelope
 from fleet.jobs.records import JobStore
@@ -59,13 +60,7 @@ def jobs_worker(cluster: Cluster) -> Iterator[subprocess.Popen[bytes]]:
                                  "--model-repository", str(cluster.repository), "--jobs-dir",
                                  str(cluster.tmp / "jobs")], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop(proc, signal.SIGTERM, timeout_s=20)
 
 
 def alive(proc: subprocess.Popen[bytes], cluster: Cluster) -> None:

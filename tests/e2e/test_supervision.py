@@ -27,7 +27,7 @@ from typing import Protocol
 import pytest
 import redis
 
-from bench.procs import children
+from bench.procs import children, running
 from fleet.keys import Keys
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT, RunningSystem
@@ -163,14 +163,6 @@ def _tree(pid: int) -> dict[int, bytes]:
     return found
 
 
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def _infer(base: str, value: float, timeout_s: float = 90.0) -> tuple[int, object]:
     body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]})
     req = urllib.request.Request(f"{base}/v2/models/{MODEL}/infer", data=body.encode(), method="POST",
@@ -195,7 +187,7 @@ def test_a_sigkilled_fleet_up_leaves_nothing_running_and_a_new_one_starts(start_
     first.proc.kill()
     first.proc.wait()
     deadline = time.monotonic() + 10
-    while left := {pid: argv for pid, argv in tree.items() if _running(pid)}:
+    while left := {pid: argv for pid, argv in tree.items() if running(pid)}:
         assert time.monotonic() < deadline, f"still running 10 s after fleet up was SIGKILLed: {left}"
         time.sleep(0.1)
 
