@@ -59,7 +59,9 @@ def rss_mib(pid: int) -> float:
 
 def tcp_ports(pid: int, state: str) -> list[int]:
     """The local port of each TCP socket (IPv4 and IPv6) process `pid` holds in `state` (TCP_LISTEN,
-    TCP_ESTABLISHED): its descriptors' socket inodes matched against /proc/net/tcp{,6}; [] if it is gone."""
+    TCP_ESTABLISHED): its descriptors' socket inodes matched against /proc/net/tcp{,6}; [] if it is gone.
+    The kernel writes those tables a page per read, so sockets opened or closed meanwhile (anywhere on the
+    host) can repeat a line or skip one: repeats are dropped by inode; a caller that counts re-reads."""
     inodes = set()
     try:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -71,7 +73,7 @@ def tcp_ports(pid: int, state: str) -> list[int]:
                 inodes.add(target[8:-1])
     except OSError:
         return []
-    ports = []
+    ports: dict[str, int] = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
@@ -80,8 +82,8 @@ def tcp_ports(pid: int, state: str) -> list[int]:
         for line in lines:
             fields = line.split()
             if fields[3] == state and fields[9] in inodes:
-                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                ports[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    return list(ports.values())
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> None:

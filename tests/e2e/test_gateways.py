@@ -114,8 +114,16 @@ def _answered_on_fresh_connections(port: int, n: int) -> None:
             conn.close()
 
 
-def _established(pid: int, port: int) -> int:
-    return tcp_ports(pid, TCP_ESTABLISHED).count(port)
+def _spread(pids: list[int], port: int, total: int | None = None) -> dict[int, int]:
+    """Connections each process holds on `port`, once every one holds some (and `total` in all, if given):
+    a read of /proc/net/tcp can skip a line while other tests open and close sockets, so read again."""
+    deadline = time.monotonic() + 10
+    while True:
+        spread = {pid: tcp_ports(pid, TCP_ESTABLISHED).count(port) for pid in pids}
+        good = all(n > 0 for n in spread.values()) and total in (None, sum(spread.values()))
+        if good or time.monotonic() > deadline:
+            return spread
+        time.sleep(0.1)
 
 
 def _listening(pid: int) -> set[int]:
@@ -131,7 +139,7 @@ def test_every_gateway_listens_on_all_three_ports_and_connections_spread(up: Up)
     try:
         for i, conn in enumerate(conns):
             assert _infer(conn, float(i)) == (200, [2.0 * i])
-        spread = {pid: _established(pid, up.http_port) for pid in pids}
+        spread = _spread(pids, up.http_port, total=len(conns))
         assert sum(spread.values()) == len(conns) and all(n > 0 for n in spread.values()), spread
     finally:
         for conn in conns:
@@ -152,7 +160,7 @@ def test_grpc_is_served_by_each_process(up: Up) -> None:
             inp.set_data_from_numpy(np.array([[float(i)]], dtype=np.float32))
             result = client.infer("doubler", [inp])
             assert result.as_numpy("OUT").tolist() == [[2.0 * i]]
-        spread = {pid: _established(pid, up.grpc_port) for pid in pids}
+        spread = _spread(pids, up.grpc_port)
         assert all(n > 0 for n in spread.values()), spread
     finally:
         for client in clients:
@@ -180,7 +188,7 @@ def test_a_region_registered_over_one_connection_serves_them_all(up: Up) -> None
             assert shm.get_contents_as_numpy(handles[1], np.float32, [1, 4]).tolist() == [[2.0, 4.0, 6.0, 8.0]]
             shm.set_shared_memory_region(handles[1], [np.zeros((1, 4), dtype=np.float32)])
             assert {r["name"] for r in client.get_system_shared_memory_status()} == {f"in_{tag}", f"out_{tag}"}
-        spread = {pid: _established(pid, up.http_port) for pid in up.gateways()}
+        spread = _spread(up.gateways(), up.http_port)
         assert all(n > 0 for n in spread.values()), spread
         registrar.unregister_system_shared_memory()
         assert all(c.get_system_shared_memory_status() == [] for c in clients)
