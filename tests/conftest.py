@@ -12,14 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from fleet.redis_server import LocalServer, start_server
 
 # The properties are what the tests check, not how fast an example runs: with the suite in two processes
 # (`make test`), one example can stall behind the other process's start of a whole system, and Hypothesis's
-# default 200 ms deadline would fail it (a test that sets its own deadline keeps it).
-settings.register_profile("fleet", deadline=None)
+# default 200 ms deadline would fail it (a test that sets its own deadline keeps it). For the same reason
+# drawing the first examples may take past the too_slow health check's second.
+settings.register_profile("fleet", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("fleet")
 
 

@@ -16,7 +16,6 @@ import json
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -416,8 +415,8 @@ def test_a_dead_workers_messages_are_served_first_by_a_saturated_worker(cluster:
     new_meanwhile = sum(1 for ran, _ in traffic if ran.done_at < killed_at + latest)
     # Claimable once idle for the claim timeout (counted from the victim's last keepalive, 0.25 s before
     # at most); then 3 rounds, each a claim interval (0.25 s) and a batch (0.1 s), and room to spare for
-    # a loaded host: still far below the ~12 s the traffic runs, after which "served first" would be moot.
-    bound_s = CLAIM_TIMEOUT_S + 3 * (0.25 + 0.1) + 4.0
+    # a loaded host: still below the ~12 s the traffic runs, after which "served first" would be moot.
+    bound_s = CLAIM_TIMEOUT_S + 3 * (0.25 + 0.1) + 7.0
     print(f"\nSIGKILL with the heir saturated: 24 orphans, all answered {latest:.2f} s after the kill "
           f"(bound {bound_s:.2f} s), {new_meanwhile} new requests answered meanwhile, {len(traffic)} in all")
     assert latest < bound_s, (latest, cluster.log_of(heir)[-3000:])
@@ -460,7 +459,8 @@ def test_a_long_redis_outage_fails_waiting_requests_fast(cluster: Cluster) -> No
         _stop_redis(cluster)
         results = await asyncio.gather(*waiting)
         assert all(s == 503 and "unreachable" in str(v) for s, v, _ in results), results[:3]
-        assert max(t for _, _, t in results) < 5, max(t for _, _, t in results)
+        # Counted from each request's send, before Redis stopped: far below their 30 s timeout either way.
+        assert max(t for _, _, t in results) < 10, max(t for _, _, t in results)
         print(f"\nRedis away > FLEET_REDIS_OUTAGE_S=2: 50 waiting callers got 503 after "
               f"{min(t for _, _, t in results):.2f}-{max(t for _, _, t in results):.2f} s (their timeout: 30 s)")
         cluster.redis = start_server(cluster.tmp / "redis", cluster.redis_port, appendonly=True)
@@ -706,7 +706,9 @@ def test_a_frozen_worker_is_taken_over_and_computes_nothing_again(cluster: Clust
 
     async def main() -> tuple[list[Ran], float]:
         await _freeze_one(heir)
-        tasks = [asyncio.create_task(_timed(cluster, HANDOVER, 300, float(i))) for i in range(12)]
+        # 600 ms batches: the first (started once 4 were read) must still run when the last is read and
+        # the worker is frozen, even on a loaded host.
+        tasks = [asyncio.create_task(_timed(cluster, HANDOVER, 600, float(i))) for i in range(12)]
         await _until(lambda: _held_by(r, HANDOVER, frozen) == 12, 10, "the worker to read all 12")
         await asyncio.sleep(0.05)  # its first batch of 4 is executing
         frozen.send_signal(signal.SIGSTOP)
@@ -717,7 +719,7 @@ def test_a_frozen_worker_is_taken_over_and_computes_nothing_again(cluster: Clust
             _thaw(frozen)
         runs = list(await asyncio.gather(*tasks))
         _thaw(frozen)
-        await asyncio.sleep(1.5)  # a keepalive round and more than two batch times: it has done what it does
+        await asyncio.sleep(2.0)  # a keepalive round and more than two batch times: it has done what it does
         return runs, frozen_at
 
     runs, frozen_at = asyncio.run(main())
@@ -828,16 +830,16 @@ def test_a_gateway_clock_offset_moves_no_queue_delay_or_deadline(cluster: Cluste
 
     async def main() -> tuple[list[float], list[Ran]]:
         waits = []
-        for i in range(3):
+        for i in range(5):
             sent_at = time.monotonic()
             ran = await _timed(cluster, DELAYED, 0, float(i), port=port)
             assert (ran.status, ran.value) == (200, float(i)), ran
             waits.append(ran.start_s - sent_at)
         await _freeze_one(other)
-        busy = asyncio.create_task(_timed(cluster, DEADLINE, 1200, 1.0, port=port))
+        busy = asyncio.create_task(_timed(cluster, DEADLINE, 3000, 1.0, port=port))
         await _until(lambda: _held_by(r, DEADLINE, busy_worker) == 1, 10, "the busy request to be read")
         await asyncio.sleep(0.05)
-        late = [await _timed(cluster, DEADLINE, 0, 2.0 + i, port=port) for i in range(3)]  # 1 s in all
+        late = [await _timed(cluster, DEADLINE, 0, 2.0 + i, port=port) for i in range(5)]  # ~1.7 s in all
         _thaw(other)
         assert (await busy).status == 200
         return waits, late
@@ -853,8 +855,9 @@ def test_a_gateway_clock_offset_moves_no_queue_delay_or_deadline(cluster: Cluste
           f"(max_queue_delay 200 ms); REJECT requests behind a busy instance got {[x.status for x in late]} "
           f"after {[round(x.took_s * 1000) for x in late]} ms (timeout 300 ms)")
     assert all(x.status == 503 and "timeout" in str(x.value).lower() for x in late), late
-    assert 0.19 <= statistics.median(waits) <= 0.29, waits
-    assert 0.29 <= statistics.median(x.took_s for x in late) <= 0.39, late
+    # The fastest of five: a loaded host only adds to each, an offset would move them all.
+    assert 0.19 <= min(waits) <= 0.29, waits
+    assert 0.29 <= min(x.took_s for x in late) <= 0.39, late
 
 
 def test_an_oversized_request_head_is_431_before_it_is_buffered(cluster: Cluster) -> None:

@@ -17,16 +17,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 import tritonclient.grpc as tg
 from tritonclient.utils import InferenceServerException
 
+from fleet.keys import Keys
 from fleet.redis_server import free_port
 from tests.support.processes import Cluster
 from tests.support.queue_models import sleeper_repository
 
 pytestmark = pytest.mark.e2e
 STOPPED_BY_SIGTERM = (0, -signal.SIGTERM)  # uvicorn re-raises the SIGTERM it caught once drained
-SLEEP_MS = 300
+SLEEP_MS = 600  # 9 calls in batches of two: ~3 s of work, long past the checks right after SIGTERM
 
 
 @pytest.fixture
@@ -50,6 +52,18 @@ def one(value: float) -> list[tg.InferInput]:
     return [x]
 
 
+def _until_enqueued(cluster: Cluster, n: int) -> None:
+    queue_key = Keys("grpcstop").queue("slow", version=1)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        deadline = time.monotonic() + 30
+        while not (client.exists(queue_key) and client.xinfo_stream(queue_key)["entries-added"] >= n):
+            assert time.monotonic() < deadline, "the calls were not enqueued within 30 s"
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
 def test_sigterm_answers_the_grpc_calls_in_flight(cluster: Cluster) -> None:
     gateway = cluster.gateway
     assert gateway is not None
@@ -57,14 +71,14 @@ def test_sigterm_answers_the_grpc_calls_in_flight(cluster: Cluster) -> None:
     client = tg.InferenceServerClient(target)
     unary: queue.Queue[tuple[int, Any, Any]] = queue.Queue()
     streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    for i in range(6):  # three batches of two: about 0.9 s of work queued
+    for i in range(6):  # three batches of two
         client.async_infer("slow", one(float(i)), request_id=str(i),
                            callback=lambda result, error, i=i: unary.put((i, result, error)))
     stream_client = tg.InferenceServerClient(target)
     stream_client.start_stream(lambda result, error: streamed.put((result, error)))
     for i in range(3):
         stream_client.async_stream_infer("slow", one(100.0 + i), request_id=f"s{i}")
-    time.sleep(0.2)
+    _until_enqueued(cluster, 9)  # all accepted: a call that came after the SIGTERM would be refused
     gateway.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert gateway.poll() is None, "the gateway exited with calls in flight"

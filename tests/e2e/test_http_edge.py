@@ -190,7 +190,9 @@ def test_slow_clients_get_408_after_the_read_timeouts_while_others_keep_their_la
             (a,) = answers(answer)
             what = "head" if kind == "half" else "body"
             assert a.status == 408 and f"did not send the request {what}" in a.error(), a
-    assert statistics.median(during) <= max(3 * statistics.median(before), statistics.median(before) + 0.02)
+    # The 1,000 clients share this test's event loop with the measuring one, so a loaded host adds to what is
+    # measured here; a server held up by the slow clients would add their timeouts (seconds).
+    assert statistics.median(during) <= max(3 * statistics.median(before), statistics.median(before) + 0.1)
     edge.up()
 
 

@@ -260,10 +260,12 @@ def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
     (victim,) = system.children("jobs-worker")
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)  # a stop, not a crash: the runner saves its progress and returns
-    while Path(f"/proc/{victim}").exists() and time.monotonic() - started < 10:
+    while Path(f"/proc/{victim}").exists() and time.monotonic() - started < 20:
         time.sleep(0.05)
     assert not Path(f"/proc/{victim}").exists() or Path(f"/proc/{victim}/stat").read_text().split()[2] == "Z"
-    assert time.monotonic() - started < 5, "the job worker did not stop promptly mid-job"
+    # Promptly: well under RQ's own 60 s pub/sub read (tests/integration/test_jobs_worker_stop.py), with room
+    # for a loaded host.
+    assert time.monotonic() - started < 15, "the job worker did not stop promptly mid-job"
     record = wait_for(jobs, record["id"], finished)  # `fleet up` restarts it; the job is resumed
     assert record["state"] == "completed" and record["attempts"] >= 2 and record["done"] == 15_000, record
     out = tmp_path / "term.out.jsonl"

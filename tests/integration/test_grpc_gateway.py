@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 from tritonclient.utils import InferenceServerException
 
+from fleet.keys import GROUP
 from fleet.redis_server import LocalServer
 from gateway.grpc import h2_frames as wire
 from tests.integration.test_datatypes import bf16_round_to_nearest_even, inputs_where_rounding_matters
@@ -91,7 +92,7 @@ def live(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) ->
         f'backend: "python"\nmax_batch_size: 0\ninput [ {" ".join(ins).rstrip(",")} ]\n'
         f'output [ {" ".join(outs).rstrip(",")} ]\n')
     _sleeper(repo, "slow", "")
-    _sleeper(repo, "strict", "default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 100000 }")
+    _sleeper(repo, "strict", "default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 300000 }")
     system = GrpcSystem(redis_server.url, [repo])
     try:
         yield system
@@ -386,6 +387,10 @@ def computed(live: GrpcSystem, model: str) -> int:
     return live.stats(model).get("1:inference_count", 0)
 
 
+def read_by_the_worker(live: GrpcSystem, model: str) -> bool:
+    return bool(live.redis.xpending(live.keys.queue(model, version=1), GROUP)["pending"])
+
+
 def test_a_client_deadline_cancels_the_request(live: GrpcSystem, client: tg.InferenceServerClient) -> None:
     """Behind a busy instance, a request whose deadline passes is deleted from its stream (or dropped by
     the worker holding it): never computed."""
@@ -419,10 +424,11 @@ def test_a_cancelled_async_request_is_not_computed(live: GrpcSystem, client: tg.
     assert computed(live, "slow") == before + 1
 
 
-def test_a_queue_policy_timeout_is_unavailable(client: tg.InferenceServerClient) -> None:
+def test_a_queue_policy_timeout_is_unavailable(live: GrpcSystem, client: tg.InferenceServerClient) -> None:
     answers: queue.Queue[Any] = queue.Queue()
     client.async_infer("strict", slow_input(1.0), lambda result, error: answers.put(error))
-    time.sleep(0.05)
+    # Executing (1 s) before the next one is sent: that one's 300 ms in the queue then run out.
+    wait_for(lambda: read_by_the_worker(live, "strict"), 10, "the first request to be read")
     with pytest.raises(InferenceServerException) as err:
         client.infer("strict", slow_input(2.0))
     assert err.value.status() == "StatusCode.UNAVAILABLE"
@@ -632,13 +638,18 @@ def test_stopping_answers_what_was_accepted(guarded: GrpcSystem) -> None:
     client.async_infer("slow", slow_input(1.0), lambda result, error: unary.put((result, error)), headers=KEY)
     client.start_stream(lambda result, error: streamed.put((result, error)), headers=KEY)
     client.async_stream_infer("slow", slow_input(2.0), request_id="s")
-    time.sleep(0.1)
+    wait_for(lambda: guarded.system.state.dataplane.in_flight == 2, 10, "both calls to be accepted")
     stopper = threading.Thread(target=guarded.run, args=(guarded.frontend.stop(30),))
     stopper.start()
-    time.sleep(0.1)
-    with pytest.raises(InferenceServerException) as err:
-        tg.InferenceServerClient(guarded.target).is_server_live(client_timeout=2)
-    assert err.value.status() == "StatusCode.UNAVAILABLE"
+    deadline = time.monotonic() + 10
+    while True:  # the listener closes once the stop has begun
+        try:
+            tg.InferenceServerClient(guarded.target).is_server_live(client_timeout=2)
+        except InferenceServerException as err:
+            assert err.status() == "StatusCode.UNAVAILABLE", err.message()
+            break
+        assert time.monotonic() < deadline, "new calls were still served 10 s after the stop began"
+        time.sleep(0.02)
     result, error = unary.get(timeout=10)
     assert error is None and result.as_numpy("OUT").tolist() == [[1.0]]
     result, error = streamed.get(timeout=10)

@@ -64,7 +64,7 @@ def test_a_hung_instance_is_killed_unadvertised_and_its_request_dead_lettered(
                 return (await client.get("/v2/models/hang/ready")).status_code
 
             while await ready() == 200:  # the watchdog fires after 1 s
-                assert time.monotonic() - started < 5, "the hung model stayed advertised"
+                assert time.monotonic() - started < 15, "the hung model stayed advertised"
                 await asyncio.sleep(0.1)
             assert (await client.get("/v2/health/ready")).status_code == 400  # nothing serves 'hang'
             r = await asyncio.wait_for(hung, 20)
@@ -72,9 +72,9 @@ def test_a_hung_instance_is_killed_unadvertised_and_its_request_dead_lettered(
             assert r.status_code == 500
             assert "crashed the model instance 2 times" in r.json()["error"], r.json()
             assert "SIGKILL" in r.json()["error"]
-            assert 2.0 <= took < 10, took  # killed once per attempt, each after the 1 s limit
+            assert 2.0 <= took < 20, took  # killed once per attempt, each after the 1 s limit
             while await ready() != 200:
-                assert time.monotonic() - started < 20, "the model was never advertised again"
+                assert time.monotonic() - started < 40, "the model was never advertised again"
                 await asyncio.sleep(0.1)
             ok = await client.post("/v2/models/hang/infer", json=_body(3.0))
             assert ok.status_code == 200 and ok.json()["outputs"][0]["data"] == [3.0]
@@ -132,11 +132,11 @@ parameters {{ key: "BROKEN_IF" value: {{ string_value: "{marker}" }} }}
             assert r.status_code == 500 and "crashed the model instance" in r.json()["error"]
             started = time.monotonic()
             while await ready() == 200:
-                assert time.monotonic() - started < 5, "a model nothing can serve stayed advertised"
+                assert time.monotonic() - started < 15, "a model nothing can serve stayed advertised"
                 await asyncio.sleep(0.1)
             marker.unlink()  # initialize() works again: the worker revives the instance by itself
             while await ready() != 200:
-                assert time.monotonic() - started < 10, "never advertised again"
+                assert time.monotonic() - started < 30, "never advertised again"
                 await asyncio.sleep(0.1)
             body["inputs"][0]["data"] = [2.0]
             ok = await client.post("/v2/models/fragile/infer", json=body)
