@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.mlp_config import write_mlp_config  # noqa: E402
 from bench.procs import TCP_LISTEN, children, stop, tcp_ports  # noqa: E402
 from bench.summary import read_level  # noqa: E402
 from workers.generate_models import build_mlp, ensure_models  # noqa: E402
@@ -61,12 +62,7 @@ def http(port: int, path: str, body: bytes | None = None, timeout: float = 30) -
 
 def repository(root: Path, kind: str, instances: int) -> Path:
     repo = root / "repo"
-    (repo / "mlp" / "1").mkdir(parents=True)
-    config = (ROOT / "model_repository" / "mlp" / "config.pbtxt").read_text()
-    group = "instance_group [ { count: 1, kind: KIND_CPU } ]"
-    assert group in config, "model_repository/mlp's instance group changed: update bench/gpu_check.py"
-    (repo / "mlp" / "config.pbtxt").write_text(
-        config.replace(group, f"instance_group [ {{ count: {instances}, kind: {kind} }} ]"))
+    write_mlp_config(repo / "mlp", instances, kind)
     ensure_models(repo)
     return repo
 
