@@ -8,8 +8,12 @@ import asyncio
 import re
 import shutil
 import struct
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +26,7 @@ from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
 from fleet.redis_server import LocalServer
 from tests.support.system import InProcessSystem, in_process_system
+from workers.backends import python_backend
 from workers.backends.base import LoadContext
 from workers.backends.python_backend import PythonBackend
 from workers.execute import run_batch
@@ -89,6 +94,33 @@ def test_a_crashing_request_is_retried_alone_then_poison(backend: PythonBackend)
     after = run_batch(spec(), backend, [envelope("c", 7)])
     assert after.replies[0].ok and after.poisoned == []
     assert isinstance(PoisonRequest(3), Exception) and PoisonRequest(3).code.value == "INTERNAL"
+
+
+def test_an_instance_restarting_after_a_crash_stays_alive(backend: PythonBackend,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog stops advertising a model whose instance is not alive (workers/watchdog.py). A restart
+    after a crash is no failed restart: while it runs, here with each stub's spawn slowed as a loaded host
+    slows it, the instance stays alive, so requests wait for it instead of finding the model unadvertised."""
+    spawning = threading.Event()
+    spawn = python_backend._spawn
+
+    def slow_spawn(argv: list[str], pass_fds: tuple[int, ...]) -> Any:
+        spawning.set()
+        time.sleep(0.5)
+        return spawn(argv, pass_fds)
+
+    monkeypatch.setattr(python_backend, "_spawn", slow_spawn)
+    seen = set()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_batch, spec(), backend, [envelope("crash", SEGFAULT)])
+        assert spawning.wait(30), "the instance was never restarted"
+        while not running.done():
+            seen.add(backend.alive)
+            time.sleep(0.01)
+        outcome = running.result()
+    assert seen == {True}
+    assert POISON.fullmatch(outcome.replies[0].error_message), outcome.replies[0].error_message
+    assert run_batch(spec(), backend, [envelope("after", 8)]).replies[0].ok
 
 
 # --- through the gateway, Redis and the worker loop --------------------------------------------------

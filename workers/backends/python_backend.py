@@ -79,6 +79,9 @@ class PythonBackend:
         if not self._model_py.exists():
             raise ConfigError(f"{ctx.spec.name}: {self._model_py} is missing")
         self._proc: subprocess.Popen[bytes] | None = None
+        # A restart that failed (initialize() raising now): not alive until a start works. A restart in
+        # progress (no process for the moment between the old one's end and the new one's spawn) is alive.
+        self._failed = False
         self._write_lock = threading.Lock()
         self._decoupled: DecoupledCall | None = None  # the call in flight, for a decoupled model
         # The models waiting on what this instance runs now (their BLS chain) and this instance's own link.
@@ -126,6 +129,7 @@ class PythonBackend:
         if "error" in reply:
             self.close()
             raise ConfigError(f"{ctx.spec.name}: initialize() failed: {reply['error']}")
+        self._failed = False
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
         try:
@@ -332,6 +336,7 @@ class PythonBackend:
         except Exception:
             log.exception("cannot restart %s", self._ctx.instance_name)
             self._proc = None  # the next call tries again
+            self._failed = True
 
     @property
     def context(self) -> LoadContext:
@@ -340,8 +345,10 @@ class PythonBackend:
 
     @property
     def alive(self) -> bool:
-        """False after a restart failed: the worker stops advertising the model until revive() works."""
-        return self._proc is not None
+        """False after a restart failed: the worker stops advertising the model until revive() works (or a
+        call's own start does). A restart after a crash is alive while it runs: the requests meanwhile
+        wait for it, as they would behind a long batch, rather than find the model unadvertised."""
+        return not self._failed
 
     def revive(self) -> bool:
         """Start the stub again if it is not running (on the instance's own thread); whether it runs."""
