@@ -58,6 +58,16 @@ def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy") -> 
     return record
 
 
+def best_direct(thread_counts: str, seconds: float) -> tuple[float, int]:
+    """(items/s, torch threads) of the fastest direct compute of mlp at batch 64 over `thread_counts`."""
+    best = (0.0, 1)
+    for threads in (int(t) for t in thread_counts.split()):
+        (batch, calls, elapsed), = bench_mlp(ROOT / "model_repository", [64], seconds, threads)
+        print(f"direct mlp, batch 64, {threads} thread(s): {batch * calls / elapsed:,.0f} items/s", flush=True)
+        best = max(best, (batch * calls / elapsed, threads))
+    return best
+
+
 def mlp_with_instances(root: Path, count: int) -> Path:
     """A repository holding model_repository/mlp with `count` instances (its model file linked)."""
     repo = root / "repo"
@@ -104,12 +114,7 @@ def main() -> None:
     out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    direct_ips, a.threads = 0.0, 1
-    for threads in (int(t) for t in a.direct_threads.split()):
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
-        print(f"direct mlp, batch 64, {threads} thread(s): {batch * calls / seconds:,.0f} items/s", flush=True)
-        if batch * calls / seconds > direct_ips:
-            direct_ips, a.threads = batch * calls / seconds, threads
+    direct_ips, threads = best_direct(a.direct_threads, a.direct_seconds)
 
     data = Path(tempfile.mkdtemp(prefix="fleet-bulk-"))
     rng = np.random.default_rng(0)
@@ -134,7 +139,7 @@ def main() -> None:
                          "", "", ""])
             print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
         if a.jsonl_items:
-            rows += jsonl_passes(a, fleet, data, rng)
+            rows += jsonl_passes(a, fleet, data, rng, threads)
         if not a.skip_mixed:
             ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "idle")
             rows.append([f"online alone, C={a.conc}", "", "", "", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
@@ -155,12 +160,13 @@ def main() -> None:
     finally:
         fleet.stop(30.0)
         shutil.rmtree(data, ignore_errors=True)
-    rows.insert(0, ["direct in-process, batch 64", "", f"{direct_ips:,.0f}", "1.00x", "", "", ""])
+    rows.insert(0, [f"direct in-process, batch 64, {threads} thread(s)", "", f"{direct_ips:,.0f}", "1.00x", "", "", ""])
     print_table(f"bulk jobs on mlp ({out})",
                 ["scenario", "items", "bulk items/s", "vs direct", "online infer/s", "p50 ms", "p99 ms"], rows)
 
 
-def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random.Generator) -> list[list[str]]:
+def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random.Generator,
+                 threads: int) -> list[list[str]]:
     """JSONL jobs (a KServe /infer body per line, 256 floats as json.dumps writes them; a JSON line out),
     each between two direct measurements: the ratio is against the direct rate around that very job."""
     source = data / "offline.jsonl"
@@ -171,11 +177,11 @@ def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random
                                             "data": row.tolist()}]}) + "\n")
     rows = []
     for n in range(a.passes):
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, a.threads)
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
         before = batch * calls / seconds
         record = run_job(a.port, source, fmt="jsonl")
         ips = record["done"] / (record["finished_at"] - record["started_at"])
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, a.threads)
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
         after = batch * calls / seconds
         direct = (before + after) / 2
         if n == 0:

@@ -111,7 +111,7 @@ def check_outputs(port: int) -> float:
 
 
 def run_one(gateways: int, workers: int, instances: int, concs: list[int], kind: str, port: int, pa: str,
-            out: Path) -> list[dict[str, Any]]:
+            out: Path, ready_s: float) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="fleet-gpu-check-"))
     repo = repository(work, kind, instances)
     name = f"g{gateways}_w{workers}_i{instances}"
@@ -126,7 +126,7 @@ def run_one(gateways: int, workers: int, instances: int, concs: list[int], kind:
     try:
         # Every gateway listening first: connections made while some still start go to the others, and
         # perf_analyzer's stay there for the whole run.
-        deadline, in_a_row = time.monotonic() + 180, 0
+        deadline, in_a_row = time.monotonic() + ready_s, 0
         while in_a_row < 20:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"fleet up not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
@@ -170,11 +170,13 @@ def run_one(gateways: int, workers: int, instances: int, concs: list[int], kind:
 def main() -> None:
     p = argparse.ArgumentParser(description="fleet on a CUDA host: mlp on the GPU, checked and measured")
     p.add_argument("--gateways", default="1 4")
-    p.add_argument("--workers", default="1", help="worker processes, all on the first GPU")
+    p.add_argument("--workers", default="1", help="worker processes (fleet up hands the host's GPUs out in turn: "
+                   "all on the one GPU of a one-GPU host)")
     p.add_argument("--instances", default="1", help="instances of mlp in each worker")
     p.add_argument("--conc", default="1 32")
     p.add_argument("--kind", default="KIND_GPU", choices=["KIND_GPU", "KIND_CPU"])
     p.add_argument("--port", type=int, default=19300)
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds for fleet up to serve (default 180)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / time.strftime("gpu-%Y%m%d-%H%M%S"))
     a = p.parse_args()
@@ -183,7 +185,9 @@ def main() -> None:
     for g in (int(x) for x in a.gateways.split()):
         for w in (int(x) for x in a.workers.split()):
             for i in (int(x) for x in a.instances.split()):
-                rows += run_one(g, w, i, [int(c) for c in a.conc.split()], a.kind, a.port, a.perf_analyzer, a.out)
+                rows += run_one(g, w, i, [int(c) for c in a.conc.split()], a.kind, a.port, a.perf_analyzer, a.out,
+                                a.ready_timeout)
+                (a.out / "gpu_check.json").write_text(json.dumps(rows, indent=1))  # kept if a timeout cuts the rest
     print(f"{'G':>2} {'W':>2} {'I':>2} {'C':>3} {'device':>6} {'max|diff|':>9} {'infer/s':>9} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'compute':>7} {'batch':>6} {'GPU util':>8}")
     for r in rows:
@@ -194,7 +198,6 @@ def main() -> None:
               f"{f(r['max_abs_diff'], '9.2e')} {f(r['infer_s'], '9,.0f')} {f(r['p50_ms'], '7.2f')} "
               f"{f(r['p99_ms'], '7.2f')} {f(r['compute_ms'], '7.3f')} {f(r['mean_batch'], '6.2f')} "
               f"{f(max(util) if util else None, '8.2f')}")
-    (a.out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ BATCHERS = {
 }
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 CLAIMED = "after another worker left it"  # what a worker logs for each message it claims
-CLAIM_TIMEOUT_S = 1.0  # FLEET_CLAIM_MIN_MS: for a model the claimer has not seen run long
+# FLEET_CLAIM_MIN_MS: the claim timeout for a model the claimer has not seen run long (4x its longest recent
+# batch otherwise, fleet/claims.py: a lower bound either way)
+CLAIM_TIMEOUT_S = 1.0
 BLOCK_S = 0.2  # FLEET_BLOCK_MS
 ENV = {
     "FLEET_CLAIM_MIN_MS": "1000",
@@ -714,7 +716,9 @@ def test_a_frozen_worker_is_taken_over_and_computes_nothing_again(cluster: Clust
         frozen.send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         _thaw(heir)
-        await _until(lambda: _held_by(r, HANDOVER, frozen) == 0, 10, "the other worker to claim them")
+        # The heir claims after 4x the longest batch it has run (2.4 s once it has run this model's 600 ms
+        # batches, in the second run), in two rounds: 20 s, within the requests' 30 s.
+        await _until(lambda: _held_by(r, HANDOVER, frozen) == 0, 20, "the other worker to claim them")
         if thaw == "while-the-heir-computes":
             _thaw(frozen)
         runs = list(await asyncio.gather(*tasks))

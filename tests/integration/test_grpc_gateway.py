@@ -643,13 +643,17 @@ def test_stopping_answers_what_was_accepted(guarded: GrpcSystem) -> None:
     stopper.start()
     deadline = time.monotonic() + 10
     while True:  # the listener closes once the stop has begun
+        probe = tg.InferenceServerClient(guarded.target)
         try:
-            tg.InferenceServerClient(guarded.target).is_server_live(client_timeout=2)
+            probe.is_server_live(client_timeout=2)
         except InferenceServerException as err:
             assert err.status() == "StatusCode.UNAVAILABLE", err.message()
             break
+        finally:
+            probe.close()
         assert time.monotonic() < deadline, "new calls were still served 10 s after the stop began"
         time.sleep(0.02)
+    assert streamed.empty(), "the listener closed only once the calls in flight were answered"
     result, error = unary.get(timeout=10)
     assert error is None and result.as_numpy("OUT").tolist() == [[1.0]]
     result, error = streamed.get(timeout=10)
