@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.mlp_config import write_mlp_config  # noqa: E402
-from bench.procs import TCP_LISTEN, children, stop, tcp_ports  # noqa: E402
+from bench.procs import TCP_LISTEN, fleet_children, stop, tcp_ports  # noqa: E402
 from bench.summary import read_level  # noqa: E402
 from workers.generate_models import build_mlp, ensure_models  # noqa: E402
 
@@ -69,8 +69,7 @@ def repository(root: Path, kind: str, instances: int) -> Path:
 
 def gateways_listening(up_pid: int, port: int) -> int:
     """How many of `fleet up`'s gateway processes listen on `port`."""
-    return sum(port in tcp_ports(pid, TCP_LISTEN)
-               for pid, argv in children(up_pid) if argv[1:4] == [b"-m", b"fleet", b"gateway"])
+    return sum(port in tcp_ports(pid, TCP_LISTEN) for pid in fleet_children(up_pid, "gateway"))
 
 
 def loaded_by(metrics_port: int) -> int:

@@ -27,6 +27,12 @@ def children(parent_pid: int) -> list[tuple[int, list[bytes]]]:
     return found
 
 
+def fleet_children(parent_pid: int, role: str) -> list[int]:
+    """The PIDs of `python -m fleet <role>` processes (gateway, worker, ...) whose parent is parent_pid
+    (`fleet up`), in order."""
+    return sorted(pid for pid, argv in children(parent_pid) if argv[1:4] == [b"-m", b"fleet", role.encode()])
+
+
 def running(pid: int) -> bool:
     """Whether process `pid` still runs: not gone, and its main thread not a zombie (exited, waiting for its
     parent to reap it; other threads of it may still be exiting, their descriptors still open)."""

@@ -259,9 +259,8 @@ class SharedMemoryRegistry:
         identity = self._files.identity(name)
         if identity is not None and self._mapped.get(name) == identity and name in self._regions:
             return self._regions[name]
-        self._regions.pop(name, None)
+        self._regions.pop(name, None)  # other stale regions: the sweep unmaps them (sweep())
         self._mapped.pop(name, None)
-        self._drop_stale()
         found = self._files.read(name) if identity is not None else None
         if found is None:
             return None

@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
-from bench.procs import TCP_ESTABLISHED, TCP_LISTEN, children, stop, tcp_ports
+from bench.procs import TCP_ESTABLISHED, TCP_LISTEN, fleet_children, stop, tcp_ports
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT
 
@@ -44,7 +44,7 @@ class Up:
     grpc_port: int
 
     def gateways(self) -> list[int]:
-        return sorted(pid for pid, argv in children(self.proc.pid) if argv[1:4] == [b"-m", b"fleet", b"gateway"])
+        return fleet_children(self.proc.pid, "gateway")
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

@@ -39,14 +39,15 @@ async def pending(s: InProcessSystem, model: str) -> int:
     return total
 
 
-async def until_read(s: InProcessSystem, model: str) -> None:
-    """Until the worker has read a request of `model`: a fixed sleep could let the next request in first on
-    a loaded host. Bounded: 10 s. The caller sees to it that nothing earlier is still pending."""
+async def until_read(s: InProcessSystem, model: str, *, settled: bool = False) -> None:
+    """Until the worker has read a request of `model` (or, `settled`, until it holds none unacknowledged): a
+    fixed sleep could let the next request in first on a loaded host. Bounded: 10 s. Waiting for a read,
+    the caller sees to it that nothing earlier is still pending."""
     for _ in range(1000):
-        if await pending(s, model):
+        if bool(await pending(s, model)) != settled:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"no request of {model} was read within 10 s")
+    raise AssertionError(f"{model}: {'still pending' if settled else 'no request read'} after 10 s")
 
 
 def request(value: float, **parameters: Any) -> dict[str, Any]:
@@ -176,10 +177,7 @@ def test_request_timeout_may_only_shorten_the_default(redis_server: LocalServer,
         # 2. The instance is busy for 2.5 s: a 5 s override cannot lengthen the 1 s default, so the
         # request is rejected at 1 s, long before the instance could have served it. Part 1's requests
         # are acknowledged a moment after their replies: until then they would pass for "busy" being read.
-        for _ in range(1000):
-            if not await pending(s, "override"):
-                break
-            await asyncio.sleep(0.01)
+        await until_read(s, "override", settled=True)
         busy = asyncio.create_task(post(2500, width=2))
         await until_read(s, "override")
         long = await post(3, timeout=5_000_000)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from bench.procs import children
+from bench.procs import children, running
 from fleet.envelope import RequestEnvelope, WireTensor, encode_request
 from fleet.keys import Keys
 from fleet.model_config import parse_config
@@ -42,15 +42,6 @@ input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]
 output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
 instance_group [ { kind: KIND_CPU, count: 1 } ]
 """
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie no longer does: it waits for whoever adopted it to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_for(what: str, check: object, timeout_s: float) -> None:
