@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--gateway-id", default=None, help="this gateway's id (its reply stream; default: made up)")
     gw.add_argument("--shared-memory-dir", type=Path, default=None,
                     help="share system shared-memory registrations with this host's other gateways through it")
+    gw.add_argument("--processes", dest="gateways", type=int, default=None,
+                    help="run N gateway processes on these ports, supervised (SO_REUSEPORT; env FLEET_GATEWAYS; "
+                         "default 1)")
     grpc_flags.add_arguments(gw)
 
     wk = sub.add_parser("worker", help="run one worker process")
@@ -157,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fleet.launcher import run_up
 
         return run_up(settings, workers=args.workers, data_dir=args.data_dir)
+    if args.command == "gateway" and settings.gateways > 1:
+        from fleet.launcher import run_gateways
+
+        return run_gateways(settings)
     if args.command == "gateway":
         from gateway.server import serve
 

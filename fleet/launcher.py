@@ -1,4 +1,5 @@
-"""`fleet up`: one command that runs the whole system on one machine.
+"""`fleet up`: one command that runs the whole system on one machine; and `fleet gateway --processes N`,
+which runs and supervises N gateway processes the same way.
 
 Starts an embedded Redis-compatible server (unless a Redis URL is given), one gateway (or --gateways N
 sharing its ports), one worker per device and the bulk-job workers as child processes, prefixes their logs
@@ -30,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -118,26 +120,32 @@ def _common_args(settings: Settings) -> list[str]:
     return args
 
 
+def _gateway_commands(settings: Settings, shm_dir: Path) -> dict[str, list[str]]:
+    """One gateway, or `settings.gateways` of them on the same ports. Each is told `--processes 1`, so that
+    FLEET_GATEWAYS in the environment it inherits does not make it a group of its own."""
+    gateway = [sys.executable, "-m", "fleet", "gateway", *_common_args(settings), "--http-port",
+               str(settings.http_port), "--metrics-port", str(settings.metrics_port), "--http-address",
+               settings.http_host, *grpc_flags.argv(settings), "--processes", "1"]
+    if settings.gateways == 1:
+        return {"gateway": gateway}
+    commands: dict[str, list[str]] = {}
+    for i in range(settings.gateways):
+        # The same ports (SO_REUSEPORT); a trace file each, as two processes cannot append to one; an
+        # id each (a reply stream each) if one was set.
+        stem, suffix = settings.trace_file.stem, settings.trace_file.suffix
+        trace = settings.trace_file.with_name(f"{stem}-gateway-{i}{suffix}")
+        own_id = ["--gateway-id", f"{settings.gateway_id}-{i}"] if settings.gateway_id else []
+        commands[f"gateway-{i}"] = [*gateway, "--reuse-port", "--trace-file", str(trace),
+                                    "--shared-memory-dir", str(shm_dir), *own_id]
+    return commands
+
+
 def _child_commands(settings: Settings, workers: int | None, shm_dir: Path) -> dict[str, list[str]]:
     devices = count_devices()
     if workers is not None:
         devices = [devices[i % len(devices)] for i in range(max(1, workers))]
     common = _common_args(settings)
-    gateway = [sys.executable, "-m", "fleet", "gateway", *common, "--http-port", str(settings.http_port),
-               "--metrics-port", str(settings.metrics_port), "--http-address", settings.http_host,
-               *grpc_flags.argv(settings)]
-    commands: dict[str, list[str]] = {}
-    if settings.gateways == 1:
-        commands["gateway"] = gateway
-    else:
-        for i in range(settings.gateways):
-            # The same ports (SO_REUSEPORT); a trace file each, as two processes cannot append to one; an
-            # id each (a reply stream each) if one was set.
-            stem, suffix = settings.trace_file.stem, settings.trace_file.suffix
-            trace = settings.trace_file.with_name(f"{stem}-gateway-{i}{suffix}")
-            own_id = ["--gateway-id", f"{settings.gateway_id}-{i}"] if settings.gateway_id else []
-            commands[f"gateway-{i}"] = [*gateway, "--reuse-port", "--trace-file", str(trace),
-                                        "--shared-memory-dir", str(shm_dir), *own_id]
+    commands = _gateway_commands(settings, shm_dir)
     for i, device in enumerate(devices):
         commands[f"worker-{i}"] = [sys.executable, "-m", "fleet", "worker", *common, "--device", device]
     for i in range(settings.job_workers):
@@ -236,7 +244,8 @@ class _Children:
 
 
 def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: str,
-               stopping: threading.Event) -> None:
+               stopping: threading.Event) -> bool:
+    """Until `stopping`; True if it stopped everything itself, for a child that kept dying."""
     while not stopping.is_set():
         if embedded is not None:
             embedded.tend(stopping)
@@ -248,30 +257,81 @@ def _supervise(children: _Children, embedded: _EmbeddedRedis | None, redis_url: 
                 log.error("%s exited %d times within %.0f s (last status %s); stopping everything",
                           name, CRASH_LOOP_EXITS, CRASH_LOOP_WINDOW_S, proc.returncode)
                 stopping.set()
-                return
+                return True
             if not stopping.wait(RESTART_DELAY_S):
                 log.warning("%s exited with %s%s; restarting it", name, proc.returncode,
                             " (Redis unavailable: not counted as a crash)" if excused else "")
                 children.start(name)
         stopping.wait(0.5)
+    return False
 
 
 def _shared_ports_problem(settings: Settings) -> str | None:
     """Why N gateways cannot share the configured ports: equal ports, or one with a listener already
     (they would join whoever holds it)."""
     if (numbers := equal_ports(settings)) is not None:
-        return f"--gateways needs distinct HTTP, metrics and gRPC ports, not {numbers}"
+        return f"{settings.gateways} gateways need distinct HTTP, metrics and gRPC ports, not {numbers}"
     for host, port, every_address in gateway_ports(settings):
         if (why := taken(host, port, every_address=every_address)) is not None:
             return f"{why} (another server, or another fleet's gateways?)"
     return None
 
 
-def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
+def _log_as(settings: Settings, role: str) -> None:
     if settings.log_format == "json":
-        configure_logging(settings, "up")
+        configure_logging(settings, role)
     else:
-        logging.basicConfig(level=logging.INFO, format="up       | %(message)s")
+        logging.basicConfig(level=logging.INFO, format=f"{role:<9}| %(message)s")
+
+
+def _stop_on_signals() -> threading.Event:
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stopping
+
+
+def _child_env(redis_url: str) -> dict[str, str]:
+    """This process's environment for its children, with the Redis URL in it: it may hold a password, so
+    it goes in their environment, not on a visible command line."""
+    return {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
+
+
+def run_gateways(settings: Settings) -> int:
+    """`fleet gateway --processes N`: N gateway processes on the same ports, supervised as `fleet up`
+    supervises its children. One container's front end on N cores (compose.yaml's FLEET_GATEWAYS), where
+    replicas of it could not publish the same host port."""
+    _log_as(settings, "gateways")
+    if (why := _shared_ports_problem(settings)) is not None:
+        log.error("%s", why)
+        return 1
+    stopping = _stop_on_signals()
+    # Their shared-memory registrations, forgotten at each start as tritonserver forgets its own: a fresh
+    # directory (in --shared-memory-dir if one was given), removed when they stop.
+    shm_dir = Path(tempfile.mkdtemp(prefix="fleet-shm-regions-", dir=settings.shared_memory_dir))
+    redis_url = settings.redis_url_or_default
+    children = _Children(_gateway_commands(settings, shm_dir), _child_env(redis_url),
+                         json_lines=settings.log_format == "json")
+    try:
+        for name in children.commands:
+            if not stopping.is_set():
+                children.start(name)
+        log.info("%d gateway processes share http://%s:%d (metrics :%d%s); SIGTERM stops them", settings.gateways,
+                 settings.http_host, settings.http_port, settings.metrics_port,
+                 f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else "")
+        crashed = _supervise(children, None, redis_url, stopping)
+    finally:
+        children.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    return 1 if crashed else 0
+
+
+def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
+    _log_as(settings, "up")
     try:
         data_lock = lock_data_dir(data_dir)
     except DataDirInUse as exc:
@@ -283,13 +343,7 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
         return 1
     if settings.jobs_dir == Settings.model_fields["jobs_dir"].default:
         settings = settings.model_copy(update={"jobs_dir": data_dir / "jobs"})
-    stopping = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stopping = _stop_on_signals()
     embedded: _EmbeddedRedis | None = None
     redis_url = settings.redis_url
     if not redis_url:
@@ -300,14 +354,12 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
         log.info("embedded Redis-compatible server on %s (data in %s)", redis_url, data_dir / "redis")
     for repo in settings.model_repositories:
         _generate_models(repo, json_lines=settings.log_format == "json")
-    # The URL may hold a password: children get it in their environment, not on a visible command line.
-    child_env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
     # Gateways sharing the ports share their shared-memory registrations, forgotten at each start as
     # tritonserver forgets its own.
     shm_dir = data_dir / "shm-regions"
     if settings.gateways > 1:
         shutil.rmtree(shm_dir, ignore_errors=True)
-    children = _Children(_child_commands(settings, workers, shm_dir), child_env,
+    children = _Children(_child_commands(settings, workers, shm_dir), _child_env(redis_url),
                          json_lines=settings.log_format == "json")
     try:
         for name in children.commands:
@@ -318,10 +370,10 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
         log.info("serving %s on http://%s:%d (metrics :%d%s%s); Ctrl-C stops",
                  ", ".join(str(r) for r in settings.model_repositories), settings.http_host,
                  settings.http_port, settings.metrics_port, grpc, shared)
-        _supervise(children, embedded, redis_url, stopping)
+        crashed = _supervise(children, embedded, redis_url, stopping)
     finally:
         children.stop()
         if embedded is not None:
             embedded.server.stop()
         data_lock.release()
-    return 0
+    return 1 if crashed else 0

@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     # Several gateway processes on one host serve the same HTTP, metrics and gRPC ports (SO_REUSEPORT,
     # fleet/listen.py); `fleet up --gateways N` sets it for each. Off: a taken port fails the start.
     reuse_port: bool = False
-    # Gateway processes `fleet up` runs (one Python event loop each; the kernel spreads connections).
+    # Gateway processes on this host's ports (one Python event loop each; the kernel spreads connections):
+    # what `fleet up --gateways N` runs, and `fleet gateway --processes N` (a container's front end).
     gateways: int = Field(default=1, ge=1)
     # A directory the gateway processes of one host share their system shared-memory registrations
     # through (gateway/shm_registrations.py); `fleet up --gateways N` sets one. None: each process its own.

@@ -1,7 +1,8 @@
 """`docker compose up` for real: compose.yaml with tests/compose/compose.test.yaml, built and run on a
 Docker daemon this test starts (tests/compose/stack.py), with profile `cpu` and two worker replicas.
 
-In order: tritonclient infers through the published HTTP port; a bulk job runs through the jobs service;
+In order: the gateway container runs two gateway processes; tritonclient infers through the published
+HTTP port; a bulk job runs through the jobs service;
 a worker container killed with requests in hand has them answered by the other replica; Redis restarted
 with requests queued answers them after it (AOF on its volume); Prometheus scrapes the gateway and
 Redis's exporter and has fleet's series and Redis's; `down` leaves no container, network or volume. Run
@@ -201,6 +202,17 @@ def test_the_image_is_multi_stage_non_root_and_healthchecked(up: Stack) -> None:
     probe = up.docker("exec", cid, "sh", "-c", "test ! -e /src && id -un && python -m fleet.healthcheck", check=False)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert probe.stdout.splitlines() == ["fleet", "gateway: healthy"]
+
+
+def test_the_gateway_container_runs_two_gateway_processes(up: Stack) -> None:
+    """compose.test.yaml sets FLEET_GATEWAYS=2: PID 1 (`fleet gateway`) supervises two gateway processes
+    on the container's ports, and every test here reaches them through the published ports."""
+    cid = up.containers("gateway")[0]
+    top = up.docker("top", cid, "-o", "pid,ppid,args").stdout.splitlines()[1:]
+    rows = [line.split(None, 2) for line in top]
+    supervisor = [pid for pid, _, args in rows if " gateway " in args and "--reuse-port" not in args]
+    gateways = [ppid for _, ppid, args in rows if "--reuse-port" in args]
+    assert len(supervisor) == 1 and gateways == supervisor * 2, top
 
 
 def test_tritonclient_infers_through_the_published_port(up: Stack) -> None:

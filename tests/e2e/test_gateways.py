@@ -1,7 +1,7 @@
-"""`fleet up --gateways N`: N gateway processes share the HTTP, metrics and gRPC ports (SO_REUSEPORT).
-The kernel spreads connections over them, each answers, a shared-memory region registered over one
-connection serves requests on all of them (tritonclient's and perf_analyzer's flow), and one gateway
-killed by PID leaves the others serving while `fleet up` restarts it."""
+"""`fleet up --gateways N` (and `fleet gateway --processes N`): N gateway processes share the HTTP,
+metrics and gRPC ports (SO_REUSEPORT). The kernel spreads connections over them, each answers, a
+shared-memory region registered over one connection serves requests on all of them (tritonclient's and
+perf_analyzer's flow), and one gateway killed by PID leaves the others serving while it is restarted."""
 
 from __future__ import annotations
 
@@ -65,19 +65,24 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     system = Up(proc, log, *ports)
     try:
-        # Every process listens on all three ports (a shared socket listens once its process has started),
-        # then each answers ready once it has seen the worker: 20 fresh connections in a row, each hashed
-        # to either process, say both do.
-        deadline, in_a_row = time.monotonic() + 120, 0
-        while in_a_row < 20:
-            assert proc.poll() is None and time.monotonic() < deadline, system.tail()
-            pids = system.gateways()
-            up = len(pids) == GATEWAYS and all(set(ports) <= _listening(pid) for pid in pids)
-            in_a_row = in_a_row + 1 if up and _ready(system.http_port) else 0
-            time.sleep(0.02 if in_a_row else 0.2)
+        _until_all_serve(system)
         yield system
     finally:
         stop(proc, signal.SIGINT)
+
+
+def _until_all_serve(system: Up, timeout_s: float = 120) -> None:
+    """Every process listens on all three ports (a shared socket listens once its process has started),
+    then each answers ready once it has seen the worker: 20 fresh connections in a row, each hashed to
+    either process, say both do."""
+    ports = {system.http_port, system.metrics_port, system.grpc_port}
+    deadline, in_a_row = time.monotonic() + timeout_s, 0
+    while in_a_row < 20:
+        assert system.proc.poll() is None and time.monotonic() < deadline, system.tail()
+        pids = system.gateways()
+        up = len(pids) == GATEWAYS and all(ports <= _listening(pid) for pid in pids)
+        in_a_row = in_a_row + 1 if up and _ready(system.http_port) else 0
+        time.sleep(0.02 if in_a_row else 0.2)
 
 
 def _ready(port: int) -> bool:
@@ -235,6 +240,57 @@ def test_a_killed_gateway_leaves_the_others_serving_and_is_restarted(up: Up) -> 
     _answered_on_fresh_connections(up.http_port, 20)
 
 
+def test_fleet_gateway_processes_serve_one_set_of_ports_supervised(up: Up, tmp_path: Path) -> None:
+    """`fleet gateway --processes 2` (what compose's gateway container runs with FLEET_GATEWAYS=2), on the
+    Redis and worker of `up`: two children on its ports, both answering, one killed is restarted, and
+    SIGTERM stops them all and removes their shared-memory directory."""
+    # The Redis and repository `up` gave its gateways.
+    sibling = up.gateways()[0]
+    environ = Path(f"/proc/{sibling}/environ").read_bytes().split(b"\0")
+    redis_url = next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"FLEET_REDIS_URL="))
+    argv = Path(f"/proc/{sibling}/cmdline").read_bytes().split(b"\0")
+    repo = argv[argv.index(b"--model-repository") + 1].decode()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_GATEWAYS")}
+    env["FLEET_REDIS_URL"] = redis_url
+    ports = free_port(), free_port(), free_port()
+    shm_parent = tmp_path / "shm"
+    shm_parent.mkdir()
+    cmd = [sys.executable, "-m", "fleet", "gateway", "--processes", str(GATEWAYS), "--model-repository",
+           repo, "--http-port", str(ports[0]), "--metrics-port", str(ports[1]),
+           "--grpc-port", str(ports[2]), "--shared-memory-dir", str(shm_parent)]
+    log = tmp_path / "gateways.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    group = Up(proc, log, *ports)
+    try:
+        _until_all_serve(group, timeout_s=60)
+        assert len(list(shm_parent.iterdir())) == 1  # the group's own, fresh at each start
+        conns = [http.client.HTTPConnection(HOST, group.http_port, timeout=30) for _ in range(24)]
+        try:
+            for i, conn in enumerate(conns):
+                assert _infer(conn, float(i)) == (200, [2.0 * i])
+            spread = _spread(group.gateways(), group.http_port, total=len(conns))
+            assert all(n > 0 for n in spread.values()), spread
+        finally:
+            for conn in conns:
+                conn.close()
+        victim = group.gateways()[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len(now := group.gateways()) < GATEWAYS or victim in now:
+            assert time.monotonic() < deadline, group.tail()
+            time.sleep(0.2)
+        assert "exited with -9; restarting it" in log.read_text()
+        _until_all_serve(group, timeout_s=60)
+        children = group.gateways()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, group.tail()
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+        assert list(shm_parent.iterdir()) == []
+    finally:
+        stop(proc, signal.SIGTERM)
+
+
 def test_fleet_up_refuses_ports_another_process_listens_on(tmp_path: Path) -> None:
     """SO_REUSEPORT would let the new gateways join any listener of this user's: fleet up checks first."""
     holder = socket.create_server((HOST, 0))
@@ -259,4 +315,4 @@ def test_fleet_up_refuses_one_port_for_two_roles(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "--gateways needs distinct HTTP, metrics and gRPC ports" in proc.stdout + proc.stderr
+    assert "2 gateways need distinct HTTP, metrics and gRPC ports" in proc.stdout + proc.stderr

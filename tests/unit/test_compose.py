@@ -378,6 +378,20 @@ def test_gateway_publishes_its_grpc_port(services: dict[str, Any], entrypoint: l
     assert settings.grpc_host == "0.0.0.0"  # 127.0.0.1 would be unreachable through the published port
 
 
+def test_gateway_processes_follow_fleet_gateways(entrypoint: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLEET_GATEWAYS sets how many gateway processes the gateway container runs on its ports: one on a
+    fresh host, G when compose is started with FLEET_GATEWAYS=G."""
+    for env, expected in (({}, 1), ({"FLEET_GATEWAYS": "3"}, 3)):
+        gateway = yaml.safe_load(interpolate(COMPOSE_FILE.read_text(), env))["services"]["gateway"]
+        for key in list(os.environ):
+            if key.startswith("FLEET_"):
+                monkeypatch.delenv(key)
+        for key, value in environment(gateway).items():
+            monkeypatch.setenv(key, value)
+        settings = settings_from_args(parse_fleet_argv(container_argv(entrypoint, gateway["command"]), "gateway"))
+        assert settings.gateways == expected and settings.redis_url == "redis://redis:6379/0"
+
+
 def test_gateway_mounts_the_repository_read_only_and_is_healthchecked(services: dict[str, Any]) -> None:
     gateway = services["gateway"]
     assert mounts(gateway)["/models"] == ("./model_repository", True)

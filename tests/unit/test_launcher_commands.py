@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fleet.cli import build_parser, settings_from_args
-from fleet.launcher import _child_commands
+from fleet.launcher import _child_commands, _gateway_commands
 from fleet.settings import Settings
 
 
@@ -46,3 +48,17 @@ def test_n_gateways_share_the_ports_with_a_trace_file_each() -> None:
 def test_fleet_up_takes_gateways() -> None:
     assert settings_from_args(build_parser().parse_args(["up", "--gateways", "4"])).gateways == 4
     assert settings_from_args(build_parser().parse_args(["up"])).gateways == 1
+
+
+def test_fleet_gateway_takes_processes_and_its_children_are_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet gateway --processes N` (or FLEET_GATEWAYS=N) runs a group; each child is told `--processes 1`,
+    which wins over the FLEET_GATEWAYS it inherits, so a child never runs a group of its own."""
+    monkeypatch.setenv("FLEET_GATEWAYS", "3")
+    assert settings_from_args(build_parser().parse_args(["gateway"])).gateways == 3
+    settings = settings_from_args(build_parser().parse_args(["gateway", "--processes", "2", "--http-port", "9200"]))
+    assert settings.gateways == 2
+    for argv in [*_gateway_commands(settings, Path("/tmp/x/shm")).values(),
+                 _gateway_commands(Settings(gateways=1), Path("/tmp/x/shm"))["gateway"]]:
+        child = settings_from_args(build_parser().parse_args(argv[3:]))
+        assert child.gateways == 1
+    assert list(_gateway_commands(settings, Path("/tmp/x/shm"))) == ["gateway-0", "gateway-1"]
