@@ -2,7 +2,8 @@
 # Side by side, interleaved: real Triton in native mode, real Triton in PyTriton mode (both from the Triton
 # anchor kit) and fleet (bench/served.py), one server at a time on the same port, all measured by the same
 # perf_analyzer command (bench_pa.sh's) on the same two models, 'double' and 'mlp', at the same levels.
-# Optionally also fleet-base: another checkout's fleet (before/after a change, in the same interleaved run).
+# Optionally also fleet-base: another checkout's fleet (before/after a change, in the same interleaved run),
+# and floor: bench/floor.py, the least this architecture does per request ('double' only, HTTP only).
 #
 # Usage: bench/compare.sh OUTDIR
 #   env: PASSES=2            number of passes; each pass runs every system once, the order rotating per pass
@@ -62,7 +63,11 @@ wait_quiet() {
 }
 
 CURRENT_RUN=""   # ANCHOR_RUN of the Triton server this script started and has not stopped yet
-cleanup() { [ -n "$CURRENT_RUN" ] && ANCHOR_RUN=$CURRENT_RUN "$K/stop_server.sh"; CURRENT_RUN=""; }
+FLOOR_PID=""     # bench/floor.py started by this script and not stopped yet
+cleanup() {
+  [ -n "$CURRENT_RUN" ] && ANCHOR_RUN=$CURRENT_RUN "$K/stop_server.sh"; CURRENT_RUN=""
+  [ -n "$FLOOR_PID" ] && kill "$FLOOR_PID" 2>/dev/null && wait "$FLOOR_PID"; FLOOR_PID=""
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -79,6 +84,16 @@ run_triton() {   # run_triton MODE DIR   (MODE: native | pytriton)
   fi
   "$K/bench_pa.sh" "$PORT" "$dir" double mlp
   "$K/stop_server.sh"; CURRENT_RUN=""
+}
+
+run_floor() {   # run_floor DIR: bench/floor.py's `double`, measured by the anchor's bench_pa.sh as Triton is
+  local dir=$1
+  [ "$PA_PROTOCOL" = http ] || { echo "   floor: HTTP only, skipped"; return 0; }
+  "$PY" "$BENCH/floor.py" serve --port "$PORT" > "$dir/floor.log" 2>&1 &
+  FLOOR_PID=$!
+  for _ in $(seq 150); do port_busy "$PORT" && break; sleep 0.2; done
+  "$K/bench_pa.sh" "$PORT" "$dir" double
+  kill "$FLOOR_PID"; wait "$FLOOR_PID"; FLOOR_PID=""
 }
 
 if [ "${DIRECT:-1}" != 0 ]; then
@@ -99,6 +114,7 @@ for ((p = 1; p <= PASSES; p++)); do
     case $s in
       triton-native)   run_triton native "$dir" ;;
       triton-pytriton) run_triton pytriton "$dir" ;;
+      floor)           run_floor "$dir" ;;
       fleet)           "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
                          --models "double mlp" --out "$dir" --check "${CHECK:-32}" ;;
       fleet-http)      "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
@@ -106,7 +122,8 @@ for ((p = 1; p <= PASSES; p++)); do
       fleet-base)      "$PY" "$BENCH/served.py" --port "$PORT" --conc "$CONC" --interval-ms "$INTERVAL_MS" \
                          --models "double mlp" --out "$dir" --check "${CHECK:-32}" \
                          --root "$BASE_ROOT" --python "$BASE_PYTHON" ;;
-      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet fleet-http fleet-base)" >&2; exit 2 ;;
+      *) echo "unknown system $s (SYSTEMS: triton-native triton-pytriton fleet fleet-http fleet-base floor)" >&2
+         exit 2 ;;
     esac
   done
 done
@@ -148,4 +165,8 @@ EOF
 # summary.py --compare knows triton-native, triton-pytriton and fleet; the pairs get their own tables here.
 [[ " ${SYS[*]} " == *" fleet-base "* ]] && pair_table fleet-base fleet
 [[ " ${SYS[*]} " == *" fleet-http "* ]] && pair_table fleet-http fleet
+if [[ " ${SYS[*]} " == *" floor "* ]]; then  # the architecture's floor against native Triton, and fleet against it
+  [[ " ${SYS[*]} " == *" triton-native "* ]] && pair_table triton-native floor
+  [[ " ${SYS[*]} " == *" fleet "* ]] && pair_table floor fleet
+fi
 exit 0

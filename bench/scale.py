@@ -92,7 +92,7 @@ class Stack:
             p = self.gateway_ports()[0 if self.shared_port else g]
             shared = ["--reuse-port", "--trace-file", str(self.data / f"trace-{g}.json")] if self.shared_port else []
             self._spawn(f"gateway-{g}", [*common, "gateway", *repo, "--http-port", str(p), "--metrics-port",
-                                         str(p + 2), "--allow-grpc", "false", *shared], env)
+                                         str(p + 2), "--allow-grpc", "false", "--processes", "1", *shared], env)
         for w in range(self.workers):
             self._spawn(f"worker-{w}", [*common, "worker", *repo, "--device", "cpu"], env)
         t0 = time.monotonic()

@@ -23,6 +23,13 @@ from fleet.analyzer import run as analyzer
 from fleet.settings import Settings
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-repository", "--model-store", dest="model_repository", action="append", type=Path,
@@ -66,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=None, help="worker processes (default: one per device)")
     up.add_argument("--data-dir", type=Path, default=Path(".fleet"), help="embedded Redis files and logs")
     up.add_argument("--job-workers", type=int, default=None, help="RQ workers for bulk jobs (default 1)")
-    up.add_argument("--gateways", type=int, default=None,
+    up.add_argument("--gateways", type=_positive, default=None,
                     help="gateway processes sharing the ports (SO_REUSEPORT; default 1)")
     grpc_flags.add_arguments(up)
 
@@ -80,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--trace-file", type=Path, default=None, help="where this process writes traces")
     gw.add_argument("--gateway-id", default=None, help="this gateway's id (its reply stream; default: made up)")
     gw.add_argument("--shared-memory-dir", type=Path, default=None,
-                    help="share system shared-memory registrations with this host's other gateways through it")
-    gw.add_argument("--processes", dest="gateways", type=int, default=None,
+                    help="share system shared-memory registrations with this host's other gateways through it "
+                         "(with --processes: where their own directory is made)")
+    gw.add_argument("--processes", dest="gateways", type=_positive, default=None,
                     help="run N gateway processes on these ports, supervised (SO_REUSEPORT; env FLEET_GATEWAYS; "
                          "default 1)")
     grpc_flags.add_arguments(gw)

@@ -9,7 +9,8 @@ they hold), the server last.
 Supervision, as compose's restart policy does it:
 - A child that dies is restarted: a worker's pending messages are claimed by the others meanwhile, a
   job worker's job resumes from its progress record. A child that keeps dying (CRASH_LOOP_EXITS within
-  CRASH_LOOP_WINDOW_S) stops everything instead: that needs a person. Exits while Redis is unreachable,
+  CRASH_LOOP_WINDOW_S) stops everything instead, and the command exits 1: that needs a person (or an
+  orchestrator's restart). Exits while Redis is unreachable,
   or within REDIS_GRACE_S of the embedded one coming back, are not counted: a missing Redis is not the
   child's fault, and the fleet heals once it is back.
 - The embedded server is restarted too, on the same port and Unix socket with the same data directory,
@@ -62,6 +63,9 @@ REDIS_RETRY_MAX_S = 10.0
 # Python children: SIGKILL, nothing to lose (what they hold stays pending in Redis) and ports freed at once.
 CHILD_DEATH_SIGNAL = signal.SIGKILL
 SERVER_DEATH_SIGNAL = signal.SIGTERM
+# How long `fleet gateway --processes N` waits for its gateways to stop: their graceful stop
+# (gateway/server.py's GRACEFUL_STOP_S, 30 s) and a little more.
+GATEWAY_STOP_S = 32.0
 
 
 def count_devices() -> list[str]:
@@ -80,13 +84,14 @@ def count_devices() -> list[str]:
 
 
 def _pump(name: str, pid: int, json_lines: bool, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        # JSON lines name their process themselves (role, pid); text ones get the name in front.
-        text = as_json_line(line, name, pid, time.time()) if json_lines else f"{name:<9}| {line}"
-        with lock:
-            out.write(text + "\n")
-            out.flush()
+    with stream:  # closed at the child's end: a restarted child gets a pipe of its own
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            # JSON lines name their process themselves (role, pid); text ones get the name in front.
+            text = as_json_line(line, name, pid, time.time()) if json_lines else f"{name:<9}| {line}"
+            with lock:
+                out.write(text + "\n")
+                out.flush()
 
 
 def _generate_models(repo: Path, json_lines: bool) -> None:
@@ -301,6 +306,12 @@ def _child_env(redis_url: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | {"FLEET_REDIS_URL": redis_url}
 
 
+def _start_all(children: _Children, stopping: threading.Event) -> None:
+    for name in children.commands:
+        if not stopping.is_set():  # (a signal while the others started, or while models were generated)
+            children.start(name)
+
+
 def run_gateways(settings: Settings) -> int:
     """`fleet gateway --processes N`: N gateway processes on the same ports, supervised as `fleet up`
     supervises its children. One container's front end on N cores (compose.yaml's FLEET_GATEWAYS), where
@@ -312,20 +323,21 @@ def run_gateways(settings: Settings) -> int:
     stopping = _stop_on_signals()
     # Their shared-memory registrations, forgotten at each start as tritonserver forgets its own: a fresh
     # directory (in --shared-memory-dir if one was given), removed when they stop.
+    if settings.shared_memory_dir is not None:
+        settings.shared_memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     shm_dir = Path(tempfile.mkdtemp(prefix="fleet-shm-regions-", dir=settings.shared_memory_dir))
     redis_url = settings.redis_url_or_default
     children = _Children(_gateway_commands(settings, shm_dir), _child_env(redis_url),
                          json_lines=settings.log_format == "json")
     try:
-        for name in children.commands:
-            if not stopping.is_set():
-                children.start(name)
+        _start_all(children, stopping)
         log.info("%d gateway processes share http://%s:%d (metrics :%d%s); SIGTERM stops them", settings.gateways,
                  settings.http_host, settings.http_port, settings.metrics_port,
                  f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else "")
         crashed = _supervise(children, None, redis_url, stopping)
     finally:
-        children.stop()
+        # As long as each gateway gives the calls in flight (compose.yaml's stop_grace_period allows it).
+        children.stop(timeout_s=GATEWAY_STOP_S)
         shutil.rmtree(shm_dir, ignore_errors=True)
     return 1 if crashed else 0
 
@@ -362,9 +374,7 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     children = _Children(_child_commands(settings, workers, shm_dir), _child_env(redis_url),
                          json_lines=settings.log_format == "json")
     try:
-        for name in children.commands:
-            if not stopping.is_set():  # (Ctrl-C while the server started or models were generated)
-                children.start(name)
+        _start_all(children, stopping)
         grpc = f", gRPC {settings.grpc_host}:{settings.grpc_port}" if settings.allow_grpc else ""
         shared = f"; {settings.gateways} gateway processes share these ports" if settings.gateways > 1 else ""
         log.info("serving %s on http://%s:%d (metrics :%d%s%s); Ctrl-C stops",

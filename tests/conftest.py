@@ -23,6 +23,10 @@ from fleet.redis_server import LocalServer, start_server
 settings.register_profile("fleet", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("fleet")
 
+# A `fleet gateway` the tests start is one process unless the test says otherwise: FLEET_GATEWAYS exported
+# in the shell that runs the suite would make each a group of its own (fleet gateway --processes).
+os.environ.pop("FLEET_GATEWAYS", None)
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:

@@ -208,11 +208,15 @@ def test_the_gateway_container_runs_two_gateway_processes(up: Stack) -> None:
     """compose.test.yaml sets FLEET_GATEWAYS=2: PID 1 (`fleet gateway`) supervises two gateway processes
     on the container's ports, and every test here reaches them through the published ports."""
     cid = up.containers("gateway")[0]
-    top = up.docker("top", cid, "-o", "pid,ppid,args").stdout.splitlines()[1:]
+    top = up.docker("top", cid, "-o", "pid,ppid,args").stdout.splitlines()[1:]  # (args cut at ps's width)
     rows = [line.split(None, 2) for line in top]
-    supervisor = [pid for pid, _, args in rows if " gateway " in args and "--reuse-port" not in args]
-    gateways = [ppid for _, ppid, args in rows if "--reuse-port" in args]
-    assert len(supervisor) == 1 and gateways == supervisor * 2, top
+    gateways = {pid: ppid for pid, ppid, args in rows if "fleet gateway" in args}
+    [supervisor] = [pid for pid, ppid in gateways.items() if ppid not in gateways]
+    assert len(gateways) == 3 and [ppid for ppid in gateways.values() if ppid == supervisor] == [supervisor] * 2, top
+    # Both listen on the HTTP port: two LISTEN sockets on 0.0.0.0:8000 (1F40) in the container's netns.
+    tcp = up.docker("exec", cid, "cat", "/proc/net/tcp").stdout.splitlines()[1:]
+    listening = [line for line in tcp if line.split()[1] == "00000000:1F40" and line.split()[3] == "0A"]
+    assert len(listening) == 2, tcp
 
 
 def test_tritonclient_infers_through_the_published_port(up: Stack) -> None:

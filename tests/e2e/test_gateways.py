@@ -257,14 +257,18 @@ def test_fleet_gateway_processes_serve_one_set_of_ports_supervised(up: Up, tmp_p
     shm_parent.mkdir()
     cmd = [sys.executable, "-m", "fleet", "gateway", "--processes", str(GATEWAYS), "--model-repository",
            repo, "--http-port", str(ports[0]), "--metrics-port", str(ports[1]),
-           "--grpc-port", str(ports[2]), "--shared-memory-dir", str(shm_parent)]
+           "--grpc-port", str(ports[2]), "--shared-memory-dir", str(shm_parent),
+           "--trace-file", str(tmp_path / "trace.json")]
     log = tmp_path / "gateways.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     group = Up(proc, log, *ports)
     try:
-        _until_all_serve(group, timeout_s=60)
-        assert len(list(shm_parent.iterdir())) == 1  # the group's own, fresh at each start
+        _until_all_serve(group)
+        [own] = shm_parent.iterdir()  # the group's own directory, fresh at each start, given to each child
+        for pid in group.gateways():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--shared-memory-dir") + 1] == str(own).encode()
         conns = [http.client.HTTPConnection(HOST, group.http_port, timeout=30) for _ in range(24)]
         try:
             for i, conn in enumerate(conns):
@@ -276,29 +280,30 @@ def test_fleet_gateway_processes_serve_one_set_of_ports_supervised(up: Up, tmp_p
                 conn.close()
         victim = group.gateways()[0]
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while len(now := group.gateways()) < GATEWAYS or victim in now:
             assert time.monotonic() < deadline, group.tail()
             time.sleep(0.2)
         assert "exited with -9; restarting it" in log.read_text()
-        _until_all_serve(group, timeout_s=60)
+        _until_all_serve(group)
         children = group.gateways()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, group.tail()
+        assert proc.wait(60) == 0, group.tail()
         assert not any(Path(f"/proc/{pid}").exists() for pid in children)
         assert list(shm_parent.iterdir()) == []
     finally:
         stop(proc, signal.SIGTERM)
 
 
-def test_fleet_up_refuses_ports_another_process_listens_on(tmp_path: Path) -> None:
-    """SO_REUSEPORT would let the new gateways join any listener of this user's: fleet up checks first."""
+@pytest.mark.parametrize("command", [["up", "--gateways", "2"], ["gateway", "--processes", "2"]])
+def test_gateways_refuse_ports_another_process_listens_on(tmp_path: Path, command: list[str]) -> None:
+    """SO_REUSEPORT would let the new gateways join any listener of this user's: they check first."""
     holder = socket.create_server((HOST, 0))
     port = holder.getsockname()[1]
     try:
-        cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(MODELS), "--data-dir",
-               str(tmp_path / "data"), "--http-port", str(port), "--metrics-port",
-               str(free_port()), "--grpc-port", str(free_port()), "--gateways", "2"]
+        data = ["--data-dir", str(tmp_path / "data")] if command[0] == "up" else []
+        cmd = [sys.executable, "-m", "fleet", *command, "--model-repository", str(MODELS), *data,
+               "--http-port", str(port), "--metrics-port", str(free_port()), "--grpc-port", str(free_port())]
         env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     finally:
