@@ -3,7 +3,7 @@
 # anchor kit) and fleet (bench/served.py), one server at a time on the same port, all measured by the same
 # perf_analyzer command (bench_pa.sh's) on the same two models, 'double' and 'mlp', at the same levels.
 # Optionally also fleet-base: another checkout's fleet (before/after a change, in the same interleaved run),
-# and floor: bench/floor.py, the least this architecture does per request ('double' only, HTTP only).
+# and floor: bench/floor.py, the least this architecture does per request (HTTP only).
 #
 # Usage: bench/compare.sh OUTDIR
 #   env: PASSES=2            number of passes; each pass runs every system once, the order rotating per pass
@@ -92,7 +92,7 @@ run_floor() {   # run_floor DIR: bench/floor.py's `double`, measured by the anch
   "$PY" "$BENCH/floor.py" serve --port "$PORT" > "$dir/floor.log" 2>&1 &
   FLOOR_PID=$!
   for _ in $(seq 150); do port_busy "$PORT" && break; sleep 0.2; done
-  "$K/bench_pa.sh" "$PORT" "$dir" double
+  "$K/bench_pa.sh" "$PORT" "$dir" double mlp
   kill "$FLOOR_PID"; wait "$FLOOR_PID"; FLOOR_PID=""
 }
 

@@ -1,6 +1,7 @@
 """The architecture's floor: the least a gateway → Redis stream → worker → Redis → gateway design does per
-request, served to perf_analyzer as `double` (FP32 [16] doubled), so that bench/compare.sh can put it
-beside native Triton and fleet (`SYSTEMS="triton-native floor fleet"`, HTTP only).
+request, serving perf_analyzer `double` (FP32 [16] doubled) and `mlp` (model_repository/mlp's TorchScript,
+one torch thread), so that bench/compare.sh can put it beside native Triton and fleet
+(`SYSTEMS="triton-native floor fleet"`, HTTP only).
 
     .venv/bin/python bench/floor.py serve --port 18000      # until SIGTERM or SIGINT
 
@@ -9,14 +10,15 @@ It starts, as `fleet up` does, the embedded Valkey (AOF on, Unix socket) and two
   request's binary-tensor header parsed with orjson; its input's bytes XADDed to the model's stream
   (every request of a loop iteration in one pipeline); one task XREADing this gateway's reply stream
   and handing each reply to its request; the response in Triton's binary form;
-- a worker: XREADGROUP of up to 64 requests, the batch doubled with numpy, every reply XADDed and the
-  batch XACKed and XDELed in one pipeline.
+- a worker: XREADGROUP of up to 64 requests per model, the batch computed in one call on the worker's
+  own thread, every reply XADDed and the batch XACKed and XDELed in one pipeline.
 Nothing else: no validation against a config, no statistics, no dynamic-batching delay, no custody of
-messages, no deadlines, no tracing, no metrics, the compute on the worker's own thread. What fleet
-spends beyond this is what its features and its structure cost; what this spends beyond native Triton
-is what the architecture costs (design.md's "Performance budget" measured the same kind of thing once,
-with throwaway servers). It answers the endpoints perf_analyzer calls (bench_pa.sh): model metadata and
-config, server metadata without the statistics extension, infer. Only 127.0.0.1.
+messages, no deadlines, no tracing, no metrics, no Python-backend stub (native Triton and fleet run
+`double` in one). What fleet spends beyond this is what its features and its structure cost; what this
+spends beyond native Triton is what the architecture costs (design.md's "Performance budget" measured
+the same kind of thing once, with throwaway servers). It answers the endpoints perf_analyzer calls
+(bench_pa.sh): model metadata and config, server metadata without the statistics extension, infer.
+Only 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -44,23 +46,35 @@ sys.path.insert(0, str(ROOT))
 
 from fleet.redis_server import start_server  # noqa: E402
 
-MODEL = b"double"
-STREAM = "floor:double"
 GROUP = "workers"
 MAX_BATCH = 64
 REPLY_MAXLEN = 10_000  # approximate trimming of each reply stream, in the worker's pipeline
+MODELS = {"double": 16, "mlp": 256}  # INPUT0 -> OUTPUT0, FP32 [n]: x * 2, and the TorchScript `mlp`
+MLP_FILE = ROOT / "model_repository" / "mlp" / "1" / "model.pt"
 
-_METADATA = orjson.dumps({
-    "name": "double", "versions": ["1"], "platform": "python",
-    "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 16]}],
-    "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 16]}]})
-_CONFIG = orjson.dumps({
-    "name": "double", "platform": "python", "backend": "python", "max_batch_size": MAX_BATCH,
-    "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}],
-    "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [16]}],
-    "dynamic_batching": {}, "instance_group": [{"kind": "KIND_CPU", "count": 1}]})
-_SERVER = orjson.dumps({"name": "floor", "version": "0", "extensions": []})
-_ROUTES = {b"/v2": _SERVER, b"/v2/models/double": _METADATA, b"/v2/models/double/config": _CONFIG}
+
+def _stream(model: str) -> str:
+    return f"floor:{model}"
+
+
+def _pages() -> dict[bytes, bytes]:
+    pages = {b"/v2": orjson.dumps({"name": "floor", "version": "0", "extensions": []})}
+    for model, n in MODELS.items():
+        platform = "python" if model == "double" else "pytorch_libtorch"
+        pages[f"/v2/models/{model}".encode()] = orjson.dumps({
+            "name": model, "versions": ["1"], "platform": platform,
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, n]}],
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, n]}]})
+        pages[f"/v2/models/{model}/config".encode()] = orjson.dumps({
+            "name": model, "platform": platform, "backend": "python" if model == "double" else "pytorch",
+            "max_batch_size": MAX_BATCH, "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [n]}],
+            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [n]}],
+            "dynamic_batching": {}, "instance_group": [{"kind": "KIND_CPU", "count": 1}]})
+    return pages
+
+
+_ROUTES = _pages()
+_INFER = {f"/v2/models/{model}/infer".encode(): model for model in MODELS}
 
 
 def _response(status: bytes, body: bytes, extra: bytes = b"", kind: bytes = b"application/json") -> bytes:
@@ -72,31 +86,38 @@ class Gateway:
     """The requests waiting for replies, the XADDs waiting for the next pipeline, and the reply reader."""
 
     def __init__(self, url: str) -> None:
-        self.redis = aioredis.Redis.from_url(url)
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=None)  # XREAD blocks for as long as it takes
         self.reply_stream = f"floor:reply:{os.getpid()}"
         self.waiting: dict[bytes, asyncio.Future[bytes]] = {}
-        self.outbox: list[tuple[bytes, bytes, bytes]] = []
+        self.outbox: list[tuple[str, bytes, bytes, bytes]] = []
         self.numbers = 0
 
-    def infer(self, shape: bytes, data: bytes) -> asyncio.Future[bytes]:
+    def infer(self, model: str, shape: bytes, data: bytes) -> asyncio.Future[bytes]:
         self.numbers += 1
         number = str(self.numbers).encode()
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.waiting[number] = future
         if not self.outbox:
             asyncio.get_running_loop().create_task(self._flush())
-        self.outbox.append((number, shape, data))
+        self.outbox.append((model, number, shape, data))
         return future
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # what the other connections' data_received add in this loop iteration
         batch, self.outbox = self.outbox, []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for number, shape, data in batch:
-                pipe.xadd(STREAM, {"r": self.reply_stream, "n": number, "s": shape, "d": data})
+            for model, number, shape, data in batch:
+                pipe.xadd(_stream(model), {"r": self.reply_stream, "n": number, "s": shape, "d": data})
             await pipe.execute()
 
     async def read_replies(self) -> None:
+        try:
+            await self._read_replies()
+        except BaseException as exc:  # the gateway cannot answer without it: say why it ended
+            print(f"floor: the reply reader stopped: {exc!r}", file=sys.stderr, flush=True)
+            raise
+
+    async def _read_replies(self) -> None:
         last = b"0-0"
         await self.redis.delete(self.reply_stream)
         while True:
@@ -147,16 +168,17 @@ class Connection(asyncio.Protocol):
             self.transport.write(_response(b"200 OK", page) if page is not None else
                                  _response(b"404 Not Found", b'{"error":"not found"}'))
             return
-        if url != b"/v2/models/double/infer" or header_length < 0:
-            self.transport.write(_response(b"400 Bad Request", b'{"error":"binary double infer only"}'))
+        model = _INFER.get(url)
+        if model is None or header_length < 0:
+            self.transport.write(_response(b"400 Bad Request", b'{"error":"binary infer of double or mlp only"}'))
             return
         head = orjson.loads(body[:header_length])
         shape = head["inputs"][0]["shape"]
-        future = self.gateway.infer(",".join(map(str, shape)).encode(), body[header_length:])
-        future.add_done_callback(lambda f: self._answer(head.get("id", ""), shape, f.result()))
+        future = self.gateway.infer(model, ",".join(map(str, shape)).encode(), body[header_length:])
+        future.add_done_callback(lambda f: self._answer(model, head.get("id", ""), shape, f.result()))
 
-    def _answer(self, request_id: str, shape: list[int], data: bytes) -> None:
-        head = orjson.dumps({"id": request_id, "model_name": "double", "model_version": "1", "outputs": [
+    def _answer(self, model: str, request_id: str, shape: list[int], data: bytes) -> None:
+        head = orjson.dumps({"id": request_id, "model_name": model, "model_version": "1", "outputs": [
             {"name": "OUTPUT0", "datatype": "FP32", "shape": shape, "parameters": {"binary_data_size": len(data)}}]})
         self.transport.write(_response(b"200 OK", head + data, b"inference-header-content-length: "
                                        + str(len(head)).encode() + b"\r\n", b"application/octet-stream"))
@@ -176,31 +198,45 @@ async def _gateway(url: str, port: int) -> None:
 
 
 def _worker(url: str) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-    except redis.ResponseError:
-        pass  # the group is there
+    import torch  # the worker's alone: the gateway stays as light as fleet's
+
+    torch.set_num_threads(1)
+    mlp = torch.jit.load(str(MLP_FILE)).eval()
+
+    def compute(model: str, batch: np.ndarray) -> np.ndarray:
+        if model == "double":
+            return batch * np.float32(2)
+        with torch.inference_mode():
+            out: np.ndarray = mlp(torch.from_numpy(batch)).numpy()
+            return out
+
+    r = redis.Redis.from_url(url, socket_timeout=None)
+    for model in MODELS:
+        try:
+            r.xgroup_create(_stream(model), GROUP, id="0", mkstream=True)
+        except redis.ResponseError:
+            pass  # the group is there
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     while not stopping.is_set():
-        answer: Any = r.xreadgroup(GROUP, "w", {STREAM: ">"}, count=MAX_BATCH, block=500)
-        if not answer:
-            continue
-        entries = answer[0][1]
-        inputs = [np.frombuffer(fields[b"d"], dtype=np.float32) for _, fields in entries]
-        outputs = np.concatenate(inputs) * np.float32(2)
+        answer: Any = r.xreadgroup(GROUP, "w", {_stream(m): ">" for m in MODELS}, count=MAX_BATCH, block=500)
         pipe = r.pipeline(transaction=False)
-        offset = 0
-        for (_, fields), one in zip(entries, inputs, strict=True):
-            end = offset + one.size
-            pipe.xadd(fields[b"r"], {"n": fields[b"n"], "d": outputs[offset:end].tobytes()},
-                      maxlen=REPLY_MAXLEN, approximate=True)
-            offset = end
-        ids = [entry_id for entry_id, _ in entries]
-        pipe.xack(STREAM, GROUP, *ids)
-        pipe.xdel(STREAM, *ids)
-        pipe.execute()
+        for stream, entries in answer or []:
+            model = stream.decode().removeprefix("floor:")
+            rows = [np.frombuffer(fields[b"d"], dtype=np.float32).reshape(-1, MODELS[model])
+                    for _, fields in entries]
+            outputs = compute(model, np.concatenate(rows))
+            offset = 0
+            for (_, fields), one in zip(entries, rows, strict=True):
+                end = offset + len(one)
+                pipe.xadd(fields[b"r"], {"n": fields[b"n"], "d": outputs[offset:end].tobytes()},
+                          maxlen=REPLY_MAXLEN, approximate=True)
+                offset = end
+            ids = [entry_id for entry_id, _ in entries]
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+        if answer:
+            pipe.execute()
 
 
 def _serve(port: int) -> int:
@@ -212,7 +248,7 @@ def _serve(port: int) -> int:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"floor: double on http://127.0.0.1:{port} (Valkey {url}); SIGTERM stops it", flush=True)
+        print(f"floor: double and mlp on http://127.0.0.1:{port} (Valkey {url}); SIGTERM stops it", flush=True)
         while not stop.wait(0.5) and all(c.poll() is None for c in children):
             pass
         for child in children:
