@@ -37,11 +37,20 @@ def test_exits_while_redis_is_unreachable_are_not_counted(monkeypatch: pytest.Mo
     monkeypatch.setattr(launcher, "RESTART_DELAY_S", 0.0)
     children = _dying_children()
     stopping = threading.Event()
-    timer = threading.Timer(4.0, stopping.set)  # as a signal would, after several restarts
-    timer.start()
+    result: list[bool] = []
+    supervising = threading.Thread(target=lambda: result.append(
+        launcher._supervise(children, None, f"redis://127.0.0.1:{free_port()}/0", stopping)))
+    supervising.start()
     try:
-        assert launcher._supervise(children, None, f"redis://127.0.0.1:{free_port()}/0", stopping) is False
+        # More restarts than a crash loop allows if they counted (each start is a new PID).
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(seen) <= launcher.CRASH_LOOP_EXITS and time.monotonic() < deadline:
+            seen.add(children.procs["doomed"].pid)
+            time.sleep(0.01)
     finally:
-        timer.cancel()
+        stopping.set()
+        supervising.join(30)
         children.stop(timeout_s=5)
+    assert len(seen) > launcher.CRASH_LOOP_EXITS and result == [False]
     assert children.exits["doomed"] == []
