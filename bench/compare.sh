@@ -24,10 +24,10 @@
 #                            load average is at or below it (the anchor's README did that); empty: no wait
 #        K=../shared/anchors/triton (relative to the checkout)   ANCHOR_VENV=bench/.anchor-triton (made by
 #                            K/setup.sh when missing)
-# Writes OUTDIR/passN/{triton-native,triton-pytriton,fleet,fleet-base}/MODEL_cC.{txt,csv} (+ load.txt; fleet
-# also MODEL_cC.stats.json and fleet.log; Triton's server.log under .../run/), OUTDIR/direct.txt, and prints
-# every table, then the medians side by side (bench/summary.py --compare OUTDIR), then with fleet-base the
-# medians of fleet-base and fleet side by side.
+# Writes OUTDIR/passN/{triton-native,triton-pytriton,fleet,fleet-base,floor}/MODEL_cC.{txt,csv} (+ load.txt;
+# fleet also MODEL_cC.stats.json and fleet.log; floor floor.log; Triton's server.log under .../run/),
+# OUTDIR/direct.txt, and prints every table, then the medians side by side (bench/summary.py --compare
+# OUTDIR), then with fleet-base (or floor) the medians of the pairs side by side.
 set -uo pipefail
 BENCH=$(dirname "$(realpath "$0")"); ROOT=$(dirname "$BENCH")
 [ $# -eq 1 ] || { echo "usage: bench/compare.sh OUTDIR   (env: PASSES CONC INTERVAL_MS PORT SYSTEMS BASE_ROOT DIRECT WAIT_LOAD)" >&2; exit 2; }
@@ -86,12 +86,16 @@ run_triton() {   # run_triton MODE DIR   (MODE: native | pytriton)
   "$K/stop_server.sh"; CURRENT_RUN=""
 }
 
-run_floor() {   # run_floor DIR: bench/floor.py's `double`, measured by the anchor's bench_pa.sh as Triton is
+run_floor() {   # run_floor DIR: bench/floor.py's models, measured by the anchor's bench_pa.sh as Triton is
   local dir=$1
   [ "$PA_PROTOCOL" = http ] || { echo "   floor: HTTP only, skipped"; return 0; }
   "$PY" "$BENCH/floor.py" serve --port "$PORT" > "$dir/floor.log" 2>&1 &
   FLOOR_PID=$!
-  for _ in $(seq 150); do port_busy "$PORT" && break; sleep 0.2; done
+  for _ in $(seq 150); do port_busy "$PORT" && break; kill -0 "$FLOOR_PID" 2>/dev/null || break; sleep 0.2; done
+  if ! port_busy "$PORT"; then
+    echo "   floor: did not start (see $dir/floor.log)"; kill "$FLOOR_PID" 2>/dev/null; wait "$FLOOR_PID"; FLOOR_PID=""
+    return 1
+  fi
   "$K/bench_pa.sh" "$PORT" "$dir" double mlp
   kill "$FLOOR_PID"; wait "$FLOOR_PID"; FLOOR_PID=""
 }

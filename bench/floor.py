@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fleet.lifetime import dies_with_this_process  # noqa: E402
 from fleet.redis_server import start_server  # noqa: E402
 
 GROUP = "workers"
@@ -82,6 +84,10 @@ def _response(status: bytes, body: bytes, extra: bytes = b"", kind: bytes = b"ap
             + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body)
 
 
+class Failed(Exception):
+    """The worker could not compute a request (its reply carries `e`): a 400 for its caller."""
+
+
 class Gateway:
     """The requests waiting for replies, the XADDs waiting for the next pipeline, and the reply reader."""
 
@@ -91,6 +97,7 @@ class Gateway:
         self.waiting: dict[bytes, asyncio.Future[bytes]] = {}
         self.outbox: list[tuple[str, bytes, bytes, bytes]] = []
         self.numbers = 0
+        self.broken = asyncio.Event()  # the reply reader or a pipeline failed: the gateway stops
 
     def infer(self, model: str, shape: bytes, data: bytes) -> asyncio.Future[bytes]:
         self.numbers += 1
@@ -105,17 +112,21 @@ class Gateway:
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # what the other connections' data_received add in this loop iteration
         batch, self.outbox = self.outbox, []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for model, number, shape, data in batch:
-                pipe.xadd(_stream(model), {"r": self.reply_stream, "n": number, "s": shape, "d": data})
-            await pipe.execute()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for model, number, shape, data in batch:
+                    pipe.xadd(_stream(model), {"r": self.reply_stream, "n": number, "s": shape, "d": data})
+                await pipe.execute()
+        except Exception as exc:  # requests that would never be answered: stop rather than hang the client
+            print(f"floor: enqueueing failed: {exc!r}", file=sys.stderr, flush=True)
+            self.broken.set()
 
     async def read_replies(self) -> None:
         try:
             await self._read_replies()
-        except BaseException as exc:  # the gateway cannot answer without it: say why it ended
+        except Exception as exc:  # the gateway cannot answer without it: say why, and stop
             print(f"floor: the reply reader stopped: {exc!r}", file=sys.stderr, flush=True)
-            raise
+            self.broken.set()
 
     async def _read_replies(self) -> None:
         last = b"0-0"
@@ -126,11 +137,18 @@ class Gateway:
                 for entry_id, fields in entries:
                     last = entry_id
                     future = self.waiting.pop(fields[b"n"], None)
-                    if future is not None and not future.done():
+                    if future is None or future.done():
+                        continue
+                    if b"e" in fields:
+                        future.set_exception(Failed(fields[b"e"].decode(errors="replace")))
+                    else:
                         future.set_result(fields[b"d"])
 
 
 class Connection(asyncio.Protocol):
+    """One client connection. Its responses go out in the order of its requests (a pipelining client's
+    replies may complete out of order: one model's batch before another's)."""
+
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.parser = httptools.HttpRequestParser(self)
@@ -138,16 +156,21 @@ class Connection(asyncio.Protocol):
         self.url = b""
         self.header_length = -1
         self.body: list[bytes] = []
+        self.queue: deque[asyncio.Future[bytes]] = deque()  # each request's response, in request order
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
 
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            print(f"floor: {exc!r} ({exc.__context__!r}): closing the connection", file=sys.stderr, flush=True)
-            self.transport.close()
+            self._respond(_ready(_response(b"400 Bad Request", orjson.dumps({"error": repr(exc.__context__ or exc)}),
+                                           b"connection: close\r\n")))
+            self.queue[-1].add_done_callback(lambda _: self.transport and self.transport.close())
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -165,26 +188,48 @@ class Connection(asyncio.Protocol):
         header_length, self.header_length = self.header_length, -1
         if self.parser.get_method() == b"GET":
             page = _ROUTES.get(url.split(b"?")[0].rstrip(b"/") or b"/v2")
-            self.transport.write(_response(b"200 OK", page) if page is not None else
-                                 _response(b"404 Not Found", b'{"error":"not found"}'))
+            self._respond(_ready(_response(b"200 OK", page) if page is not None else
+                                 _response(b"404 Not Found", b'{"error":"not found"}')))
             return
         model = _INFER.get(url)
         if model is None or header_length < 0:
-            self.transport.write(_response(b"400 Bad Request", b'{"error":"binary infer of double or mlp only"}'))
+            self._respond(_ready(_response(b"400 Bad Request", b'{"error":"binary infer of double or mlp only"}')))
             return
         head = orjson.loads(body[:header_length])
         shape = head["inputs"][0]["shape"]
-        future = self.gateway.infer(model, ",".join(map(str, shape)).encode(), body[header_length:])
-        future.add_done_callback(lambda f: self._answer(model, head.get("id", ""), shape, f.result()))
+        reply = self.gateway.infer(model, ",".join(map(str, shape)).encode(), body[header_length:])
+        response: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(lambda f: response.set_result(_render(model, head.get("id", ""), shape, f)))
+        self._respond(response)
 
-    def _answer(self, model: str, request_id: str, shape: list[int], data: bytes) -> None:
-        head = orjson.dumps({"id": request_id, "model_name": model, "model_version": "1", "outputs": [
-            {"name": "OUTPUT0", "datatype": "FP32", "shape": shape, "parameters": {"binary_data_size": len(data)}}]})
-        self.transport.write(_response(b"200 OK", head + data, b"inference-header-content-length: "
-                                       + str(len(head)).encode() + b"\r\n", b"application/octet-stream"))
+    def _respond(self, response: asyncio.Future[bytes]) -> None:
+        self.queue.append(response)
+        response.add_done_callback(self._write_ready)
+
+    def _write_ready(self, _: object) -> None:
+        while self.queue and self.queue[0].done():
+            data = self.queue.popleft().result()
+            if self.transport is not None:
+                self.transport.write(data)
 
 
-async def _gateway(url: str, port: int) -> None:
+def _ready(data: bytes) -> asyncio.Future[bytes]:
+    future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    future.set_result(data)
+    return future
+
+
+def _render(model: str, request_id: str, shape: list[int], reply: asyncio.Future[bytes]) -> bytes:
+    if (error := reply.exception()) is not None:
+        return _response(b"400 Bad Request", orjson.dumps({"error": str(error)}))
+    data = reply.result()
+    head = orjson.dumps({"id": request_id, "model_name": model, "model_version": "1", "outputs": [
+        {"name": "OUTPUT0", "datatype": "FP32", "shape": shape, "parameters": {"binary_data_size": len(data)}}]})
+    return _response(b"200 OK", head + data, b"inference-header-content-length: " + str(len(head)).encode()
+                     + b"\r\n", b"application/octet-stream")
+
+
+async def _gateway(url: str, port: int) -> int:
     gateway = Gateway(url)
     reader = asyncio.get_running_loop().create_task(gateway.read_replies())
     server = await asyncio.get_running_loop().create_server(lambda: Connection(gateway), "127.0.0.1", port,
@@ -193,8 +238,10 @@ async def _gateway(url: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     async with server:
-        await stop.wait()
+        stopped, broken = (asyncio.create_task(e.wait()) for e in (stop, gateway.broken))
+        await asyncio.wait([stopped, broken], return_when=asyncio.FIRST_COMPLETED)
     reader.cancel()
+    return 1 if gateway.broken.is_set() else 0
 
 
 def _worker(url: str) -> None:
@@ -223,11 +270,17 @@ def _worker(url: str) -> None:
         pipe = r.pipeline(transaction=False)
         for stream, entries in answer or []:
             model = stream.decode().removeprefix("floor:")
-            rows = [np.frombuffer(fields[b"d"], dtype=np.float32).reshape(-1, MODELS[model])
-                    for _, fields in entries]
-            outputs = compute(model, np.concatenate(rows))
+            good, rows = [], []
+            for _, fields in entries:
+                try:
+                    rows.append(np.frombuffer(fields[b"d"], dtype=np.float32).reshape(-1, MODELS[model]))
+                    good.append(fields)
+                except ValueError as exc:  # a body of the wrong size: its caller gets the error
+                    pipe.xadd(fields[b"r"], {"n": fields[b"n"], "e": f"{model}: {exc}"}, maxlen=REPLY_MAXLEN,
+                              approximate=True)
+            outputs = compute(model, np.concatenate(rows)) if rows else np.empty(0, np.float32)
             offset = 0
-            for (_, fields), one in zip(entries, rows, strict=True):
+            for fields, one in zip(good, rows, strict=True):
                 end = offset + len(one)
                 pipe.xadd(fields[b"r"], {"n": fields[b"n"], "d": outputs[offset:end].tobytes()},
                           maxlen=REPLY_MAXLEN, approximate=True)
@@ -240,27 +293,39 @@ def _worker(url: str) -> None:
 
 
 def _serve(port: int) -> int:
+    """Valkey, the worker and the gateway until SIGTERM or SIGINT (0), or until one of them exits (1). They
+    die with this process, whatever kills it."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    me = [sys.executable, str(Path(__file__).resolve())]
     with tempfile.TemporaryDirectory(prefix="floor-") as tmp:
-        server = start_server(Path(tmp) / "redis", appendonly=True, log_file=None, unix_socket=True)
-        url = server.local_url
-        me = [sys.executable, str(Path(__file__).resolve())]
-        children = [subprocess.Popen([*me, "worker", url]), subprocess.Popen([*me, "gateway", url, str(port)])]
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"floor: double and mlp on http://127.0.0.1:{port} (Valkey {url}); SIGTERM stops it", flush=True)
-        while not stop.wait(0.5) and all(c.poll() is None for c in children):
-            pass
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        for child in children:
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-        server.stop()
-    return 0
+        server = start_server(Path(tmp) / "redis", appendonly=True, log_file=None, unix_socket=True,
+                              parent_death_signal=signal.SIGTERM)
+        children: list[subprocess.Popen[bytes]] = []
+        try:
+            url = server.local_url
+            for role in (["worker", url], ["gateway", url, str(port)]):
+                if not stop.is_set():
+                    children.append(subprocess.Popen([*me, *role], preexec_fn=dies_with_this_process(signal.SIGTERM)))
+            print(f"floor: double and mlp on http://127.0.0.1:{port} (Valkey {url}); SIGTERM stops it", flush=True)
+            while not stop.wait(0.5) and all(c.poll() is None for c in children):
+                pass
+            failed = not stop.is_set()
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.terminate()
+            for child in children:
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+            server.stop()
+    if failed:
+        print("floor: " + ", ".join(f"{role} exited with {c.returncode}" for role, c in zip(("worker", "gateway"),
+                                    children, strict=False) if c.returncode), file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -278,8 +343,7 @@ def main() -> int:
     if args.role == "worker":
         _worker(args.url)
         return 0
-    uvloop.run(_gateway(args.url, args.port))
-    return 0
+    return uvloop.run(_gateway(args.url, args.port))
 
 
 if __name__ == "__main__":
