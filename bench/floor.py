@@ -17,7 +17,8 @@ messages, no deadlines, no tracing, no metrics, no Python-backend stub (native T
 `double` in one). What fleet spends beyond this is what its features and its structure cost; what this
 spends beyond native Triton is what the architecture costs (design.md's "Performance budget" measured
 the same kind of thing once, with throwaway servers). It answers the endpoints perf_analyzer calls
-(bench_pa.sh): model metadata and config, server metadata without the statistics extension, infer.
+(bench_pa.sh): model metadata and config, server metadata without the statistics extension, infer (binary
+tensors; responses in request order on a connection). tests/e2e/test_floor.py checks its answers.
 Only 127.0.0.1.
 """
 
