@@ -46,6 +46,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import stop as stop_process  # noqa: E402
 from fleet.lifetime import dies_with_this_process  # noqa: E402
 from fleet.redis_server import start_server  # noqa: E402
 
@@ -96,18 +97,18 @@ class Gateway:
         self.redis = aioredis.Redis.from_url(url, socket_timeout=None)  # XREAD blocks for as long as it takes
         self.reply_stream = f"floor:reply:{os.getpid()}"
         self.waiting: dict[bytes, asyncio.Future[bytes]] = {}
-        self.outbox: list[tuple[str, bytes, bytes, bytes]] = []
+        self.outbox: list[tuple[str, bytes, bytes]] = []
         self.numbers = 0
         self.broken = asyncio.Event()  # the reply reader or a pipeline failed: the gateway stops
 
-    def infer(self, model: str, shape: bytes, data: bytes) -> asyncio.Future[bytes]:
+    def infer(self, model: str, data: bytes) -> asyncio.Future[bytes]:
         self.numbers += 1
         number = str(self.numbers).encode()
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.waiting[number] = future
         if not self.outbox:
             asyncio.get_running_loop().create_task(self._flush())
-        self.outbox.append((model, number, shape, data))
+        self.outbox.append((model, number, data))
         return future
 
     async def _flush(self) -> None:
@@ -115,8 +116,8 @@ class Gateway:
         batch, self.outbox = self.outbox, []
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for model, number, shape, data in batch:
-                    pipe.xadd(_stream(model), {"r": self.reply_stream, "n": number, "s": shape, "d": data})
+                for model, number, data in batch:
+                    pipe.xadd(_stream(model), {"r": self.reply_stream, "n": number, "d": data})
                 await pipe.execute()
         except Exception as exc:  # requests that would never be answered: stop rather than hang the client
             print(f"floor: enqueueing failed: {exc!r}", file=sys.stderr, flush=True)
@@ -198,7 +199,7 @@ class Connection(asyncio.Protocol):
             return
         head = orjson.loads(body[:header_length])
         shape = head["inputs"][0]["shape"]
-        reply = self.gateway.infer(model, ",".join(map(str, shape)).encode(), body[header_length:])
+        reply = self.gateway.infer(model, body[header_length:])
         response: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         reply.add_done_callback(lambda f: response.set_result(_render(model, head.get("id", ""), shape, f)))
         self._respond(response)
@@ -315,13 +316,7 @@ def _serve(port: int) -> int:
             failed = not stop.is_set()
         finally:
             for child in children:
-                if child.poll() is None:
-                    child.terminate()
-            for child in children:
-                try:
-                    child.wait(10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+                stop_process(child, timeout_s=10)
             server.stop()
     if failed:
         print("floor: " + ", ".join(f"{role} exited with {c.returncode}" for role, c in zip(("worker", "gateway"),
