@@ -37,6 +37,7 @@ import tritonclient.http as httpclient
 from fleet.keys import GROUP, Keys
 from fleet.redis_server import free_port
 from tests.compose import stack
+from tests.support.mlp_direct import mlp_direct
 from tests.unit.test_grafana_dashboard import dashboard
 
 pytestmark = pytest.mark.timeout(2400)
@@ -180,18 +181,6 @@ def up(request: pytest.FixtureRequest) -> Iterator[Stack]:
             print(s.compose("logs", "--no-color", "--tail", "60", check=False).stdout[-20000:], file=sys.stderr)
 
 
-def mlp_reference(x: np.ndarray) -> np.ndarray:
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = torch.jit.load(str(stack.ROOT / "model_repository" / "mlp" / "1" / "model.pt")).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(x)).numpy()  # type: ignore[no-any-return]
-
-
 def test_the_image_is_multi_stage_non_root_and_healthchecked(up: Stack) -> None:
     info = json.loads(up.docker("image", "inspect", "fleet:cpu").stdout)[0]
     assert info["Config"]["User"] == "fleet"
@@ -227,7 +216,7 @@ def test_tritonclient_infers_through_the_published_port(up: Stack) -> None:
     inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
     result = client.infer("mlp", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)])
-    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), mlp_reference(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), mlp_direct(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_bulk_job_runs_through_the_jobs_service(up: Stack, tmp_path: Path) -> None:
@@ -239,7 +228,7 @@ def test_a_bulk_job_runs_through_the_jobs_service(up: Stack, tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "completed" in done.stdout
-    np.testing.assert_allclose(np.load(out), mlp_reference(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.load(out), mlp_direct(x), rtol=1e-5, atol=1e-5)
 
 
 async def infer_slow(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, list[float]]:

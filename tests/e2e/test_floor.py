@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from bench.procs import children, running, stop
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT
-from tests.e2e.test_jobs import direct as mlp_direct
+from tests.support.mlp_direct import mlp_direct
 
 
 def test_floor_answers_both_models_and_stops() -> None:
@@ -73,7 +73,7 @@ def _request(model: str, data: bytes) -> bytes:
 
 def _responses(conn: socket.socket, n: int) -> list[tuple[bytes, bytes]]:
     """(status line, body) of the next n HTTP responses on `conn`."""
-    buffer, out = b"", []
+    buffer, out = b"", list[tuple[bytes, bytes]]()
     while len(out) < n:
         end = buffer.find(b"\r\n\r\n")
         if end >= 0:

@@ -22,25 +22,10 @@ import numpy as np
 import pytest
 
 from fleet.job_client import JobsClient, JobsClientError
-from tests.e2e.conftest import ROOT, RunningSystem
+from tests.e2e.conftest import RunningSystem
+from tests.support.mlp_direct import MLP, mlp_direct
 
 pytestmark = pytest.mark.e2e
-
-MLP = ROOT / "model_repository" / "mlp" / "1" / "model.pt"
-
-
-def direct(x: np.ndarray) -> np.ndarray:
-    """The same model run in this process: what every job output must equal."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():  # TorchScript is what Triton's pytorch_libtorch backend loads
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = torch.jit.load(str(MLP)).eval()  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        return model(torch.from_numpy(x)).numpy()  # type: ignore[no-any-return]
-
 
 def write_jsonl(path: Path, x: np.ndarray, bad: dict[int, str] | None = None) -> None:
     """One v2 request per row; `bad` maps an item position to a raw line inserted before that row."""
@@ -81,7 +66,7 @@ def rows() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def reference(rows: np.ndarray) -> np.ndarray:
-    return direct(rows)
+    return mlp_direct(rows)
 
 
 def read_output(path: Path) -> list[dict[str, Any]]:
