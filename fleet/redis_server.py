@@ -4,10 +4,13 @@ where REDIS_URL points at a managed server."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -43,10 +46,33 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
+# Ports handed out are claimed for this process's life with a lock on a file named for each, so that another
+# process choosing at the same time (the other test process under pytest-xdist, a bench script) skips them:
+# the bind check alone passes for both until one of their servers binds. The kernel drops the locks at exit.
+_CLAIMS = Path(tempfile.gettempdir()) / f"fleet-free-ports-{os.getuid()}"
+_claimed: dict[int, int] = {}  # port -> its lock file's descriptor, kept open
+
+
+def _claim(port: int) -> bool:
+    try:
+        _CLAIMS.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(_CLAIMS / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        return True  # nowhere to record claims: the bind check alone, as before
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False  # another live process has it
+    _claimed[port] = fd
+    return True
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, for a server started next. Chosen below the kernel's ephemeral range
     where there is one: a port from that range (what binding port 0 gives) can be taken by any outgoing
-    connection between this call and the server's bind. Never the same port twice in one process."""
+    connection between this call and the server's bind. Never the same port twice in one process, nor one
+    another live process got from here."""
     try:
         low = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -61,6 +87,8 @@ def free_port() -> int:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
+            if not _claim(port):
+                continue
             _handed_out.add(port)
             return port
         with socket.socket() as s:
