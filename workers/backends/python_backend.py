@@ -102,14 +102,20 @@ class PythonBackend:
         os.close(from_child_w)
         self._out = os.fdopen(to_child_w, "wb")
         self._in = os.fdopen(from_child_r, "rb", buffering=0)
-        # Replies to init/execute/finalize, in order; the reader thread hands BLS calls on as they come.
+        # Replies to init/execute/finalize, in order, once a reader thread reads the pipe (below).
         self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # BLS replies are written off the event loop that produced them (a large tensor must not stall it).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.instance_name}-bls-writer")
         # This stub process's name among the worker's reporters of custom metrics (a restart is another).
-        stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
-        threading.Thread(target=self._read, args=(self._in, self._replies, self._out, stub), daemon=True,
-                         name=f"{ctx.instance_name}-reader").start()
+        self._stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
+        # Until the stub can write outside a call, the thread that makes a call reads its reply itself: a
+        # reader thread handing each reply on costs the batch a thread wake-up and a GIL hand-off each way.
+        # A decoupled model sends responses after execute() returns, and a model with custom metrics has
+        # the stub flush them between calls: those stubs get a reader thread (from the first reply that
+        # says `flushes` on, `_inline_reply`).
+        self._inline = True
+        if ctx.spec.decoupled:
+            self._start_reader()
         args = {
             "model_config": json.dumps(ctx.spec.to_json()),
             "model_instance_kind": "GPU" if ctx.device.startswith("cuda") else "CPU",
@@ -135,6 +141,8 @@ class PythonBackend:
         try:
             with self._write_lock:
                 write_frame(self._out, message)
+            if self._inline:
+                return self._inline_reply()
             reply = self._replies.get()
             if isinstance(reply, Exception):
                 raise reply
@@ -143,10 +151,46 @@ class PythonBackend:
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
                                   f"{self._exit_status()}") from exc
 
+    def _start_reader(self) -> None:
+        self._inline = False
+        threading.Thread(target=self._read, args=(self._in, self._replies, self._out, self._stub), daemon=True,
+                         name=f"{self._ctx.instance_name}-reader").start()
+
+    def _inline_reply(self) -> Any:
+        """The reply to the call just written, read on the calling thread (no reader thread yet); BLS calls
+        made meanwhile handled as they come. Raises PipeClosed if the stub is gone."""
+        while True:
+            try:
+                msg = read_frame(self._in)
+            except (PipeClosed, OSError, ValueError) as exc:
+                self._metrics(self._stub, None)
+                raise PipeClosed(str(exc)) from exc
+            if self._handled(msg, self._out, self._stub):
+                continue
+            if isinstance(msg, dict) and msg.pop("flushes", False):
+                self._start_reader()  # the stub now flushes metrics between calls: someone must read them
+            return msg
+
+    def _handled(self, msg: Any, out: IO[bytes], stub: str) -> bool:
+        """A frame that is not a reply handled (BLS call, decoupled response, metrics): True. Custom
+        metrics (`m`) are published before the reply that carries them is handed on."""
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if isinstance(msg, dict) and isinstance(msg.get("m"), list):
+            self._metrics(stub, msg.pop("m"))
+        if op == "metrics":
+            return True
+        if op == "bls":
+            self._bls(msg, out)
+        elif op == "send":
+            self._on_send(msg)
+        else:
+            return False
+        return True
+
     def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes], stub: str) -> None:
-        """This stub's frames (one thread per stub process): replies in order; BLS calls and a
-        decoupled model's responses handed on as they come. Custom metrics (`m`) are published before
-        the reply that carries them is handed on; once the stub is gone, what it counted is kept."""
+        """This stub's frames (a thread per stub process, once it has one): replies in order; BLS calls and
+        a decoupled model's responses handed on as they come. Once the stub is gone, what it counted is
+        kept."""
         while True:
             try:
                 msg = read_frame(inp)
@@ -157,16 +201,7 @@ class PythonBackend:
                 if call is not None:
                     call.stub_died()
                 return
-            op = msg.get("op") if isinstance(msg, dict) else None
-            if isinstance(msg, dict) and isinstance(msg.get("m"), list):
-                self._metrics(stub, msg.pop("m"))
-            if op == "metrics":
-                continue
-            if op == "bls":
-                self._bls(msg, out)
-            elif op == "send":
-                self._on_send(msg)
-            else:
+            if not self._handled(msg, out, stub):
                 replies.put(msg)
 
     def _metrics(self, stub: str, snapshot: object) -> None:

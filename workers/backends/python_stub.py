@@ -230,12 +230,15 @@ class Stub:
     def reply(self, frame: dict[str, Any]) -> None:
         """Send a reply to init/execute/finalize, with the model's metrics if they changed (a model that
         defines none pays one integer comparison)."""
+        flushes = self.pb is not None and bool(self.pb._metric_families)
         with self._metrics_lock:
             snapshot = self._metrics_update()
             if snapshot is not None:
                 frame["m"] = snapshot
+            if flushes:  # from now on this stub writes between calls: the worker must keep reading
+                frame["flushes"] = True
             self.channel.send(frame)
-        if self._flusher is None and self.pb is not None and self.pb._metric_families:
+        if self._flusher is None and flushes:
             self._flusher = threading.Thread(target=self._flush_metrics, name="stub-metrics", daemon=True)
             self._flusher.start()
 

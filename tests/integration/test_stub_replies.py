@@ -1,0 +1,117 @@
+"""Who reads a Python-backend stub's pipe (workers/backends/python_backend.py): the thread that makes a
+call reads its reply itself while the stub writes nothing between calls; a stub that does (a model with
+custom metrics flushes them, a decoupled model sends after execute() returns) gets a reader thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+
+from fleet.custom_metrics import decode
+from fleet.envelope import WireTensor
+from fleet.model_config import parse_config
+from workers.backends.base import InferenceItem, LoadContext
+from workers.backends.python_backend import PythonBackend
+from workers.custom_metrics import CustomMetricsBook
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = """
+backend: "python"
+max_batch_size: 4
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
+"""
+# Counts each call's rows twice: once in execute(), once more from a timer after execute() has returned.
+LATE_METRICS_MODEL = """
+import threading
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.rows = pb_utils.MetricFamily("late_rows", "rows, counted late", pb_utils.MetricFamily.COUNTER).Metric()
+
+    def execute(self, requests):
+        self.rows.increment(len(requests))
+        threading.Timer(0.3, self.rows.increment, args=(len(requests),)).start()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy() * 2)]) for r in requests]
+"""
+
+
+def _item(value: float) -> InferenceItem:
+    return InferenceItem(inputs={}, wire=[WireTensor("IN", "FP32", (1, 1), struct.pack("<f", value))])
+
+
+def _doubled(backend: PythonBackend, value: float) -> float:
+    (result,) = backend.execute([_item(value)])
+    assert result.error is None and result.wire_outputs is not None, result.error
+    (out,) = struct.unpack("<f", result.wire_outputs["OUT"].data)
+    return float(out)
+
+
+def _readers(instance: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"{instance}-reader"]
+
+
+def test_a_plain_model_is_read_by_its_caller_and_survives_its_stub_dying_between_calls() -> None:
+    model_dir = ROOT / "tests" / "models" / "doubler"
+    spec = parse_config((model_dir / "config.pbtxt").read_text(), source=str(model_dir), model_name="doubler")
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="plain_0",
+                                        device="cpu"))
+    try:
+        assert [_doubled(backend, v) for v in (1.0, 2.5, -3.0)] == [2.0, 5.0, -6.0]
+        assert _readers("plain_0") == []
+        # Killed while idle: nobody reads the pipe then; the next call finds it closed, restarts the stub
+        # and runs the request again alone (a crash), answering it.
+        proc = backend._proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert _doubled(backend, 4.0) == 8.0
+        assert backend.alive and backend._proc is not proc
+        assert _doubled(backend, 0.5) == 1.0
+        assert _readers("plain_0") == []
+    finally:
+        backend.close()
+
+
+def test_metrics_changed_between_calls_reach_the_worker_without_another_call(tmp_path: Path) -> None:
+    model_dir = tmp_path / "late"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(LATE_METRICS_MODEL)
+    (model_dir / "config.pbtxt").write_text(CONFIG)
+    published: list[float] = []
+    lock = threading.Lock()
+
+    def publish(model: str, part: bytes) -> None:
+        with lock:
+            published.extend(s.value for f in decode(msgpack.unpackb(part)) if f.name == "late_rows"
+                             for s in f.series)
+
+    book = CustomMetricsBook(publish)
+    spec = parse_config(CONFIG, source="test", model_name="late")
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="late_0",
+                                        device="cpu", writes=SimpleNamespace(custom_metrics=book)))  # type: ignore[arg-type]
+    try:
+        assert _doubled(backend, 3.0) == 6.0
+        with lock:
+            assert published[-1] == 1.0  # counted in execute(): published before the call returned
+        assert len(_readers("late_0")) == 1  # the stub flushes between calls: a thread reads them
+        deadline = time.monotonic() + 10
+        while True:  # the timer's count, flushed by the stub within its METRICS_FLUSH_S, with no call made
+            with lock:
+                if published[-1] == 2.0:
+                    break
+            assert time.monotonic() < deadline, f"the late count never arrived: {published}"
+            time.sleep(0.05)
+        assert _doubled(backend, 1.0) == 2.0  # calls go on through the reader thread
+        assert len(_readers("late_0")) == 1
+    finally:
+        backend.close()
