@@ -33,7 +33,7 @@ from fleet.errors import (
     from_code,
 )
 from fleet.keys import Keys
-from fleet.kserve import ParsedInfer, parse_infer, render_infer
+from fleet.kserve import ParsedInfer, render_infer
 from fleet.llm_stats import has_generation, render_generation
 from fleet.model_spec import ModelSpec
 from fleet.parts import Parts
@@ -42,6 +42,7 @@ from fleet.tensor_regions import Regions
 from fleet.trace_points import QUEUE_START, REQUEST_END, REQUEST_START
 from gateway.catalog import Catalog
 from gateway.ensembles import Ensembles
+from gateway.header_cache import HeaderCache
 from gateway.response_cache import ResponseCache, cache_key
 from gateway.sequences import Route, SequenceRouter
 from gateway.tracer import Trace
@@ -68,6 +69,7 @@ class DataPlane:
         self.in_flight = 0  # inference requests of this process, HTTP and gRPC, admitted and not answered
         # (model, config generation, output) -> its class labels, read once from the model's directory.
         self._labels: dict[tuple[str, str, str], tuple[bytes, ...]] = {}
+        self._headers = HeaderCache()  # binary requests' JSON headers, parsed once (gateway/header_cache.py)
 
     def admit(self) -> None:
         """Take one of the process's `max_in_flight` places (every protocol takes from the same count);
@@ -90,7 +92,7 @@ class DataPlane:
             trace.stamp(REQUEST_START)
         view, v = self.catalog.resolve(model, version)
         spec = view.entry.spec
-        req = parse_infer(body, header_length, spec, self.regions)
+        req = self._headers.parse(body, header_length, spec, self.regions)
         reply = await self.run(model, v, spec, req, trace, gen=view.gen)
         body_out, hlen = render_infer(model, v, req, reply.outputs or [], reply.parameters)
         if trace is not None:
