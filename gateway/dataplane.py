@@ -1,9 +1,9 @@
 """The inference path, protocol-free: admission, resolve the model version, validate, enqueue, await the reply.
 
-Each protocol decodes its request into a ParsedInfer (HTTP: fleet.kserve.parse_infer; gRPC:
-gateway/grpc/codec.py); from there `run` is the one path for both: queue-policy admission, the envelope,
-the broker, the reply's outputs or its error. Tensor bytes go from the decoded request into the envelope
-as they are.
+Each protocol decodes its request into a ParsedInfer (HTTP: fleet.kserve.parse_infer, through
+gateway/header_cache.py; gRPC: gateway/grpc/codec.py); from there `run` is the one path for both: queue-policy
+admission, the envelope, the broker, the reply's outputs or its error. Tensor bytes go from the decoded
+request into the envelope as they are.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Who reads a Python-backend stub's pipe (workers/backends/python_backend.py): the thread that makes a
-call reads its reply itself while the stub writes nothing between calls; a stub that does (a model with
-custom metrics flushes them, a decoupled model sends after execute() returns) gets a reader thread."""
+call reads its reply itself while the stub writes nothing between calls; a stub that may (a model with
+custom metrics flushes them, a model's own thread makes BLS calls, a decoupled model sends after execute()
+returns) gets a reader thread."""
 
 from __future__ import annotations
 
@@ -40,6 +41,31 @@ class TritonPythonModel:
     def execute(self, requests):
         self.rows.increment(len(requests))
         threading.Timer(0.3, self.rows.increment, args=(len(requests),)).start()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy() * 2)]) for r in requests]
+"""
+
+# A thread of the model's own makes a BLS call between calls, once told to (a file), and writes down what
+# it got back.
+THREADED_BLS_MODEL = """
+import threading, time
+from pathlib import Path
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.dir = Path(args["model_repository"])
+        threading.Thread(target=self._later, daemon=True).start()
+
+    def _later(self):
+        while not (self.dir / "go").exists():
+            time.sleep(0.02)
+        response = pb_utils.InferenceRequest(model_name="elsewhere", requested_output_names=["OUT"],
+                                             inputs=[pb_utils.Tensor("IN", np.ones([1, 1], np.float32))]).exec()
+        (self.dir / "got").write_text(response.error().message() if response.has_error() else "a result")
+
+    def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
                                                             .as_numpy() * 2)]) for r in requests]
 """
@@ -113,5 +139,26 @@ def test_metrics_changed_between_calls_reach_the_worker_without_another_call(tmp
             time.sleep(0.05)
         assert _doubled(backend, 1.0) == 2.0  # calls go on through the reader thread
         assert len(_readers("late_0")) == 1
+    finally:
+        backend.close()
+
+
+def test_a_bls_call_from_a_models_own_thread_between_calls_is_answered(tmp_path: Path) -> None:
+    model_dir = tmp_path / "threaded"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(THREADED_BLS_MODEL)
+    (model_dir / "config.pbtxt").write_text(CONFIG)
+    spec = parse_config(CONFIG, source="test", model_name="threaded")
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="threaded_0",
+                                        device="cpu"))  # no BLS handler here: the call is answered UNSUPPORTED
+    try:
+        assert len(_readers("threaded_0")) == 1  # the model has a thread of its own since initialize()
+        (model_dir / "go").write_text("")
+        deadline = time.monotonic() + 10
+        while not (model_dir / "got").exists():  # with no call in flight
+            assert time.monotonic() < deadline, "the BLS call made between calls was never answered"
+            time.sleep(0.05)
+        assert "BLS calls are not available" in (model_dir / "got").read_text()
+        assert _doubled(backend, 2.0) == 4.0
     finally:
         backend.close()

@@ -110,9 +110,10 @@ class PythonBackend:
         self._stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
         # Until the stub can write outside a call, the thread that makes a call reads its reply itself: a
         # reader thread handing each reply on costs the batch a thread wake-up and a GIL hand-off each way.
-        # A decoupled model sends responses after execute() returns, and a model with custom metrics has
-        # the stub flush them between calls: those stubs get a reader thread (from the first reply that
-        # says `flushes` on, `_inline_reply`).
+        # A decoupled model sends responses after execute() returns; a model with custom metrics has the
+        # stub flush them between calls; a model's own threads may make BLS calls at any time. Those stubs
+        # get a reader thread: decoupled ones from the start, the others from the first reply that says
+        # `between` (python_stub.py's `reply`), in `_inline_reply`.
         self._inline = True
         if ctx.spec.decoupled:
             self._start_reader()
@@ -167,25 +168,29 @@ class PythonBackend:
                 raise PipeClosed(str(exc)) from exc
             if self._handled(msg, self._out, self._stub):
                 continue
-            if isinstance(msg, dict) and msg.pop("flushes", False):
-                self._start_reader()  # the stub now flushes metrics between calls: someone must read them
+            if isinstance(msg, dict) and msg.pop("between", False):
+                self._start_reader()  # the stub may write between calls from now on: someone must read it
             return msg
 
     def _handled(self, msg: Any, out: IO[bytes], stub: str) -> bool:
-        """A frame that is not a reply handled (BLS call, decoupled response, metrics): True. Custom
-        metrics (`m`) are published before the reply that carries them is handed on."""
+        """Handle a frame that is not a reply (BLS call, decoupled response, metrics); return whether it was
+        one. Custom metrics (`m`) are published before the reply that carries them is handed on. Never
+        raises: a reply must still reach its call, and a failure here must not leave it unread in the pipe
+        (the next call would take it for its own)."""
         op = msg.get("op") if isinstance(msg, dict) else None
-        if isinstance(msg, dict) and isinstance(msg.get("m"), list):
-            self._metrics(stub, msg.pop("m"))
-        if op == "metrics":
-            return True
-        if op == "bls":
-            self._bls(msg, out)
-        elif op == "send":
-            self._on_send(msg)
-        else:
-            return False
-        return True
+        try:
+            if isinstance(msg, dict) and isinstance(msg.get("m"), list):
+                self._metrics(stub, msg.pop("m"))
+            if op == "bls":
+                self._bls(msg, out)
+            elif op == "send":
+                self._on_send(msg)
+        except Exception as exc:
+            log.exception("%s: handling the stub's %s frame failed", self._ctx.instance_name, op or "reply")
+            if op == "bls":  # the model waits for an answer
+                self._write_reply(out, {"op": "bls_reply", "n": msg.get("n"), "final": True,
+                                        "e": ["INTERNAL", f"the BLS call failed: {type(exc).__name__}: {exc}"]})
+        return op in ("metrics", "bls", "send")
 
     def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes], stub: str) -> None:
         """This stub's frames (a thread per stub process, once it has one): replies in order; BLS calls and
@@ -416,6 +421,8 @@ class PythonBackend:
                 f.close()
             except OSError:
                 pass
+        if self._inline:  # no reader thread to see the pipe close: what this stub counted is kept now
+            self._metrics(self._stub, None)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:

@@ -116,6 +116,7 @@ class Stub:
         self._metrics_lock = threading.Lock()
         self._metrics_reported = 0
         self._flusher: threading.Thread | None = None
+        self._own_threads = threading.active_count()  # this one and the channel's reader, before any model's
 
     def init(self, msg: dict[str, Any]) -> None:
         # The worker's format and verbose level: pb_utils.Logger's lines read like the worker's own.
@@ -230,13 +231,16 @@ class Stub:
     def reply(self, frame: dict[str, Any]) -> None:
         """Send a reply to init/execute/finalize, with the model's metrics if they changed (a model that
         defines none pays one integer comparison)."""
-        flushes = self.pb is not None and bool(self.pb._metric_families)
         with self._metrics_lock:
             snapshot = self._metrics_update()
             if snapshot is not None:
                 frame["m"] = snapshot
-            if flushes:  # from now on this stub writes between calls: the worker must keep reading
-                frame["flushes"] = True
+            flushes = self.pb is not None and bool(self.pb._metric_families)
+            # The worker reads a reply on the thread that made the call for as long as this stub writes
+            # nothing between calls; it must hear when it may: once the flusher below runs, and once the
+            # model has threads of its own (they may make BLS calls at any time).
+            if flushes or threading.active_count() > self._own_threads:
+                frame["between"] = True
             self.channel.send(frame)
         if self._flusher is None and flushes:
             self._flusher = threading.Thread(target=self._flush_metrics, name="stub-metrics", daemon=True)
