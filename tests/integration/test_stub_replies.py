@@ -18,6 +18,7 @@ import msgpack
 from fleet.custom_metrics import decode
 from fleet.envelope import WireTensor
 from fleet.model_config import parse_config
+from fleet.model_spec import ModelSpec
 from workers.backends.base import InferenceItem, LoadContext
 from workers.backends.python_backend import PythonBackend
 from workers.custom_metrics import CustomMetricsBook
@@ -82,6 +83,15 @@ def _doubled(backend: PythonBackend, value: float) -> float:
     return float(out)
 
 
+def _model(tmp_path: Path, name: str, source: str) -> tuple[Path, ModelSpec]:
+    """A model directory of `source` and CONFIG, and its config."""
+    model_dir = tmp_path / name
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(source)
+    (model_dir / "config.pbtxt").write_text(CONFIG)
+    return model_dir, parse_config(CONFIG, source="test", model_name=name)
+
+
 def _readers(instance: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"{instance}-reader"]
 
@@ -109,10 +119,7 @@ def test_a_plain_model_is_read_by_its_caller_and_survives_its_stub_dying_between
 
 
 def test_metrics_changed_between_calls_reach_the_worker_without_another_call(tmp_path: Path) -> None:
-    model_dir = tmp_path / "late"
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.py").write_text(LATE_METRICS_MODEL)
-    (model_dir / "config.pbtxt").write_text(CONFIG)
+    model_dir, spec = _model(tmp_path, "late", LATE_METRICS_MODEL)
     published: list[float] = []
     lock = threading.Lock()
 
@@ -122,7 +129,6 @@ def test_metrics_changed_between_calls_reach_the_worker_without_another_call(tmp
                              for s in f.series)
 
     book = CustomMetricsBook(publish)
-    spec = parse_config(CONFIG, source="test", model_name="late")
     backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="late_0",
                                         device="cpu", writes=SimpleNamespace(custom_metrics=book)))  # type: ignore[arg-type]
     try:
@@ -144,11 +150,7 @@ def test_metrics_changed_between_calls_reach_the_worker_without_another_call(tmp
 
 
 def test_a_bls_call_from_a_models_own_thread_between_calls_is_answered(tmp_path: Path) -> None:
-    model_dir = tmp_path / "threaded"
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.py").write_text(THREADED_BLS_MODEL)
-    (model_dir / "config.pbtxt").write_text(CONFIG)
-    spec = parse_config(CONFIG, source="test", model_name="threaded")
+    model_dir, spec = _model(tmp_path, "threaded", THREADED_BLS_MODEL)
     backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="threaded_0",
                                         device="cpu"))  # no BLS handler here: the call is answered UNSUPPORTED
     try:
