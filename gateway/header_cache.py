@@ -34,8 +34,7 @@ LONGEST_HEADER_BYTES = 4096  # a longer header is parsed each time (no large key
 class _Parsed:
     spec: ModelSpec  # the config it was checked against
     request: ParsedInfer  # its inputs' data empty
-    sizes: tuple[int, ...]  # each input's bytes, in the tail's order
-    total_bytes: int  # the tail's
+    sizes: tuple[int, ...]  # each input's bytes, in the tail's order (they add up to the tail's)
 
 
 class HeaderCache:
@@ -56,7 +55,7 @@ class HeaderCache:
         header, binary = split_body(body, header_length)
         key = (spec.name, header)
         known = self._entries.get(key)
-        if known is not None and known.spec is spec and len(binary) == known.total_bytes:
+        if known is not None and known.spec is spec and len(binary) == sum(known.sizes):
             self._entries[key] = self._entries.pop(key)  # the most recently used last
             return _with_tail(known, binary)
         request = parse_infer_read(header, load_json(header), spec, binary, regions)
@@ -65,7 +64,7 @@ class HeaderCache:
                 del self._entries[next(iter(self._entries))]
             self._entries[key] = _Parsed(
                 spec, _with_inputs(request, [WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]),
-                tuple(len(t.data) for t in request.inputs), len(binary))
+                tuple(len(t.data) for t in request.inputs))
         return request
 
 

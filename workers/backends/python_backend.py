@@ -21,25 +21,26 @@ SIGKILL leaves no stub behind, even one busy in execute() (an idle one would als
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, ClassVar
+from typing import Any, ClassVar
 
 from fleet.envelope import WireTensor
 from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, ServingError, from_code
 from fleet.logs import current_log_settings, process_log_format
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
 from workers.backends.decoupled import DecoupledCall
-from workers.backends.frames import PipeClosed, read_frame, write_frame
+from workers.backends.frames import PipeClosed
+from workers.backends.stub_pipe import StubPipe
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ class PythonBackend:
         # A restart that failed (initialize() raising now): not alive until a start works. A restart in
         # progress (no process for the moment between the old one's end and the new one's spawn) is alive.
         self._failed = False
-        self._write_lock = threading.Lock()
         self._decoupled: DecoupledCall | None = None  # the call in flight, for a decoupled model
         # The models waiting on what this instance runs now (their BLS chain) and this instance's own link.
         self._link = f"{ctx.spec.name}:{ctx.version}"
@@ -100,23 +100,13 @@ class PythonBackend:
         )
         os.close(to_child_r)
         os.close(from_child_w)
-        self._out = os.fdopen(to_child_w, "wb")
-        self._in = os.fdopen(from_child_r, "rb", buffering=0)
-        # Replies to init/execute/finalize, in order, once a reader thread reads the pipe (below).
-        self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # BLS replies are written off the event loop that produced them (a large tensor must not stall it).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.instance_name}-bls-writer")
         # This stub process's name among the worker's reporters of custom metrics (a restart is another).
-        self._stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
-        # Until the stub can write outside a call, the thread that makes a call reads its reply itself: a
-        # reader thread handing each reply on costs the batch a thread wake-up and a GIL hand-off each way.
-        # A decoupled model sends responses after execute() returns; a model with custom metrics has the
-        # stub flush them between calls; a model's own threads may make BLS calls at any time. Those stubs
-        # get a reader thread: decoupled ones from the start, the others from the first reply that says
-        # `between` (python_stub.py's `reply`), in `_inline_reply`.
-        self._inline = True
-        if ctx.spec.decoupled:
-            self._start_reader()
+        stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
+        self._pipe = StubPipe(os.fdopen(from_child_r, "rb", buffering=0), os.fdopen(to_child_w, "wb"),
+                              f"{ctx.instance_name}-reader", functools.partial(self._handled, stub),
+                              functools.partial(self._stub_gone, stub), reader=ctx.spec.decoupled)
         args = {
             "model_config": json.dumps(ctx.spec.to_json()),
             "model_instance_kind": "GPU" if ctx.device.startswith("cuda") else "CPU",
@@ -140,74 +130,36 @@ class PythonBackend:
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
         try:
-            with self._write_lock:
-                write_frame(self._out, message)
-            if self._inline:
-                return self._inline_reply()
-            reply = self._replies.get()
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
+            return self._pipe.call(message)
         except (PipeClosed, OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
                                   f"{self._exit_status()}") from exc
 
-    def _start_reader(self) -> None:
-        self._inline = False
-        threading.Thread(target=self._read, args=(self._in, self._replies, self._out, self._stub), daemon=True,
-                         name=f"{self._ctx.instance_name}-reader").start()
-
-    def _inline_reply(self) -> Any:
-        """The reply to the call just written, read on the calling thread (no reader thread yet); BLS calls
-        made meanwhile handled as they come. Raises PipeClosed if the stub is gone."""
-        while True:
-            try:
-                msg = read_frame(self._in)
-            except (PipeClosed, OSError, ValueError) as exc:
-                self._metrics(self._stub, None)
-                raise PipeClosed(str(exc)) from exc
-            if self._handled(msg, self._out, self._stub):
-                continue
-            if isinstance(msg, dict) and msg.pop("between", False):
-                self._start_reader()  # the stub may write between calls from now on: someone must read it
-            return msg
-
-    def _handled(self, msg: Any, out: IO[bytes], stub: str) -> bool:
-        """Handle a frame that is not a reply (BLS call, decoupled response, metrics); return whether it was
-        one. Custom metrics (`m`) are published before the reply that carries them is handed on. Never
-        raises: a reply must still reach its call, and a failure here must not leave it unread in the pipe
-        (the next call would take it for its own)."""
+    def _handled(self, stub: str, pipe: StubPipe, msg: Any) -> bool:
+        """Handle a frame of `stub`'s that is not a reply (BLS call, decoupled response, metrics); return
+        whether it was one. Custom metrics (`m`) are published before the reply that carries them is handed
+        on. Never raises (stub_pipe.Handle)."""
         op = msg.get("op") if isinstance(msg, dict) else None
         try:
             if isinstance(msg, dict) and isinstance(msg.get("m"), list):
                 self._metrics(stub, msg.pop("m"))
             if op == "bls":
-                self._bls(msg, out)
+                self._bls(msg, pipe)
             elif op == "send":
                 self._on_send(msg)
         except Exception as exc:
             log.exception("%s: handling the stub's %s frame failed", self._ctx.instance_name, op or "reply")
             if op == "bls":  # the model waits for an answer
-                self._write_reply(out, {"op": "bls_reply", "n": msg.get("n"), "final": True,
-                                        "e": ["INTERNAL", f"the BLS call failed: {type(exc).__name__}: {exc}"]})
+                pipe.send({"op": "bls_reply", "n": msg.get("n"), "final": True,
+                           "e": ["INTERNAL", f"the BLS call failed: {type(exc).__name__}: {exc}"]})
         return op in ("metrics", "bls", "send")
 
-    def _read(self, inp: IO[bytes], replies: queue.SimpleQueue[Any], out: IO[bytes], stub: str) -> None:
-        """This stub's frames (a thread per stub process, once it has one): replies in order; BLS calls and
-        a decoupled model's responses handed on as they come. Once the stub is gone, what it counted is
-        kept."""
-        while True:
-            try:
-                msg = read_frame(inp)
-            except (PipeClosed, OSError, ValueError) as exc:
-                self._metrics(stub, None)
-                replies.put(PipeClosed(str(exc)))
-                call = self._decoupled
-                if call is not None:
-                    call.stub_died()
-                return
-            if not self._handled(msg, out, stub):
-                replies.put(msg)
+    def _stub_gone(self, stub: str) -> None:
+        """Its pipe closed: what it counted is kept, and a decoupled call waiting on it fails."""
+        self._metrics(stub, None)
+        call = self._decoupled
+        if call is not None:
+            call.stub_died()
 
     def _metrics(self, stub: str, snapshot: object) -> None:
         """A snapshot of the stub's custom metrics to the worker's book; None once the stub is gone."""
@@ -219,24 +171,17 @@ class PythonBackend:
         else:
             writes.custom_metrics.report(self._ctx.spec.name, stub, snapshot)
 
-    def _bls(self, msg: dict[str, Any], out: IO[bytes]) -> None:
+    def _bls(self, msg: dict[str, Any], pipe: StubPipe) -> None:
         n = msg.get("n")
 
         def reply(frame: dict[str, Any]) -> None:
-            self._writer.submit(self._write_reply, out, {**frame, "op": "bls_reply", "n": n})
+            self._writer.submit(pipe.send, {**frame, "op": "bls_reply", "n": n})
 
         bls = self._ctx.bls
         if bls is None:
             reply({"e": ["UNSUPPORTED", "BLS calls are not available in this process"], "final": True})
             return
         bls.call(msg, list(self._chain), reply)
-
-    def _write_reply(self, out: IO[bytes], frame: dict[str, Any]) -> None:
-        try:
-            with self._write_lock:
-                write_frame(out, frame)
-        except (OSError, ValueError):
-            pass  # the stub is gone: its call died with it
 
     def _on_send(self, msg: dict[str, Any]) -> None:
         """A decoupled model's response (workers/backends/decoupled.py)."""
@@ -250,11 +195,7 @@ class PythonBackend:
         """The callers of these requests went away: a decoupled model sees request.is_cancelled()."""
         if self._decoupled is None or self._proc is None:
             return
-        try:
-            with self._write_lock:
-                write_frame(self._out, {"op": "cancel", "keys": keys})
-        except (OSError, ValueError):
-            pass
+        self._pipe.send({"op": "cancel", "keys": keys})
 
     def _exit_status(self) -> str:
         proc = self._proc
@@ -416,13 +357,7 @@ class PythonBackend:
                 self._roundtrip({"op": "finalize"})
         except InferenceFailed:
             pass
-        for f in (self._out, self._in):
-            try:
-                f.close()
-            except OSError:
-                pass
-        if self._inline:  # no reader thread to see the pipe close: what this stub counted is kept now
-            self._metrics(self._stub, None)
+        self._pipe.close()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
