@@ -151,7 +151,12 @@ async def _executing(s: InProcessSystem, model: str) -> bool:
     """Whether a worker holds and has started a request of `model` (read, nothing left in Redis)."""
     r = s.state.client
     queue = s.state.keys.queue(model, 1, version=1)
-    pending = await r.xpending(queue, GROUP)
+    try:
+        pending = await r.xpending(queue, GROUP)
+    except redis.ResponseError as exc:  # no stream or group yet (asked before the request's XADD): not yet
+        if "NOGROUP" not in str(exc):
+            raise
+        return False
     return bool(pending["pending"]) and await r.xlen(queue) == pending["pending"]
 
 
