@@ -21,7 +21,7 @@ from fleet.redis_time import RedisClock
 from fleet.trace_points import BATCH_FORMED
 from workers import gil
 from workers.custody import Custody
-from workers.execute import BatchOutcome, run_batch
+from workers.execute import BatchOutcome, LoopRun, run_batch
 from workers.held import HeldRequests, stamp
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
@@ -89,9 +89,11 @@ class Dispatch:
                                                   batch.items)
         if self._held.traced:
             stamp(envs, BATCH_FORMED, self._redis_clock.now_ns())
-        backend = self.instances[version][index].backend
+        instance = self.instances[version][index]
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
-        job = Job(version, batch, functools.partial(run_batch, self.spec, backend, envs, state_of, lanes))
+        job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes))
+        if instance.loop_backend is not None:
+            job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
         self._jobs[(version, batch.id)] = job
         gil.batch_started(any(p.lane == self._bulk_lane for p in batch.items), self._clock.now_us())
         return job

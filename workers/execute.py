@@ -3,9 +3,12 @@ the backend, encode one reply per request, and measure Triton's compute_input/in
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from contextvars import Token
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +20,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_rep
 from fleet.errors import InferenceFailed, PoisonRequest, ServingError
 from fleet.model_spec import ModelSpec, TensorSpec
 from fleet.reshape import client_shape, model_shape
-from workers.backends.base import Backend, InferenceItem, ItemResult, failed
+from workers.backends.base import Backend, InferenceItem, ItemResult, LoopBackend, failed
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +167,97 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
     What is logged meanwhile (here, by the backend) names the model, version and the batch's requests."""
     token = log_context.bind(log_context.BatchLog(spec.name, envs[0].version if envs else 0, envs))
     try:
-        return _run_batch(spec, backend, envs, state_of, lanes)
+        prepared = _prepare(spec, backend, envs, lanes)
+        return _complete(spec, prepared, _execute(spec, backend, prepared.items), state_of)
     finally:
         log_context.unbind(token)
 
 
-def _run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
-               state_of: Callable[[ItemResult], object] | None, lanes: list[int] | None) -> BatchOutcome:
+# What a batch run from the loop comes back with (LoopRun.begin's `on_outcome`).
+LoopOutcome = BatchOutcome | BaseException | Callable[[], BatchOutcome]
+
+
+@dataclass(slots=True)
+class LoopRun:
+    """A batch that the event loop may run itself, for a backend that computes in another process (a
+    Python-backend stub: workers/backends/python_backend.py's start_on_loop). The loop writes the call and
+    is woken by the reply, with no instance thread between; what needs a thread (a BLS call on the way, a
+    crashed stub) is handed to the instance's thread as a callable."""
+
+    spec: ModelSpec
+    backend: LoopBackend
+    envs: list[RequestEnvelope]
+    state_of: Callable[[ItemResult], object] | None
+    lanes: list[int] | None
+
+    def begin(self, loop: asyncio.AbstractEventLoop, on_outcome: Callable[[LoopOutcome], None]) -> bool:
+        """Start the batch from the loop; `on_outcome` gets its outcome there (an exception: a bug outside
+        the model, as `Instance` reports one from its thread), or a callable that returns it, to run on
+        the instance's thread. False (nothing started): run it on the thread (`run_batch`)."""
+        if not self.backend.loop_ready():
+            return False
+        token = self._bind()
+        try:
+            prepared = _prepare(self.spec, self.backend, self.envs, self.lanes)
+            if not prepared.items:
+                return False
+            on_results = functools.partial(self._on_results, prepared, on_outcome)
+            try:
+                self.backend.start_on_loop(prepared.items, loop, on_results)
+            except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
+                log.exception("%s: the backend raised while starting a batch of %d", self.spec.name,
+                              len(prepared.items))
+                loop.call_soon(on_results, failed(prepared.items, exc))
+            return True
+        finally:
+            log_context.unbind(token)
+
+    def _bind(self) -> Token[log_context.RequestLog | log_context.BatchLog | None]:
+        return log_context.bind(log_context.BatchLog(self.spec.name, self.envs[0].version if self.envs else 0,
+                                                     self.envs))
+
+    def _on_results(self, prepared: _Prepared, on_outcome: Callable[[LoopOutcome], None],
+                    results: list[ItemResult] | Callable[[], list[ItemResult]]) -> None:
+        """On the loop: the call's results, or the rest of the call for the instance's thread."""
+        if callable(results):
+            on_outcome(functools.partial(self._finish, prepared, results))
+            return
+        token = self._bind()
+        outcome: BatchOutcome | BaseException
+        try:
+            outcome = _complete(self.spec, prepared, _checked(prepared.items, results), self.state_of)
+        except Exception as exc:
+            outcome = exc
+        finally:
+            log_context.unbind(token)
+        on_outcome(outcome)
+
+    def _finish(self, prepared: _Prepared, rest: Callable[[], list[ItemResult]]) -> BatchOutcome:
+        """On the instance's thread: the call's rest (run_batch's, from where the loop left it)."""
+        token = self._bind()
+        try:
+            try:
+                results = rest()
+            except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
+                log.exception("%s: the backend raised while executing a batch of %d", self.spec.name,
+                              len(prepared.items))
+                results = failed(prepared.items, exc)
+            return _complete(self.spec, prepared, _checked(prepared.items, results), self.state_of)
+        finally:
+            log_context.unbind(token)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    envs: list[RequestEnvelope]
+    items: list[InferenceItem]
+    early: dict[int, ReplyEnvelope]  # requests answered before the backend (inputs that cannot be decoded)
+    t0: int
+    t1: int
+
+
+def _prepare(spec: ModelSpec, backend: Backend | LoopBackend, envs: list[RequestEnvelope],
+             lanes: list[int] | None) -> _Prepared:
     t0 = time.perf_counter_ns()
     to_arrays = not backend.takes_wire
     reshaped = {t.name: t for t in spec.inputs if t.reshape is not None and not t.is_shape_tensor}
@@ -184,17 +271,30 @@ def _run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
                 items[-1].lane = lanes[i]
         except ServingError as exc:
             early[i] = error_reply(env, exc)
-    runnable = [env for i, env in enumerate(envs) if i not in early]
-    t1 = time.perf_counter_ns()
+    return _Prepared(envs, items, early, t0, time.perf_counter_ns())
+
+
+def _execute(spec: ModelSpec, backend: Backend, items: list[InferenceItem]) -> list[ItemResult]:
     try:
         results: list[ItemResult] = backend.execute(items) if items else []
     except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
         log.exception("%s: the backend raised while executing a batch of %d", spec.name, len(items))
         results = failed(items, exc)
+    return _checked(items, results)
+
+
+def _checked(items: list[InferenceItem], results: list[ItemResult]) -> list[ItemResult]:
     if len(results) != len(items):
         err = InferenceFailed(f"backend returned {len(results)} results for {len(items)} requests")
-        results = [ItemResult(error=err) for _ in items]
+        return [ItemResult(error=err) for _ in items]
+    return results
+
+
+def _complete(spec: ModelSpec, prepared: _Prepared, results: list[ItemResult],
+              state_of: Callable[[ItemResult], object] | None) -> BatchOutcome:
     t2 = time.perf_counter_ns()
+    envs, early = prepared.envs, prepared.early
+    runnable = [env for i, env in enumerate(envs) if i not in early]
     encoded = [_encode(spec, env, res) for env, res in zip(runnable, results, strict=True)]
     encoded.reverse()
     replies = [early[i] if i in early else encoded.pop() for i in range(len(envs))]
@@ -206,4 +306,5 @@ def _run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
         states = [None] * len(envs)
         for k, res in enumerate(results):
             states[runnable_at[k]] = state_of(res)
+    t0, t1 = prepared.t0, prepared.t1
     return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - t2, poisoned, t0, states)

@@ -7,11 +7,19 @@ done, without a round trip through the event loop (which may be busy writing the
 replies). That gap was a quarter of the instance's time on bulk jobs. A staged batch can be taken back
 (`unstage`) or replaced by a bigger one (`restage`) as long as the thread has not started it, so a
 higher-priority request that arrives in the meantime still goes first, and one that can join does.
+
+A backend that computes in another process (a Python-backend stub) is driven by the event loop itself
+while it can be (`Job.on_loop`, workers/execute.py's LoopRun): the loop writes the call and the stub's
+reply wakes the loop, which reports the batch done and starts the staged one. The thread hand-offs that
+saves (loop to thread, thread to loop) were a wake-up each, ~35 and ~140 µs of a C=1 request's time here
+(bench/RESULTS.md, stop 41). What needs a thread (a restart, a BLS call on the way, a rate limiter's
+wait) runs on the instance's thread as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +28,8 @@ from dataclasses import dataclass, field
 
 from batching.plan import Batch
 from fleet.model_spec import InstanceLimit
-from workers.backends.base import Backend
-from workers.execute import BatchOutcome
+from workers.backends.base import Backend, LoopBackend
+from workers.execute import BatchOutcome, LoopOutcome, LoopRun
 from workers.rate_limiter import RateLimiter
 
 
@@ -32,6 +40,7 @@ class Job:
     version: int
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome
     run: Callable[[], BatchOutcome]
+    on_loop: LoopRun | None = None  # the same batch run from the event loop, where the backend allows
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
@@ -59,10 +68,16 @@ class Instance:
     # Its rate_limiter and the worker's limiter (workers/rate_limiter.py); None: it executes at will.
     limit: InstanceLimit | None = None
     limiter: RateLimiter | None = None
-    busy: bool = False  # a chain of batches is running on the thread (changed under _lock)
+    busy: bool = False  # a chain of batches is running, on the thread or from the loop (changed under _lock)
     running_since: float | None = None  # time.monotonic() the current batch started (the watchdog reads it)
+    # The backend, if the event loop may drive its calls (and no rate limiter makes them wait).
+    loop_backend: LoopBackend | None = field(init=False)
     _staged: Job | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        backend = self.backend
+        self.loop_backend = backend if self.limiter is None and isinstance(backend, LoopBackend) else None
 
     @property
     def staged(self) -> Job | None:
@@ -73,7 +88,38 @@ class Instance:
         with self._lock:
             assert not self.busy, f"{self.name} is already running a batch"
             self.busy = True
+        self._begin(job, loop, callbacks)
+
+    def _begin(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
+        """On the loop: start `job` from the loop if it can go that way, else on the thread."""
+        if job.on_loop is not None:
+            started_us = time.time_ns() // 1000
+            self.running_since = time.monotonic()
+            if job.on_loop.begin(loop, functools.partial(self._computed, job, loop, callbacks, started_us)):
+                return
+            self.running_since = None
         self.executor.submit(self._chain, job, loop, callbacks)
+
+    def _computed(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks, started_us: int,
+                  outcome: LoopOutcome) -> None:
+        """On the loop, once a batch started there has its reply: report it and start the staged one. An
+        outcome still to be finished (a callable) is finished on the thread, which goes on from there."""
+        if callable(outcome):
+            self.executor.submit(self._chain, job, loop, callbacks, outcome, started_us)
+            return
+        self.running_since = None
+        callbacks.done(job, outcome, started_us)
+        with self._lock:
+            current, self._staged = self._staged, None
+            if current is not None and not callbacks.custody_fresh():
+                callbacks.refused(current)
+                current = None
+            if current is None:
+                self.busy = False
+        if current is not None:
+            self._begin(current, loop, callbacks)
+        else:
+            callbacks.idle(self)
 
     def stage(self, job: Job) -> bool:
         """Queue `job` behind the running batch; False if the instance is idle or already has one."""
@@ -97,31 +143,17 @@ class Instance:
             job, self._staged = self._staged, None
             return job
 
-    def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
+    def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks,
+               rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0) -> None:
+        """On the thread: run `job` (or finish it: `rest`, from where the loop left it), then whatever gets
+        staged behind it; a staged job the loop can run goes back to the loop."""
         current: Job | None = job
         while current is not None:
-            held = None
-            started_us = time.time_ns() // 1000
-            result: BatchOutcome | BaseException
-            try:
-                waited_ns = -1
-                if self.limiter is not None and self.limit is not None:
-                    # Waiting for rate-limiter resources comes first: not running yet (for the watchdog).
-                    waiting_since = time.perf_counter_ns()
-                    held = self.limiter.acquire(self.limit)
-                    waited_ns = time.perf_counter_ns() - waiting_since
-                    started_us = time.time_ns() // 1000
-                self.running_since = time.monotonic()
-                result = current.run()
-                if isinstance(result, BatchOutcome):
-                    result.resource_wait_ns = waited_ns
-            except Exception as exc:  # reported to the loop; the thread keeps serving
-                result = exc
-            finally:
-                self.running_since = None
-                if held is not None:
-                    assert self.limiter is not None
-                    self.limiter.release(held)
+            if rest is not None:
+                result, started_us = self._finish(rest), rest_started_us
+                rest = None
+            else:
+                result, started_us = self._run(current)
             loop.call_soon_threadsafe(callbacks.done, current, result, started_us)
             with self._lock:
                 current, self._staged = self._staged, None
@@ -130,5 +162,40 @@ class Instance:
                     current = None
                 if current is None:
                     self.busy = False
+            if current is not None and current.on_loop is not None and current.on_loop.backend.loop_ready():
+                loop.call_soon_threadsafe(self._begin, current, loop, callbacks)
+                return
         loop.call_soon_threadsafe(callbacks.idle, self)
 
+    def _run(self, job: Job) -> tuple[BatchOutcome | BaseException, int]:
+        held = None
+        started_us = time.time_ns() // 1000
+        result: BatchOutcome | BaseException
+        try:
+            waited_ns = -1
+            if self.limiter is not None and self.limit is not None:
+                # Waiting for rate-limiter resources comes first: not running yet (for the watchdog).
+                waiting_since = time.perf_counter_ns()
+                held = self.limiter.acquire(self.limit)
+                waited_ns = time.perf_counter_ns() - waiting_since
+                started_us = time.time_ns() // 1000
+            self.running_since = time.monotonic()
+            result = job.run()
+            if isinstance(result, BatchOutcome):
+                result.resource_wait_ns = waited_ns
+        except Exception as exc:  # reported to the loop; the thread keeps serving
+            result = exc
+        finally:
+            self.running_since = None
+            if held is not None:
+                assert self.limiter is not None
+                self.limiter.release(held)
+        return result, started_us
+
+    def _finish(self, rest: Callable[[], BatchOutcome]) -> BatchOutcome | BaseException:
+        try:
+            return rest()
+        except Exception as exc:  # reported to the loop; the thread keeps serving
+            return exc
+        finally:
+            self.running_since = None

@@ -1,15 +1,19 @@
-"""Who reads a Python-backend stub's pipe (workers/backends/python_backend.py): the thread that makes a
-call reads its reply itself while the stub writes nothing between calls; a stub that may (a model with
+"""Who reads a Python-backend stub's pipes (workers/backends/python_backend.py, stub_pipe.py and
+stub_channel.py). The worker's end: the thread that makes a call reads its reply itself while the stub
+writes nothing between calls, and so may the event loop (`start_on_loop`); a stub that may (a model with
 custom metrics flushes them, a model's own thread makes BLS calls, a decoupled model sends after execute()
-returns) gets a reader thread."""
+returns) gets a reader thread. The stub's end: its main loop reads the worker's calls until a BLS call's
+replies need a reader thread."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +23,7 @@ from fleet.custom_metrics import decode
 from fleet.envelope import WireTensor
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
-from workers.backends.base import InferenceItem, LoadContext
+from workers.backends.base import InferenceItem, ItemResult, LoadContext
 from workers.backends.python_backend import PythonBackend
 from workers.custom_metrics import CustomMetricsBook
 
@@ -162,5 +166,72 @@ def test_a_bls_call_from_a_models_own_thread_between_calls_is_answered(tmp_path:
             time.sleep(0.05)
         assert "BLS calls are not available" in (model_dir / "got").read_text()
         assert _doubled(backend, 2.0) == 4.0
+    finally:
+        backend.close()
+
+# OUT = how many reader threads this stub runs; a negative input makes a BLS call first.
+READERS_MODEL = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            if (x < 0).any():
+                pb_utils.InferenceRequest(model_name="elsewhere", requested_output_names=["OUT"],
+                                          inputs=[pb_utils.Tensor("IN", x)]).exec()
+            readers = sum(t.name == "stub-reader" for t in threading.enumerate())
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.full_like(x, readers))]))
+        return out
+"""
+
+
+def test_a_stub_reads_its_own_pipe_until_a_bls_call_needs_a_reader(tmp_path: Path) -> None:
+    model_dir, spec = _model(tmp_path, "readers", READERS_MODEL)
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="readers_0",
+                                        device="cpu"))  # no BLS handler here: the call is answered UNSUPPORTED
+    try:
+        assert [_doubled(backend, v) for v in (1.0, 2.0)] == [0.0, 0.0]  # OUT: the stub's main loop reads its pipe
+        assert _doubled(backend, -1.0) == 1.0  # a BLS call's replies need a reader: started before it went out
+        assert _doubled(backend, 3.0) == 1.0  # and it reads from then on
+        assert _readers("readers_0") == []  # the worker's end still reads each reply on the calling thread
+    finally:
+        backend.close()
+
+
+def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(tmp_path: Path) -> None:
+    model_dir, spec = _model(tmp_path, "loop", READERS_MODEL)
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="loop_0",
+                                        device="cpu"))
+
+    async def call(value: float) -> tuple[bool, float]:
+        """(whether the loop had the results itself, OUT)"""
+        assert backend.loop_ready()
+        got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = \
+            asyncio.get_running_loop().create_future()
+        backend.start_on_loop([_item(value)], asyncio.get_running_loop(), got.set_result)
+        outcome = await got
+        on_loop = not callable(outcome)
+        results = outcome if not callable(outcome) else await asyncio.to_thread(outcome)
+        (result,) = results
+        assert result.error is None and result.wire_outputs is not None, result.error
+        return on_loop, struct.unpack("<f", result.wire_outputs["OUT"].data)[0]
+
+    async def main() -> None:
+        assert await call(1.0) == (True, 0.0)
+        assert await call(-1.0) == (False, 1.0)  # the BLS call's frame came first: the rest on a thread
+        assert await call(2.0) == (True, 1.0)
+        proc = backend._proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)  # the stub gone between calls: the loop sees the pipe closed
+        proc.wait(10)
+        assert await call(4.0) == (False, 0.0)  # the thread restarts it and runs the request again
+        assert await call(5.0) == (True, 0.0)
+
+    try:
+        asyncio.run(main())
     finally:
         backend.close()

@@ -12,10 +12,11 @@ each request, the others are split by rows as usual.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -126,6 +127,18 @@ class Backend(Protocol):
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LoopBackend(Backend, Protocol):
+    """A backend whose calls the worker's event loop can make itself, without blocking (its compute runs
+    in another process): `loop_ready()` says whether the next call may go that way, `start_on_loop` makes
+    it (workers/execute.py's LoopRun; workers/backends/python_backend.py has the one implementation)."""
+
+    def loop_ready(self) -> bool: ...
+
+    def start_on_loop(self, items: list[InferenceItem], loop: asyncio.AbstractEventLoop,
+                      on_results: Callable[[list[ItemResult] | Callable[[], list[ItemResult]]], None]) -> None: ...
 
 
 class InProcessBackend:

@@ -7,7 +7,7 @@ from typing import IO, Any
 
 import msgpack
 
-_LEN = struct.Struct("<I")
+LENGTH = struct.Struct("<I")  # each frame's length, before it
 
 
 class PipeClosed(EOFError):
@@ -16,7 +16,7 @@ class PipeClosed(EOFError):
 
 def write_frame(out: IO[bytes], message: Any) -> None:
     payload = msgpack.packb(message, use_bin_type=True)
-    out.write(_LEN.pack(len(payload)))
+    out.write(LENGTH.pack(len(payload)))
     out.write(payload)
     out.flush()
 
@@ -33,5 +33,5 @@ def _read_exactly(inp: IO[bytes], n: int) -> bytes:
 
 
 def read_frame(inp: IO[bytes]) -> Any:
-    (n,) = _LEN.unpack(_read_exactly(inp, 4))
+    (n,) = LENGTH.unpack(_read_exactly(inp, 4))
     return msgpack.unpackb(_read_exactly(inp, n), raw=False)

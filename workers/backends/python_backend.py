@@ -1,11 +1,16 @@
 """`python`: Triton's Python backend. Each instance is a stub subprocess (workers/backends/python_stub)
 fed over a pipe with length-prefixed msgpack frames carrying raw tensor bytes.
 
-The stub hop costs one pipe round trip per batch (not per request). A model is contained, never the
-worker's problem: a stub that dies is restarted. When a call fails as a whole (the stub died, execute()
-raised or returned the wrong number of responses) for a batch of several requests, each request is run
-again alone, so only the one at fault gets the error. A request that kills the stub each time it runs
-alone is tried `max_deliveries` times, then answered with PoisonRequest (the loop dead-letters it).
+The stub hop costs one pipe round trip per batch (not per request). While nothing about a call needs a
+thread, the worker's event loop makes it itself (`start_on_loop`: it writes the call and the reply wakes
+it); the rest of a call that does (a BLS call on the way, an error reply, a stub gone) is finished on the
+instance's thread with `execute`'s recovery.
+
+A model is contained, never the worker's problem: a stub that dies is restarted. When a call fails as a
+whole (the stub died, execute() raised or returned the wrong number of responses) for a batch of several
+requests, each request is run again alone, so only the one at fault gets the error. A request that kills
+the stub each time it runs alone is tried `max_deliveries` times, then answered with PoisonRequest (the
+loop dead-letters it).
 
 Batch inputs (config `batch_input`, ragged batching): execute() gets a list of separate requests, each
 with its own tensors, as in Triton; each request also carries its part of every batch input tensor,
@@ -21,6 +26,7 @@ SIGKILL leaves no stub behind, even one busy in execute() (an idle one would als
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import json
@@ -30,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,6 +47,8 @@ from fleet.logs import current_log_settings, process_log_format
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
 from workers.backends.decoupled import DecoupledCall
 from workers.backends.frames import PipeClosed
+from workers.backends.stub_frames import StubFrames
+from workers.backends.stub_pipe import READ as _READ
 from workers.backends.stub_pipe import StubPipe
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,13 @@ def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="python-stub-spawner")
         spawner = _spawner
     return spawner.submit(subprocess.Popen, argv, pass_fds=pass_fds).result()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A call whose frame is written: a decoupled model's responses are gathered in `call`."""
+
+    call: DecoupledCall | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +99,9 @@ class PythonBackend:
         # A restart that failed (initialize() raising now): not alive until a start works. A restart in
         # progress (no process for the moment between the old one's end and the new one's spawn) is alive.
         self._failed = False
-        self._decoupled: DecoupledCall | None = None  # the call in flight, for a decoupled model
-        # The models waiting on what this instance runs now (their BLS chain) and this instance's own link.
+        # This instance's own link in BLS chains (what it runs now waits for the models it calls).
         self._link = f"{ctx.spec.name}:{ctx.version}"
-        self._chain: list[str] = [self._link]
+        self._frames = StubFrames(ctx, self._link)
         self._start()
 
     def _start(self) -> None:
@@ -100,13 +115,11 @@ class PythonBackend:
         )
         os.close(to_child_r)
         os.close(from_child_w)
-        # BLS replies are written off the event loop that produced them (a large tensor must not stall it).
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.instance_name}-bls-writer")
         # This stub process's name among the worker's reporters of custom metrics (a restart is another).
         stub = f"{ctx.instance_name}:v{ctx.version}:{next(_stub_numbers)}"
         self._pipe = StubPipe(os.fdopen(from_child_r, "rb", buffering=0), os.fdopen(to_child_w, "wb"),
-                              f"{ctx.instance_name}-reader", functools.partial(self._handled, stub),
-                              functools.partial(self._stub_gone, stub), reader=ctx.spec.decoupled)
+                              f"{ctx.instance_name}-reader", functools.partial(self._frames.handled, stub),
+                              functools.partial(self._frames.gone, stub), reader=ctx.spec.decoupled)
         args = {
             "model_config": json.dumps(ctx.spec.to_json()),
             "model_instance_kind": "GPU" if ctx.device.startswith("cuda") else "CPU",
@@ -130,70 +143,22 @@ class PythonBackend:
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
         try:
-            return self._pipe.call(message)
-        except (PipeClosed, OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            self._pipe.write(message)
+        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            return self._reply(exc)
+        return self._reply(_READ)
+
+    def _reply(self, first: Any) -> Any:
+        """The reply to the call written last (`first`: StubPipe.reply's); InferenceFailed if the stub is gone."""
+        try:
+            return self._pipe.reply(first)
+        except (PipeClosed, OSError, ValueError) as exc:
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
                                   f"{self._exit_status()}") from exc
 
-    def _handled(self, stub: str, pipe: StubPipe, msg: Any) -> bool:
-        """Handle a frame of `stub`'s that is not a reply (BLS call, decoupled response, metrics); return
-        whether it was one. Custom metrics (`m`) are published before the reply that carries them is handed
-        on. Never raises (stub_pipe.Handle)."""
-        op = msg.get("op") if isinstance(msg, dict) else None
-        try:
-            if isinstance(msg, dict) and isinstance(msg.get("m"), list):
-                self._metrics(stub, msg.pop("m"))
-            if op == "bls":
-                self._bls(msg, pipe)
-            elif op == "send":
-                self._on_send(msg)
-        except Exception as exc:
-            log.exception("%s: handling the stub's %s frame failed", self._ctx.instance_name, op or "reply")
-            if op == "bls":  # the model waits for an answer
-                pipe.send({"op": "bls_reply", "n": msg.get("n"), "final": True,
-                           "e": ["INTERNAL", f"the BLS call failed: {type(exc).__name__}: {exc}"]})
-        return op in ("metrics", "bls", "send")
-
-    def _stub_gone(self, stub: str) -> None:
-        """Its pipe closed: what it counted is kept, and a decoupled call waiting on it fails."""
-        self._metrics(stub, None)
-        call = self._decoupled
-        if call is not None:
-            call.stub_died()
-
-    def _metrics(self, stub: str, snapshot: object) -> None:
-        """A snapshot of the stub's custom metrics to the worker's book; None once the stub is gone."""
-        writes = self._ctx.writes
-        if writes is None:  # loaded without a worker around it (tests): nowhere to publish
-            return
-        if snapshot is None:
-            writes.custom_metrics.retire(self._ctx.spec.name, stub)
-        else:
-            writes.custom_metrics.report(self._ctx.spec.name, stub, snapshot)
-
-    def _bls(self, msg: dict[str, Any], pipe: StubPipe) -> None:
-        n = msg.get("n")
-
-        def reply(frame: dict[str, Any]) -> None:
-            self._writer.submit(pipe.send, {**frame, "op": "bls_reply", "n": n})
-
-        bls = self._ctx.bls
-        if bls is None:
-            reply({"e": ["UNSUPPORTED", "BLS calls are not available in this process"], "final": True})
-            return
-        bls.call(msg, list(self._chain), reply)
-
-    def _on_send(self, msg: dict[str, Any]) -> None:
-        """A decoupled model's response (workers/backends/decoupled.py)."""
-        call = self._decoupled
-        if call is not None:
-            call.on_send(msg)
-        else:
-            log.warning("%s sent a response for a request that is complete: dropped", self._ctx.instance_name)
-
     def cancel_requests(self, keys: list[str]) -> None:
         """The callers of these requests went away: a decoupled model sees request.is_cancelled()."""
-        if self._decoupled is None or self._proc is None:
+        if self._frames.decoupled is None or self._proc is None:
             return
         self._pipe.send({"op": "cancel", "keys": keys})
 
@@ -213,7 +178,46 @@ class PythonBackend:
         return f"exit code {code}"
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
-        outcome = self._call(items)
+        return self._recover(items, self._call(items))
+
+    def loop_ready(self) -> bool:
+        """Whether the event loop may make the next call itself (start_on_loop): the stub runs, no thread
+        reads its pipe, and nothing about the call needs a thread (a decoupled model's responses, batch
+        inputs)."""
+        spec = self._ctx.spec
+        return self._proc is not None and self._pipe.inline and not spec.decoupled and not spec.batch_inputs
+
+    def start_on_loop(self, items: list[InferenceItem], loop: asyncio.AbstractEventLoop,
+                      on_results: Callable[[list[ItemResult] | Callable[[], list[ItemResult]]], None]) -> None:
+        """Write an execute call for `items` from the event loop (only when `loop_ready`) and read its reply
+        there: `on_results` gets the results on the loop, for a plain reply. For anything else (a BLS call
+        or metrics on the way, an error reply, a stub gone) it gets a callable instead, which finishes the
+        call on the instance's thread with `execute`'s recovery (a restart, requests run alone)."""
+        pending, frame = self._begin(items)
+
+        def on_frame(first: Any) -> None:
+            if isinstance(first, dict) and first.keys() == {"responses"}:
+                try:
+                    results = [self._result(r) for r in first["responses"]]
+                except Exception:  # a malformed reply: the thread's way reports it, as it would its own
+                    pass
+                else:
+                    on_results(results)
+                    return
+            on_results(functools.partial(self._rest, items, pending, first))
+
+        try:
+            self._pipe.write(frame)  # the stub's reader thread drains the pipe: a large frame waits briefly
+        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            loop.call_soon(on_results, functools.partial(self._rest, items, pending, exc))
+            return
+        self._pipe.read_on_loop(loop, on_frame)
+
+    def _rest(self, items: list[InferenceItem], pending: _Pending, first: Any) -> list[ItemResult]:
+        """On the instance's thread: a call started from the loop, from its first frame (or error) on."""
+        return self._recover(items, self._end(pending, first))
+
+    def _recover(self, items: list[InferenceItem], outcome: list[ItemResult] | _CallFailed) -> list[ItemResult]:
         if not isinstance(outcome, _CallFailed):
             return outcome
         if self._ctx.spec.decoupled:  # responses may have gone out already: never run a request again
@@ -250,9 +254,19 @@ class PythonBackend:
                 return _CallFailed(InferenceFailed(f"the Python model instance {self._ctx.instance_name} "
                                                    f"cannot be started: {exc}"), crashed=False)
         try:
-            extra = self._batch_inputs(items)
+            pending, frame = self._begin(items)
         except ServingError as exc:
             return _CallFailed(InferenceFailed(exc.message), crashed=False)
+        first: Any = _READ
+        try:
+            self._pipe.write(frame)
+        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            first = exc
+        return self._end(pending, first)
+
+    def _begin(self, items: list[InferenceItem]) -> tuple[_Pending, dict[str, Any]]:
+        """The execute frame for `items` (raises ServingError for batch inputs that cannot be computed)."""
+        extra = self._batch_inputs(items)
         requests = [
             {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
              "o": item.requested_outputs, "p": item.parameters, "k": item.key}
@@ -262,14 +276,19 @@ class PythonBackend:
         # longest of the requests' (its length is the depth), then any other model waiting, then this one.
         longest = max((item.bls_chain for item in items), key=len, default=[])
         others = sorted({link for item in items for link in item.bls_chain} - set(longest))
-        self._chain = [*longest, *others, self._link]
+        self._frames.chain = [*longest, *others, self._link]
         call = None
         if self._ctx.spec.decoupled:
             emit = self._ctx.emit
             assert emit is not None, "a decoupled model is loaded with somewhere to write its responses"
-            call = self._decoupled = DecoupledCall(items, emit)
+            call = self._frames.decoupled = DecoupledCall(items, emit)
+        return _Pending(call), {"op": "execute", "requests": requests}
+
+    def _end(self, pending: _Pending, first: Any) -> list[ItemResult] | _CallFailed:
+        """The rest of a call whose frame was written: its reply read (from `first`, StubPipe.reply's)."""
+        call = pending.call
         try:
-            reply = self._roundtrip({"op": "execute", "requests": requests})
+            reply = self._reply(first)
             # A decoupled call is complete once every request has its final flag (unless the stub could
             # not even run execute(): then no flag comes).
             if call is not None and "error" not in reply and not call.wait():
@@ -277,10 +296,10 @@ class PythonBackend:
                                       f"{self._exit_status()}")
         except InferenceFailed as exc:
             log.error("%s; restarting it", exc)
-            self._decoupled = None
+            self._frames.decoupled = None
             self._restart()
             return _CallFailed(exc, crashed=True)
-        self._decoupled = None
+        self._frames.decoupled = None
         if call is not None:
             if reply.get("trace"):
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
@@ -363,5 +382,5 @@ class PythonBackend:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        self._writer.shutdown(wait=False)
+        self._frames.close()
         self._proc = None

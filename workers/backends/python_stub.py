@@ -116,7 +116,7 @@ class Stub:
         self._metrics_lock = threading.Lock()
         self._metrics_reported = 0
         self._flusher: threading.Thread | None = None
-        self._own_threads = threading.active_count()  # this one and the channel's reader, before any model's
+        self._own_threads = threading.active_count()  # this one, before any model's (and the stub's below)
 
     def init(self, msg: dict[str, Any]) -> None:
         # The worker's format and verbose level: pb_utils.Logger's lines read like the worker's own.
@@ -133,6 +133,8 @@ class Stub:
         pb._bls_executor = caller.exec
         pb._bls_async_executor = caller.async_exec
         self.decoupled = bool(msg.get("decoupled"))
+        if self.decoupled:  # cancellations come while execute() runs and after it returned
+            self.channel.start_reader()
         self.model = _load_model(Path(msg["model_py"]))
         if hasattr(self.model, "initialize"):
             self._call(self.model.initialize, msg["args"])
@@ -239,12 +241,21 @@ class Stub:
             # The worker reads a reply on the thread that made the call for as long as this stub writes
             # nothing between calls; it must hear when it may: once the flusher below runs, and once the
             # model has threads of its own (they may make BLS calls at any time).
-            if flushes or threading.active_count() > self._own_threads:
+            threads = self._model_threads()
+            if flushes or threads:
                 frame["between"] = True
+            if threads:  # the stub's main loop reads no more: those threads' BLS replies may come any time
+                self.channel.start_reader()
             self.channel.send(frame)
         if self._flusher is None and flushes:
             self._flusher = threading.Thread(target=self._flush_metrics, name="stub-metrics", daemon=True)
             self._flusher.start()
+
+    def _model_threads(self) -> bool:
+        """Whether the model runs threads of its own (any beyond this one, the channel's reader and the
+        metrics flusher)."""
+        own = self._own_threads + self.channel.reading + (self._flusher is not None)
+        return threading.active_count() > own
 
     def _metrics_update(self) -> list[Any] | None:
         pb = self.pb

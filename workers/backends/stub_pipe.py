@@ -11,20 +11,29 @@ futex calls a batch at perf_analyzer's `double`, C=32). A decoupled model sends 
 returns; a model with custom metrics has its stub flush them between calls; a model's own threads may make
 BLS calls at any time. Those stubs get a reader thread: decoupled ones from the start (`reader=True`), the
 others from the first reply that says `between` (python_stub.py's `reply`).
+
+While no thread reads, the worker's event loop may read a reply itself (`read_on_loop`): the loop writes
+an execute call and is woken by the stub's answer, with no instance thread between (workers/instance.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import queue
+import select
 import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-from workers.backends.frames import PipeClosed, read_frame, write_frame
+import msgpack
+
+from workers.backends.frames import LENGTH, PipeClosed, read_frame, write_frame
 
 # A frame that is not a reply: handled (True), or a reply (False). Must not raise: a reply left unread in the
 # pipe would answer the next call.
 Handle = Callable[["StubPipe", Any], bool]
+READ: Any = object()  # `reply`'s first frame: none yet, read it
 
 
 class StubPipe:
@@ -40,15 +49,67 @@ class StubPipe:
         if reader:
             self._start_reader()
 
+    @property
+    def inline(self) -> bool:
+        """No reader thread: whoever made the call reads its reply (a thread, or the event loop)."""
+        return self._inline
+
     def call(self, message: dict[str, Any]) -> Any:
         """Write a call and return its reply. Raises PipeClosed, OSError or ValueError (a pipe closed here)."""
         self.write(message)
+        return self.reply()
+
+    def reply(self, first: Any = READ) -> Any:
+        """The reply to the call written last. `first`: its first frame, or the error that ended the pipe,
+        as `read_on_loop` had it (the rest is read here, on the calling thread)."""
+        if isinstance(first, BaseException):
+            self._closed()
+            raise PipeClosed(str(first)) from first
         if self._inline:
-            return self._inline_reply()
+            return self._inline_reply(first)
         reply = self._replies.get()
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    def read_on_loop(self, loop: asyncio.AbstractEventLoop, on_frame: Callable[[Any], None]) -> None:
+        """Read the next frame from the event loop without blocking it; `on_frame` gets it (or the error
+        that ended the pipe) on the loop. Only while `inline`, and for the call written last."""
+        fd = self._in.fileno()
+        buf = bytearray()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+
+        def finish(result: Any) -> None:
+            loop.remove_reader(fd)
+            on_frame(result)
+
+        def readable() -> None:
+            while True:
+                # Never past this frame: the next one (if any) is read by whoever reads after it.
+                want = LENGTH.size - len(buf) if len(buf) < LENGTH.size else \
+                    LENGTH.size + LENGTH.unpack_from(buf)[0] - len(buf)
+                try:
+                    chunk = os.read(fd, want)
+                except OSError as exc:
+                    finish(exc)
+                    return
+                if not chunk:
+                    finish(PipeClosed("the other end closed the pipe"))
+                    return
+                buf.extend(chunk)
+                if len(buf) >= LENGTH.size and len(buf) == LENGTH.size + LENGTH.unpack_from(buf)[0]:
+                    try:
+                        msg = msgpack.unpackb(memoryview(buf)[LENGTH.size:], raw=False)
+                    except ValueError as exc:
+                        finish(exc)
+                        return
+                    finish(msg)
+                    return
+                if not poller.poll(0):  # the rest is not there yet: wait for it rather than block the loop
+                    return
+
+        loop.add_reader(fd, readable)
 
     def write(self, message: dict[str, Any]) -> None:
         with self._write_lock:
@@ -74,14 +135,17 @@ class StubPipe:
         self._inline = False
         threading.Thread(target=self._read, daemon=True, name=self._reader_name).start()
 
-    def _inline_reply(self) -> Any:
+    def _inline_reply(self, first: Any) -> Any:
+        msg = first
         while True:
             try:
-                msg = read_frame(self._in)
+                if msg is READ:
+                    msg = read_frame(self._in)
             except (PipeClosed, OSError, ValueError) as exc:
                 self._closed()
                 raise PipeClosed(str(exc)) from exc
             if self._handle(self, msg):
+                msg = READ
                 continue
             if isinstance(msg, dict) and msg.pop("between", False):
                 self._start_reader()  # the stub may write between calls from now on: someone must read it
