@@ -108,18 +108,20 @@ class Instance:
             self.executor.submit(self._chain, job, loop, callbacks, outcome, started_us)
             return
         self.running_since = None
-        callbacks.done(job, outcome, started_us)
-        with self._lock:
-            current, self._staged = self._staged, None
-            if current is not None and not callbacks.custody_fresh():
-                callbacks.refused(current)
-                current = None
-            if current is None:
-                self.busy = False
-        if current is not None:
-            self._begin(current, loop, callbacks)
-        else:
-            callbacks.idle(self)
+        try:
+            callbacks.done(job, outcome, started_us)
+        finally:  # the staged batch starts (and the instance idles) whatever reporting this one did
+            with self._lock:
+                current, self._staged = self._staged, None
+                if current is not None and not callbacks.custody_fresh():
+                    callbacks.refused(current)
+                    current = None
+                if current is None:
+                    self.busy = False
+            if current is not None:
+                self._begin(current, loop, callbacks)
+            else:
+                callbacks.idle(self)
 
     def stage(self, job: Job) -> bool:
         """Queue `job` behind the running batch; False if the instance is idle or already has one."""
@@ -162,7 +164,7 @@ class Instance:
                     current = None
                 if current is None:
                     self.busy = False
-            if current is not None and current.on_loop is not None and current.on_loop.backend.loop_ready():
+            if current is not None and current.on_loop is not None and current.on_loop.ready():
                 loop.call_soon_threadsafe(self._begin, current, loop, callbacks)
                 return
         loop.call_soon_threadsafe(callbacks.idle, self)

@@ -13,11 +13,14 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgpack
+import pytest
+import uvloop
 
 from fleet.custom_metrics import decode
 from fleet.envelope import WireTensor
@@ -169,47 +172,59 @@ def test_a_bls_call_from_a_models_own_thread_between_calls_is_answered(tmp_path:
     finally:
         backend.close()
 
-# OUT = how many reader threads this stub runs; a negative input makes a BLS call first.
+# OUT = how many reader threads this stub runs; a negative input makes a BLS call first (below -5, from
+# a thread of the model's own that execute() waits for).
 READERS_MODEL = """
 import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+def bls(x):
+    pb_utils.InferenceRequest(model_name="elsewhere", requested_output_names=["OUT"],
+                              inputs=[pb_utils.Tensor("IN", x)]).exec()
 
 class TritonPythonModel:
     def execute(self, requests):
         out = []
         for r in requests:
             x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
-            if (x < 0).any():
-                pb_utils.InferenceRequest(model_name="elsewhere", requested_output_names=["OUT"],
-                                          inputs=[pb_utils.Tensor("IN", x)]).exec()
+            if (x < -5).any():
+                t = threading.Thread(target=bls, args=(x,))
+                t.start()
+                t.join()
+            elif (x < 0).any():
+                bls(x)
             readers = sum(t.name == "stub-reader" for t in threading.enumerate())
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.full_like(x, readers))]))
         return out
 """
 
 
-def test_a_stub_reads_its_own_pipe_until_a_bls_call_needs_a_reader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caller", ["execute", "a thread of the model's"])
+def test_a_stub_reads_its_own_pipe_until_a_bls_call_needs_a_reader(tmp_path: Path, caller: str) -> None:
     model_dir, spec = _model(tmp_path, "readers", READERS_MODEL)
     backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="readers_0",
                                         device="cpu"))  # no BLS handler here: the call is answered UNSUPPORTED
+    bls = -1.0 if caller == "execute" else -10.0
     try:
         assert [_doubled(backend, v) for v in (1.0, 2.0)] == [0.0, 0.0]  # OUT: the stub's main loop reads its pipe
-        assert _doubled(backend, -1.0) == 1.0  # a BLS call's replies need a reader: started before it went out
+        assert _doubled(backend, bls) == 1.0  # a BLS call's replies need a reader: started before it went out
         assert _doubled(backend, 3.0) == 1.0  # and it reads from then on
         assert _readers("readers_0") == []  # the worker's end still reads each reply on the calling thread
     finally:
         backend.close()
 
 
-def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
+        tmp_path: Path, run: Callable[[Coroutine[Any, Any, None]], None]) -> None:
     model_dir, spec = _model(tmp_path, "loop", READERS_MODEL)
     backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="loop_0",
                                         device="cpu"))
 
     async def call(value: float) -> tuple[bool, float]:
         """(whether the loop had the results itself, OUT)"""
-        assert backend.loop_ready()
+        assert backend.loop_ready(4)
         got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = \
             asyncio.get_running_loop().create_future()
         backend.start_on_loop([_item(value)], asyncio.get_running_loop(), got.set_result)
@@ -222,16 +237,16 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(t
 
     async def main() -> None:
         assert await call(1.0) == (True, 0.0)
+        proc = backend._proc
         assert await call(-1.0) == (False, 1.0)  # the BLS call's frame came first: the rest on a thread
         assert await call(2.0) == (True, 1.0)
-        proc = backend._proc
-        assert proc is not None
+        assert backend._proc is proc and proc is not None  # no restart on the way
         os.kill(proc.pid, signal.SIGKILL)  # the stub gone between calls: the loop sees the pipe closed
         proc.wait(10)
         assert await call(4.0) == (False, 0.0)  # the thread restarts it and runs the request again
         assert await call(5.0) == (True, 0.0)
 
     try:
-        asyncio.run(main())
+        run(main())  # uvloop (the worker's loop) leaves a pipe it read non-blocking: the thread's reads too
     finally:
         backend.close()

@@ -48,8 +48,8 @@ from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_
 from workers.backends.decoupled import DecoupledCall
 from workers.backends.frames import PipeClosed
 from workers.backends.stub_frames import StubFrames
+from workers.backends.stub_pipe import LOOP_WRITE_MAX, StubPipe
 from workers.backends.stub_pipe import READ as _READ
-from workers.backends.stub_pipe import StubPipe
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +180,14 @@ class PythonBackend:
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
         return self._recover(items, self._call(items))
 
-    def loop_ready(self) -> bool:
-        """Whether the event loop may make the next call itself (start_on_loop): the stub runs, no thread
-        reads its pipe, and nothing about the call needs a thread (a decoupled model's responses, batch
-        inputs)."""
+    def loop_ready(self, nbytes: int) -> bool:
+        """Whether the event loop may make the next call itself (start_on_loop), for `nbytes` of tensors:
+        the stub runs (not being started by a revive on the instance's thread), no thread reads its pipe,
+        the call fits the pipe (the loop never waits for the stub to read), and nothing about it needs a
+        thread (a decoupled model's responses, batch inputs)."""
         spec = self._ctx.spec
-        return self._proc is not None and self._pipe.inline and not spec.decoupled and not spec.batch_inputs
+        return (self._proc is not None and not self._failed and self._pipe.inline and nbytes <= LOOP_WRITE_MAX
+                and not spec.decoupled and not spec.batch_inputs)
 
     def start_on_loop(self, items: list[InferenceItem], loop: asyncio.AbstractEventLoop,
                       on_results: Callable[[list[ItemResult] | Callable[[], list[ItemResult]]], None]) -> None:
@@ -207,7 +209,7 @@ class PythonBackend:
             on_results(functools.partial(self._rest, items, pending, first))
 
         try:
-            self._pipe.write(frame)  # the stub's reader thread drains the pipe: a large frame waits briefly
+            self._pipe.write(frame)  # small enough for the pipe (loop_ready): never waits for the stub
         except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
             loop.call_soon(on_results, functools.partial(self._rest, items, pending, exc))
             return

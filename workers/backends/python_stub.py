@@ -241,11 +241,8 @@ class Stub:
             # The worker reads a reply on the thread that made the call for as long as this stub writes
             # nothing between calls; it must hear when it may: once the flusher below runs, and once the
             # model has threads of its own (they may make BLS calls at any time).
-            threads = self._model_threads()
-            if flushes or threads:
+            if flushes or self._model_threads():
                 frame["between"] = True
-            if threads:  # the stub's main loop reads no more: those threads' BLS replies may come any time
-                self.channel.start_reader()
             self.channel.send(frame)
         if self._flusher is None and flushes:
             self._flusher = threading.Thread(target=self._flush_metrics, name="stub-metrics", daemon=True)

@@ -7,11 +7,12 @@ of a decoupled model cancelled (their callers went away). Frames to the worker: 
 calls, and `send` (a decoupled model's response, sent while execute() runs or from a thread after it
 returned). Writes come from several threads (the main loop, a model's threads), so they take a lock.
 
-Who reads: the main loop itself, in `next_op`, until a frame may come while it is not reading. That is
-a BLS call's replies (they come while execute() runs, or to a model's own thread at any time) and a
-decoupled model's cancellations. Then a reader thread reads and sorts from that moment on
-(`start_reader`). A reader handing each call to the main loop cost every call a thread wake-up and a
-GIL hand-off (~36 µs of the stub's CPU a call at `double`, C=1, and the wake's latency).
+Who reads: the main loop itself, in `next_op`, handing on the BLS replies that come meanwhile (to a
+model's own thread's call), until a frame may come while it is not reading: a BLS call's replies while
+execute() runs (or a model's thread waits for them while it does), a decoupled model's cancellations.
+Then a reader thread reads and sorts from that moment on (`start_reader`). A reader handing each call to
+the main loop cost every call a thread wake-up and a GIL hand-off (~36 µs of the stub's CPU a call at
+`double`, C=1, and the wake's latency).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class StubChannel:
         self._next_call = 0
         self.on_cancel: Callable[[list[str]], None] = lambda keys: None
         self._reader: threading.Thread | None = None
+        self._main_reading = False  # the main loop is in next_op's read (changed under _calls_lock)
 
     @property
     def reading(self) -> bool:
@@ -44,23 +46,34 @@ class StubChannel:
         return self._reader is not None
 
     def start_reader(self) -> None:
-        """From now on a thread reads the pipe. Called by the main loop's thread while it is not reading:
-        before a BLS call goes out, and once frames may come while it does not read (decoupled)."""
-        with self._calls_lock:  # a model's thread and the main loop may both get here first
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read, name="stub-reader", daemon=True)
-                self._reader.start()
+        """From now on a thread reads the pipe (the main loop must not be reading: see `call`)."""
+        with self._calls_lock:
+            self._start_reader()
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, name="stub-reader", daemon=True)
+            self._reader.start()
 
     def next_op(self) -> dict[str, Any] | None:
         """The worker's next init/execute/finalize frame; None once the pipe closed."""
-        if self._reader is None:
-            while True:  # nothing else comes while no BLS call is out and no cancellation can
-                try:
-                    msg: dict[str, Any] = read_frame(self._in)
-                except (PipeClosed, OSError, ValueError):
-                    return None
-                if self._sorted(msg):
-                    return msg
+        while True:
+            with self._calls_lock:
+                if self._reader is not None:
+                    break
+                self._main_reading = True
+            try:
+                msg: dict[str, Any] | None = read_frame(self._in)
+            except (PipeClosed, OSError, ValueError):
+                msg = None
+            with self._calls_lock:
+                self._main_reading = False
+                if msg is not None and self._calls and msg.get("op") not in ("bls_reply", "cancel"):
+                    self._start_reader()  # a model's thread waits for replies while the main loop runs msg
+            if msg is None:
+                return None
+            if self._sorted(msg):
+                return msg
         msg = self._ops.get()
         return None if msg is _CLOSED else msg
 
@@ -69,10 +82,12 @@ class StubChannel:
             write_frame(self._out, message)
 
     def call(self, message: dict[str, Any], on_reply: Callable[[dict[str, Any]], None]) -> int:
-        """Send a BLS call; `on_reply` gets each of its reply frames (on the reader thread). The main loop
-        is not reading now (it runs execute(), or a model's thread calls, and the reader runs already)."""
-        self.start_reader()
+        """Send a BLS call; `on_reply` gets each of its reply frames (on the reader thread, or the main
+        loop's while it reads). Unless the main loop reads now (the call is a model thread's, between
+        calls), a reader thread must: the replies come while execute() runs."""
         with self._calls_lock:
+            if not self._main_reading:
+                self._start_reader()
             self._next_call += 1
             n = self._next_call
             self._calls[n] = on_reply

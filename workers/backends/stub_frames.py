@@ -74,7 +74,10 @@ class StubFrames:
         writer = self._writer
 
         def reply(frame: dict[str, Any]) -> None:
-            writer.submit(pipe.send, {**frame, "op": "bls_reply", "n": n})
+            try:
+                writer.submit(pipe.send, {**frame, "op": "bls_reply", "n": n})
+            except RuntimeError:  # the writer was shut down: the stub that asked is gone, and its call
+                pass
 
         bls = self._ctx.bls
         if bls is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
-import select
 import threading
 from collections.abc import Callable
 from typing import IO, Any
@@ -34,6 +33,11 @@ from workers.backends.frames import LENGTH, PipeClosed, read_frame, write_frame
 # pipe would answer the next call.
 Handle = Callable[["StubPipe", Any], bool]
 READ: Any = object()  # `reply`'s first frame: none yet, read it
+# The event loop takes a large reply a pipe's capacity at a time, with its other events between.
+READ_CHUNK = 1 << 16
+# What the event loop writes itself (frames up to about a pipe's capacity go in without waiting for the
+# stub to read; larger calls go by the instance's thread).
+LOOP_WRITE_MAX = 48 << 10
 
 
 class StubPipe:
@@ -45,6 +49,7 @@ class StubPipe:
         self._handle, self._closed = handle, closed
         self._write_lock = threading.Lock()
         self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a reader thread's, in order
+        self._reader_gone = False  # its reader thread saw the pipe close: no reply comes any more
         self._inline = True
         if reader:
             self._start_reader()
@@ -67,6 +72,8 @@ class StubPipe:
             raise PipeClosed(str(first)) from first
         if self._inline:
             return self._inline_reply(first)
+        if self._reader_gone and self._replies.empty():
+            raise PipeClosed("the stub's pipe is closed")
         reply = self._replies.get()
         if isinstance(reply, Exception):
             raise reply
@@ -77,20 +84,24 @@ class StubPipe:
         that ended the pipe) on the loop. Only while `inline`, and for the call written last."""
         fd = self._in.fileno()
         buf = bytearray()
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        # Non-blocking while the loop reads it (uvloop's add_reader makes it so and leaves it so; asyncio's
+        # does not), blocking again after: the calls a thread finishes read it blocking.
+        os.set_blocking(fd, False)
 
         def finish(result: Any) -> None:
             loop.remove_reader(fd)
+            os.set_blocking(fd, True)
             on_frame(result)
 
         def readable() -> None:
-            while True:
+            for _ in range(3):  # a small frame's length and body at once; a large one a chunk a time
                 # Never past this frame: the next one (if any) is read by whoever reads after it.
                 want = LENGTH.size - len(buf) if len(buf) < LENGTH.size else \
                     LENGTH.size + LENGTH.unpack_from(buf)[0] - len(buf)
                 try:
-                    chunk = os.read(fd, want)
+                    chunk = os.read(fd, min(want, READ_CHUNK))
+                except BlockingIOError:
+                    return  # the rest is not there yet: the loop calls again when it is
                 except OSError as exc:
                     finish(exc)
                     return
@@ -105,8 +116,6 @@ class StubPipe:
                         finish(exc)
                         return
                     finish(msg)
-                    return
-                if not poller.poll(0):  # the rest is not there yet: wait for it rather than block the loop
                     return
 
         loop.add_reader(fd, readable)
@@ -157,6 +166,7 @@ class StubPipe:
                 msg = read_frame(self._in)
             except (PipeClosed, OSError, ValueError) as exc:
                 self._replies.put(PipeClosed(str(exc)))
+                self._reader_gone = True
                 self._closed()
                 return
             if not self._handle(self, msg):
