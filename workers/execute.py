@@ -245,13 +245,7 @@ class LoopRun:
         """On the instance's thread: the call's rest (run_batch's, from where the loop left it)."""
         token = self._bind()
         try:
-            try:
-                results = rest()
-            except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
-                log.exception("%s: the backend raised while executing a batch of %d", self.spec.name,
-                              len(prepared.items))
-                results = failed(prepared.items, exc)
-            return _complete(self.spec, prepared, _checked(prepared.items, results), self.state_of)
+            return _complete(self.spec, prepared, _guarded(self.spec, prepared.items, rest), self.state_of)
         finally:
             log_context.unbind(token)
 
@@ -284,8 +278,12 @@ def _prepare(spec: ModelSpec, backend: Backend | LoopBackend, envs: list[Request
 
 
 def _execute(spec: ModelSpec, backend: Backend, items: list[InferenceItem]) -> list[ItemResult]:
+    return _guarded(spec, items, lambda: backend.execute(items) if items else [])
+
+
+def _guarded(spec: ModelSpec, items: list[InferenceItem], run: Callable[[], list[ItemResult]]) -> list[ItemResult]:
     try:
-        results: list[ItemResult] = backend.execute(items) if items else []
+        results = run()
     except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
         log.exception("%s: the backend raised while executing a batch of %d", spec.name, len(items))
         results = failed(items, exc)

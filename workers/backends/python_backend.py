@@ -71,13 +71,6 @@ def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes
 
 
 @dataclass(frozen=True, slots=True)
-class _Pending:
-    """A call whose frame is written: a decoupled model's responses are gathered in `call`."""
-
-    call: DecoupledCall | None
-
-
-@dataclass(frozen=True, slots=True)
 class _CallFailed:
     """A call that failed as a whole: `crashed` if the stub died (or could not be reached)."""
 
@@ -142,11 +135,15 @@ class PythonBackend:
         self._failed = False
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
+        return self._reply(self._send(message))
+
+    def _send(self, message: dict[str, Any]) -> Any:
+        """Write a call; what `_reply` starts from: the reply still to read, or the error that stopped it."""
         try:
             self._pipe.write(message)
         except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
-            return self._reply(exc)
-        return self._reply(_READ)
+            return exc
+        return _READ
 
     def _reply(self, first: Any) -> Any:
         """The reply to the call written last (`first`: StubPipe.reply's); InferenceFailed if the stub is gone."""
@@ -195,7 +192,7 @@ class PythonBackend:
         there: `on_results` gets the results on the loop, for a plain reply. For anything else (a BLS call
         or metrics on the way, an error reply, a stub gone) it gets a callable instead, which finishes the
         call on the instance's thread with `execute`'s recovery (a restart, requests run alone)."""
-        pending, frame = self._begin(items)
+        call, frame = self._begin(items)
 
         def on_frame(first: Any) -> None:
             if isinstance(first, dict) and first.keys() == {"responses"}:
@@ -206,18 +203,17 @@ class PythonBackend:
                 else:
                     on_results(results)
                     return
-            on_results(functools.partial(self._rest, items, pending, first))
+            on_results(functools.partial(self._rest, items, call, first))
 
-        try:
-            self._pipe.write(frame)  # small enough for the pipe (loop_ready): never waits for the stub
-        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
-            loop.call_soon(on_results, functools.partial(self._rest, items, pending, exc))
+        sent = self._send(frame)  # small enough for the pipe (loop_ready): never waits for the stub
+        if sent is not _READ:
+            loop.call_soon(on_results, functools.partial(self._rest, items, call, sent))
             return
         self._pipe.read_on_loop(loop, on_frame)
 
-    def _rest(self, items: list[InferenceItem], pending: _Pending, first: Any) -> list[ItemResult]:
+    def _rest(self, items: list[InferenceItem], call: DecoupledCall | None, first: Any) -> list[ItemResult]:
         """On the instance's thread: a call started from the loop, from its first frame (or error) on."""
-        return self._recover(items, self._end(pending, first))
+        return self._recover(items, self._end(call, first))
 
     def _recover(self, items: list[InferenceItem], outcome: list[ItemResult] | _CallFailed) -> list[ItemResult]:
         if not isinstance(outcome, _CallFailed):
@@ -256,18 +252,14 @@ class PythonBackend:
                 return _CallFailed(InferenceFailed(f"the Python model instance {self._ctx.instance_name} "
                                                    f"cannot be started: {exc}"), crashed=False)
         try:
-            pending, frame = self._begin(items)
+            call, frame = self._begin(items)
         except ServingError as exc:
             return _CallFailed(InferenceFailed(exc.message), crashed=False)
-        first: Any = _READ
-        try:
-            self._pipe.write(frame)
-        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
-            first = exc
-        return self._end(pending, first)
+        return self._end(call, self._send(frame))
 
-    def _begin(self, items: list[InferenceItem]) -> tuple[_Pending, dict[str, Any]]:
-        """The execute frame for `items` (raises ServingError for batch inputs that cannot be computed)."""
+    def _begin(self, items: list[InferenceItem]) -> tuple[DecoupledCall | None, dict[str, Any]]:
+        """The execute frame for `items`, and a decoupled model's call that gathers its responses (raises
+        ServingError for batch inputs that cannot be computed)."""
         extra = self._batch_inputs(items)
         requests = [
             {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
@@ -284,11 +276,10 @@ class PythonBackend:
             emit = self._ctx.emit
             assert emit is not None, "a decoupled model is loaded with somewhere to write its responses"
             call = self._frames.decoupled = DecoupledCall(items, emit)
-        return _Pending(call), {"op": "execute", "requests": requests}
+        return call, {"op": "execute", "requests": requests}
 
-    def _end(self, pending: _Pending, first: Any) -> list[ItemResult] | _CallFailed:
+    def _end(self, call: DecoupledCall | None, first: Any) -> list[ItemResult] | _CallFailed:
         """The rest of a call whose frame was written: its reply read (from `first`, StubPipe.reply's)."""
-        call = pending.call
         try:
             reply = self._reply(first)
             # A decoupled call is complete once every request has its final flag (unless the stub could

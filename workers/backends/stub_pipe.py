@@ -59,14 +59,10 @@ class StubPipe:
         """No reader thread: whoever made the call reads its reply (a thread, or the event loop)."""
         return self._inline
 
-    def call(self, message: dict[str, Any]) -> Any:
-        """Write a call and return its reply. Raises PipeClosed, OSError or ValueError (a pipe closed here)."""
-        self.write(message)
-        return self.reply()
-
     def reply(self, first: Any = READ) -> Any:
         """The reply to the call written last. `first`: its first frame, or the error that ended the pipe,
-        as `read_on_loop` had it (the rest is read here, on the calling thread)."""
+        as `read_on_loop` had it (the rest is read here, on the calling thread). Raises PipeClosed, OSError
+        or ValueError (a pipe closed here)."""
         if isinstance(first, BaseException):
             self._closed()
             raise PipeClosed(str(first)) from first
