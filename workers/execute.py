@@ -191,35 +191,37 @@ class LoopRun:
     lanes: list[int] | None
 
     def ready(self) -> bool:
-        """Whether the backend would take this batch from the loop now."""
+        """Whether the backend would take this batch from the loop now (it may still decline a call that
+        turns out larger than its pipe)."""
         return self.backend.loop_ready(sum(len(t.data) for env in self.envs for t in env.inputs))
 
     def begin(self, loop: asyncio.AbstractEventLoop, on_outcome: Callable[[LoopOutcome], None]) -> bool:
         """Start the batch from the loop; `on_outcome` gets its outcome there (an exception: a bug outside
         the model, as `Instance` reports one from its thread), or a callable that returns it, to run on
         the instance's thread. False (nothing started): run it on the thread (`run_batch`)."""
+        if not self.ready():
+            return False
+        token = self._bind()
         try:
-            if not self.ready():
-                return False
-            token = self._bind()
-            try:
-                prepared = _prepare(self.spec, self.backend, self.envs, self.lanes)
-                on_results = functools.partial(self._on_results, prepared, on_outcome)
-                if not prepared.items:  # every request answered already (inputs that cannot be decoded)
-                    loop.call_soon(on_results, [])
-                    return True
-                try:
-                    self.backend.start_on_loop(prepared.items, loop, on_results)
-                except Exception as exc:  # a backend bug fails this batch's requests, never the worker loop
-                    log.exception("%s: the backend raised while starting a batch of %d", self.spec.name,
-                                  len(prepared.items))
-                    loop.call_soon(on_results, failed(prepared.items, exc))
-                return True
-            finally:
-                log_context.unbind(token)
+            prepared = _prepare(self.spec, self.backend, self.envs, self.lanes)
         except Exception as exc:  # a bug here: reported as a batch that failed outside the model
             loop.call_soon(on_outcome, exc)
             return True
+        finally:
+            log_context.unbind(token)
+        on_results = functools.partial(self._on_results, prepared, on_outcome)
+        if not prepared.items:  # every request answered already (inputs that cannot be decoded)
+            loop.call_soon(on_results, [])
+            return True
+        token = self._bind()
+        try:
+            return self.backend.start_on_loop(prepared.items, loop, on_results)
+        except Exception as exc:  # a backend bug (nothing written yet) fails this batch, never the worker loop
+            log.exception("%s: the backend raised while starting a batch of %d", self.spec.name, len(prepared.items))
+            loop.call_soon(on_results, failed(prepared.items, exc))
+            return True
+        finally:
+            log_context.unbind(token)
 
     def _bind(self) -> Token[log_context.RequestLog | log_context.BatchLog | None]:
         return log_context.bind(log_context.BatchLog(self.spec.name, self.envs[0].version if self.envs else 0,

@@ -237,6 +237,11 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
 
     async def main() -> None:
         assert await call(1.0) == (True, 0.0)
+        # A call larger than the pipe takes without the stub reading: declined, nothing written.
+        size = backend._pipe.capacity
+        assert not backend.loop_ready(size)
+        big = InferenceItem(inputs={}, wire=[WireTensor("IN", "FP32", (1, size // 4), bytes(size))])
+        assert not backend.start_on_loop([big], asyncio.get_running_loop(), lambda _: None)
         proc = backend._proc
         assert await call(-1.0) == (False, 1.0)  # the BLS call's frame came first: the rest on a thread
         assert await call(2.0) == (True, 1.0)

@@ -15,7 +15,16 @@ class PipeClosed(EOFError):
 
 
 def write_frame(out: IO[bytes], message: Any) -> None:
-    payload = msgpack.packb(message, use_bin_type=True)
+    write_packed(out, pack(message))
+
+
+def pack(message: Any) -> bytes:
+    payload: bytes = msgpack.packb(message, use_bin_type=True)
+    return payload
+
+
+def write_packed(out: IO[bytes], payload: bytes) -> None:
+    """A frame of a message `pack`ed already."""
     out.write(LENGTH.pack(len(payload)))
     out.write(payload)
     out.flush()

@@ -46,10 +46,10 @@ from fleet.errors import ConfigError, InferenceFailed, PoisonRequest, ServingErr
 from fleet.logs import current_log_settings, process_log_format
 from workers.backends.base import InferenceItem, ItemResult, LoadContext, batch_tensors
 from workers.backends.decoupled import DecoupledCall
-from workers.backends.frames import PipeClosed
+from workers.backends.frames import LENGTH, PipeClosed, pack
 from workers.backends.stub_frames import StubFrames
-from workers.backends.stub_pipe import LOOP_WRITE_MAX, StubPipe
 from workers.backends.stub_pipe import READ as _READ
+from workers.backends.stub_pipe import StubPipe
 
 log = logging.getLogger(__name__)
 
@@ -180,19 +180,24 @@ class PythonBackend:
     def loop_ready(self, nbytes: int) -> bool:
         """Whether the event loop may make the next call itself (start_on_loop), for `nbytes` of tensors:
         the stub runs (not being started by a revive on the instance's thread), no thread reads its pipe,
-        the call fits the pipe (the loop never waits for the stub to read), and nothing about it needs a
-        thread (a decoupled model's responses, batch inputs)."""
+        the tensors fit the pipe, and nothing about the call needs a thread (a decoupled model's
+        responses, batch inputs)."""
         spec = self._ctx.spec
-        return (self._proc is not None and not self._failed and self._pipe.inline and nbytes <= LOOP_WRITE_MAX
+        return (self._proc is not None and not self._failed and self._pipe.inline and nbytes < self._pipe.capacity
                 and not spec.decoupled and not spec.batch_inputs)
 
     def start_on_loop(self, items: list[InferenceItem], loop: asyncio.AbstractEventLoop,
-                      on_results: Callable[[list[ItemResult] | Callable[[], list[ItemResult]]], None]) -> None:
+                      on_results: Callable[[list[ItemResult] | Callable[[], list[ItemResult]]], None]) -> bool:
         """Write an execute call for `items` from the event loop (only when `loop_ready`) and read its reply
         there: `on_results` gets the results on the loop, for a plain reply. For anything else (a BLS call
         or metrics on the way, an error reply, a stub gone) it gets a callable instead, which finishes the
-        call on the instance's thread with `execute`'s recovery (a restart, requests run alone)."""
+        call on the instance's thread with `execute`'s recovery (a restart, requests run alone). False,
+        nothing written: the call is larger than the pipe takes without the stub reading (the loop never
+        waits for it)."""
         call, frame = self._begin(items)
+        payload = pack(frame)
+        if LENGTH.size + len(payload) > self._pipe.capacity:
+            return False
 
         def on_frame(first: Any) -> None:
             if isinstance(first, dict) and first.keys() == {"responses"}:
@@ -205,11 +210,13 @@ class PythonBackend:
                     return
             on_results(functools.partial(self._rest, items, call, first))
 
-        sent = self._send(frame)  # small enough for the pipe (loop_ready): never waits for the stub
-        if sent is not _READ:
-            loop.call_soon(on_results, functools.partial(self._rest, items, call, sent))
-            return
-        self._pipe.read_on_loop(loop, on_frame)
+        try:
+            self._pipe.write_packed(payload)
+        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
+            loop.call_soon(on_results, functools.partial(self._rest, items, call, exc))
+        else:
+            self._pipe.read_on_loop(loop, on_frame)
+        return True
 
     def _rest(self, items: list[InferenceItem], call: DecoupledCall | None, first: Any) -> list[ItemResult]:
         """On the instance's thread: a call started from the loop, from its first frame (or error) on."""

@@ -25,6 +25,7 @@ from typing import IO, Any
 from workers.backends.frames import PipeClosed, read_frame, write_frame
 
 _CLOSED: dict[str, Any] = {"op": "closed"}
+_GONE: dict[str, Any] = {"e": ["UNAVAILABLE", "the worker closed the stub's pipe"], "final": True}
 
 
 class StubChannel:
@@ -39,6 +40,7 @@ class StubChannel:
         self.on_cancel: Callable[[list[str]], None] = lambda keys: None
         self._reader: threading.Thread | None = None
         self._main_reading = False  # the main loop is in next_op's read (changed under _calls_lock)
+        self._closed = False  # the worker closed the pipe (under _calls_lock)
 
     @property
     def reading(self) -> bool:
@@ -63,15 +65,16 @@ class StubChannel:
                     break
                 self._main_reading = True
             try:
-                msg: dict[str, Any] | None = read_frame(self._in)
+                msg: dict[str, Any] = read_frame(self._in)
             except (PipeClosed, OSError, ValueError):
-                msg = None
+                with self._calls_lock:
+                    self._main_reading = False
+                self._gone()
+                return None
             with self._calls_lock:
                 self._main_reading = False
-                if msg is not None and self._calls and msg.get("op") not in ("bls_reply", "cancel"):
+                if self._calls and msg.get("op") not in ("bls_reply", "cancel"):
                     self._start_reader()  # a model's thread waits for replies while the main loop runs msg
-            if msg is None:
-                return None
             if self._sorted(msg):
                 return msg
         msg = self._ops.get()
@@ -86,12 +89,21 @@ class StubChannel:
         loop's while it reads). Unless the main loop reads now (the call is a model thread's, between
         calls), a reader thread must: the replies come while execute() runs."""
         with self._calls_lock:
-            if not self._main_reading:
-                self._start_reader()
-            self._next_call += 1
-            n = self._next_call
-            self._calls[n] = on_reply
-        self.send({**message, "n": n})
+            closed = self._closed
+            if not closed:
+                if not self._main_reading:
+                    self._start_reader()
+                self._next_call += 1
+                n = self._next_call
+                self._calls[n] = on_reply
+        if closed:
+            on_reply(_GONE)
+            return 0
+        try:
+            self.send({**message, "n": n})
+        except BaseException:
+            self.forget(n)
+            raise
         return n
 
     def forget(self, n: int) -> None:
@@ -103,21 +115,27 @@ class StubChannel:
             try:
                 msg = read_frame(self._in)
             except (PipeClosed, OSError, ValueError):
-                with self._calls_lock:
-                    calls, self._calls = list(self._calls.values()), {}
-                for on_reply in calls:  # the worker is gone: no BLS call waits for ever
-                    on_reply({"e": ["UNAVAILABLE", "the worker closed the stub's pipe"], "final": True})
+                self._gone()
                 self._ops.put(_CLOSED)
                 return
             if self._sorted(msg):
                 self._ops.put(msg)
 
+    def _gone(self) -> None:
+        """The worker closed the pipe: no BLS call waits for ever, now or later."""
+        with self._calls_lock:
+            self._closed = True
+            calls, self._calls = list(self._calls.values()), {}
+        for on_reply in calls:
+            on_reply(_GONE)
+
     def _sorted(self, msg: dict[str, Any]) -> bool:
         """Hand a BLS reply or a cancellation on; True for the main loop's frames."""
         op = msg.get("op")
         if op == "bls_reply":
-            with self._calls_lock:
-                handler = self._calls.get(msg.get("n", -1))
+            with self._calls_lock:  # a final reply ends its call (the caller may forget it only later)
+                n = msg.get("n", -1)
+                handler = self._calls.pop(n, None) if msg.get("final", True) else self._calls.get(n)
             if handler is not None:
                 handler(msg)
             return False

@@ -19,6 +19,7 @@ an execute call and is woken by the stub's answer, with no instance thread betwe
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import queue
 import threading
@@ -27,7 +28,7 @@ from typing import IO, Any
 
 import msgpack
 
-from workers.backends.frames import LENGTH, PipeClosed, read_frame, write_frame
+from workers.backends.frames import LENGTH, PipeClosed, read_frame, write_frame, write_packed
 
 # A frame that is not a reply: handled (True), or a reply (False). Must not raise: a reply left unread in the
 # pipe would answer the next call.
@@ -35,9 +36,7 @@ Handle = Callable[["StubPipe", Any], bool]
 READ: Any = object()  # `reply`'s first frame: none yet, read it
 # The event loop takes a large reply a pipe's capacity at a time, with its other events between.
 READ_CHUNK = 1 << 16
-# What the event loop writes itself (frames up to about a pipe's capacity go in without waiting for the
-# stub to read; larger calls go by the instance's thread).
-LOOP_WRITE_MAX = 48 << 10
+F_GETPIPE_SZ = 1032  # fcntl: a pipe's capacity (Linux)
 
 
 class StubPipe:
@@ -51,6 +50,10 @@ class StubPipe:
         self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a reader thread's, in order
         self._reader_gone = False  # its reader thread saw the pipe close: no reply comes any more
         self._inline = True
+        try:  # what a write takes without waiting for the stub to read (the pipe is empty between calls)
+            self.capacity = fcntl.fcntl(out.fileno(), F_GETPIPE_SZ)
+        except OSError:
+            self.capacity = 4096  # POSIX's least
         if reader:
             self._start_reader()
 
@@ -77,16 +80,16 @@ class StubPipe:
 
     def read_on_loop(self, loop: asyncio.AbstractEventLoop, on_frame: Callable[[Any], None]) -> None:
         """Read the next frame from the event loop without blocking it; `on_frame` gets it (or the error
-        that ended the pipe) on the loop. Only while `inline`, and for the call written last."""
-        fd = self._in.fileno()
+        that ended the pipe) on the loop, or READ if the loop could not watch the pipe (a thread reads it
+        then). Only while `inline`, and for the call written last."""
         buf = bytearray()
-        # Non-blocking while the loop reads it (uvloop's add_reader makes it so and leaves it so; asyncio's
-        # does not), blocking again after: the calls a thread finishes read it blocking.
-        os.set_blocking(fd, False)
 
         def finish(result: Any) -> None:
-            loop.remove_reader(fd)
-            os.set_blocking(fd, True)
+            try:
+                loop.remove_reader(fd)
+                os.set_blocking(fd, True)
+            except (OSError, ValueError):  # the pipe closed here meanwhile: the frame is what it is
+                pass
             on_frame(result)
 
         def readable() -> None:
@@ -114,11 +117,30 @@ class StubPipe:
                     finish(msg)
                     return
 
-        loop.add_reader(fd, readable)
+        try:
+            fd = self._in.fileno()
+        except ValueError:  # closed here: the thread that reads it finds it so
+            loop.call_soon(on_frame, READ)
+            return
+        try:
+            # Non-blocking while the loop reads it (uvloop's add_reader makes it so and leaves it so; asyncio's
+            # does not), blocking again after: the calls a thread finishes read it blocking.
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable)
+        except (OSError, ValueError):
+            try:
+                os.set_blocking(fd, True)
+            except OSError:
+                pass
+            loop.call_soon(on_frame, READ)
 
     def write(self, message: dict[str, Any]) -> None:
         with self._write_lock:
             write_frame(self._out, message)
+
+    def write_packed(self, payload: bytes) -> None:
+        with self._write_lock:
+            write_packed(self._out, payload)
 
     def send(self, message: dict[str, Any]) -> None:
         """`write`, dropped if the stub is gone (its call died with it)."""
