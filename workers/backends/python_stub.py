@@ -83,7 +83,8 @@ def _encode_response(pb: Any, response: Any) -> dict[str, Any]:
         arr = np.asarray(t.as_numpy())
         dt = tensors.lookup(t._datatype())  # the declared type: BF16 stays BF16
         outputs.append([t.name(), dt.name, list(arr.shape), tensors.wire_view(arr, dt)])
-    params = json.loads(response.parameters() or "{}")
+    raw = response.parameters()
+    params = json.loads(raw) if raw and raw != "{}" else None  # most responses have none: no decoder call
     return {"o": outputs, "p": params} if params else {"o": outputs}
 
 

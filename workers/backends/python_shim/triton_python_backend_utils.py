@@ -318,7 +318,8 @@ def _incoming_request(
         parameters=None,
     )
     # Incoming requests carry whatever the client sent (doubles included), unlike BLS requests.
-    request._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+    request._parameters = parameters if isinstance(parameters, str) else \
+        json.dumps(dict(parameters)) if parameters else "{}"  # most requests have none: no encoder call
     request._response_sender = response_sender or InferenceResponseSender()
     return request
 
