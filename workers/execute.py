@@ -165,7 +165,7 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
     sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py).
     `lanes`: each request's lane, for backends that schedule within a batch (a generation engine).
     What is logged meanwhile (here, by the backend) names the model, version and the batch's requests."""
-    token = log_context.bind(log_context.BatchLog(spec.name, envs[0].version if envs else 0, envs))
+    token = _bind_log(spec, envs)
     try:
         prepared = _prepare(spec, backend, envs, lanes)
         return _complete(spec, prepared, _execute(spec, backend, prepared.items), state_of)
@@ -201,31 +201,26 @@ class LoopRun:
         the instance's thread. False (nothing started): run it on the thread (`run_batch`)."""
         if not self.ready():
             return False
-        token = self._bind()
+        token = _bind_log(self.spec, self.envs)
         try:
-            prepared = _prepare(self.spec, self.backend, self.envs, self.lanes)
-        except Exception as exc:  # a bug here: reported as a batch that failed outside the model
-            loop.call_soon(on_outcome, exc)
-            return True
+            try:
+                prepared = _prepare(self.spec, self.backend, self.envs, self.lanes)
+            except Exception as exc:  # a bug here: reported as a batch that failed outside the model
+                loop.call_soon(on_outcome, exc)
+                return True
+            on_results = functools.partial(self._on_results, prepared, on_outcome)
+            if not prepared.items:  # every request answered already (inputs that cannot be decoded)
+                loop.call_soon(on_results, [])
+                return True
+            try:
+                return self.backend.start_on_loop(prepared.items, loop, on_results)
+            except Exception as exc:  # a backend bug (nothing written yet) fails this batch, never the loop
+                log.exception("%s: the backend raised while starting a batch of %d", self.spec.name,
+                              len(prepared.items))
+                loop.call_soon(on_results, failed(prepared.items, exc))
+                return True
         finally:
             log_context.unbind(token)
-        on_results = functools.partial(self._on_results, prepared, on_outcome)
-        if not prepared.items:  # every request answered already (inputs that cannot be decoded)
-            loop.call_soon(on_results, [])
-            return True
-        token = self._bind()
-        try:
-            return self.backend.start_on_loop(prepared.items, loop, on_results)
-        except Exception as exc:  # a backend bug (nothing written yet) fails this batch, never the worker loop
-            log.exception("%s: the backend raised while starting a batch of %d", self.spec.name, len(prepared.items))
-            loop.call_soon(on_results, failed(prepared.items, exc))
-            return True
-        finally:
-            log_context.unbind(token)
-
-    def _bind(self) -> Token[log_context.RequestLog | log_context.BatchLog | None]:
-        return log_context.bind(log_context.BatchLog(self.spec.name, self.envs[0].version if self.envs else 0,
-                                                     self.envs))
 
     def _on_results(self, prepared: _Prepared, on_outcome: Callable[[LoopOutcome], None],
                     results: list[ItemResult] | Callable[[], list[ItemResult]]) -> None:
@@ -233,7 +228,7 @@ class LoopRun:
         if callable(results):
             on_outcome(functools.partial(self._finish, prepared, results))
             return
-        token = self._bind()
+        token = _bind_log(self.spec, self.envs)
         outcome: BatchOutcome | BaseException
         try:
             outcome = _complete(self.spec, prepared, _checked(prepared.items, results), self.state_of)
@@ -245,11 +240,17 @@ class LoopRun:
 
     def _finish(self, prepared: _Prepared, rest: Callable[[], list[ItemResult]]) -> BatchOutcome:
         """On the instance's thread: the call's rest (run_batch's, from where the loop left it)."""
-        token = self._bind()
+        token = _bind_log(self.spec, self.envs)
         try:
             return _complete(self.spec, prepared, _guarded(self.spec, prepared.items, rest), self.state_of)
         finally:
             log_context.unbind(token)
+
+
+def _bind_log(spec: ModelSpec,
+              envs: list[RequestEnvelope]) -> Token[log_context.RequestLog | log_context.BatchLog | None]:
+    """What is logged from here on is about this batch (its model, version and requests)."""
+    return log_context.bind(log_context.BatchLog(spec.name, envs[0].version if envs else 0, envs))
 
 
 @dataclass(slots=True)

@@ -111,13 +111,7 @@ class Instance:
         try:
             callbacks.done(job, outcome, started_us)
         finally:  # the staged batch starts (and the instance idles) whatever reporting this one did
-            with self._lock:
-                current, self._staged = self._staged, None
-                if current is not None and not callbacks.custody_fresh():
-                    callbacks.refused(current)
-                    current = None
-                if current is None:
-                    self.busy = False
+            current = self._take_staged(callbacks, callbacks.refused)
             if current is not None:
                 self._begin(current, loop, callbacks)
             else:
@@ -157,17 +151,23 @@ class Instance:
             else:
                 result, started_us = self._run(current)
             loop.call_soon_threadsafe(callbacks.done, current, result, started_us)
-            with self._lock:
-                current, self._staged = self._staged, None
-                if current is not None and not callbacks.custody_fresh():
-                    loop.call_soon_threadsafe(callbacks.refused, current)
-                    current = None
-                if current is None:
-                    self.busy = False
+            current = self._take_staged(callbacks, lambda job: loop.call_soon_threadsafe(callbacks.refused, job))
             if current is not None and current.on_loop is not None and current.on_loop.ready():
                 loop.call_soon_threadsafe(self._begin, current, loop, callbacks)
                 return
         loop.call_soon_threadsafe(callbacks.idle, self)
+
+    def _take_staged(self, callbacks: Callbacks, refuse: Callable[[Job], object]) -> Job | None:
+        """The staged job to run next, if custody is fresh (else it goes to `refuse`); with none, the
+        instance is not busy any more."""
+        with self._lock:
+            current, self._staged = self._staged, None
+            if current is not None and not callbacks.custody_fresh():
+                refuse(current)
+                current = None
+            if current is None:
+                self.busy = False
+            return current
 
     def _run(self, job: Job) -> tuple[BatchOutcome | BaseException, int]:
         held = None

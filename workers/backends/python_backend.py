@@ -135,12 +135,13 @@ class PythonBackend:
         self._failed = False
 
     def _roundtrip(self, message: dict[str, Any]) -> Any:
-        return self._reply(self._send(message))
+        return self._reply(self._send(pack(message)))
 
-    def _send(self, message: dict[str, Any]) -> Any:
-        """Write a call; what `_reply` starts from: the reply still to read, or the error that stopped it."""
+    def _send(self, payload: bytes) -> Any:
+        """Write a call (`pack`ed); what `_reply` starts from: the reply still to read, or the error that
+        stopped the write."""
         try:
-            self._pipe.write(message)
+            self._pipe.write(payload)
         except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
             return exc
         return _READ
@@ -210,12 +211,11 @@ class PythonBackend:
                     return
             on_results(functools.partial(self._rest, items, call, first))
 
-        try:
-            self._pipe.write_packed(payload)
-        except (OSError, ValueError) as exc:  # ValueError: a pipe closed on our side
-            loop.call_soon(on_results, functools.partial(self._rest, items, call, exc))
-        else:
+        sent = self._send(payload)  # it fits the pipe: the loop never waits for the stub to read it
+        if sent is _READ:
             self._pipe.read_on_loop(loop, on_frame)
+        else:
+            loop.call_soon(on_results, functools.partial(self._rest, items, call, sent))
         return True
 
     def _rest(self, items: list[InferenceItem], call: DecoupledCall | None, first: Any) -> list[ItemResult]:
@@ -262,7 +262,7 @@ class PythonBackend:
             call, frame = self._begin(items)
         except ServingError as exc:
             return _CallFailed(InferenceFailed(exc.message), crashed=False)
-        return self._end(call, self._send(frame))
+        return self._end(call, self._send(pack(frame)))
 
     def _begin(self, items: list[InferenceItem]) -> tuple[DecoupledCall | None, dict[str, Any]]:
         """The execute frame for `items`, and a decoupled model's call that gathers its responses (raises

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import msgpack
 
-from workers.backends.frames import LENGTH, PipeClosed, read_frame, write_frame, write_packed
+from workers.backends.frames import LENGTH, PipeClosed, pack, read_frame, write_packed
 
 # A frame that is not a reply: handled (True), or a reply (False). Must not raise: a reply left unread in the
 # pipe would answer the next call.
@@ -134,18 +134,16 @@ class StubPipe:
                 pass
             loop.call_soon(on_frame, READ)
 
-    def write(self, message: dict[str, Any]) -> None:
-        with self._write_lock:
-            write_frame(self._out, message)
-
-    def write_packed(self, payload: bytes) -> None:
+    def write(self, payload: bytes) -> None:
+        """One frame of a message `pack`ed already (frames.py). Raises OSError or ValueError (a pipe closed
+        here)."""
         with self._write_lock:
             write_packed(self._out, payload)
 
     def send(self, message: dict[str, Any]) -> None:
-        """`write`, dropped if the stub is gone (its call died with it)."""
+        """`write` a message, dropped if the stub is gone (its call died with it)."""
         try:
-            self.write(message)
+            self.write(pack(message))
         except (OSError, ValueError):
             pass
 
