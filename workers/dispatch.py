@@ -23,6 +23,7 @@ from workers import gil
 from workers.custody import Custody
 from workers.execute import BatchOutcome, LoopRun, run_batch
 from workers.held import HeldRequests, stamp
+from workers.inline import SoloCost, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
 
@@ -52,6 +53,9 @@ class Dispatch:
         self._expired, self._dropped, self._released = expired, dropped, released
         self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
         self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
+        # The longest one-request batch the loop computes itself (workers/inline.py); 0: none. Set by the
+        # model's loop once its watchdog guards such batches.
+        self.inline_max_ns = 0
 
     def apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
         if isinstance(action, Run):
@@ -104,7 +108,12 @@ class Dispatch:
                               idle=functools.partial(self._on_idle, version, index),
                               refused=functools.partial(self._on_refused, version, index),
                               custody_fresh=self._custody.fresh)
-        instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
+        job = self._job(version, index, batch)
+        if instance.inline_capable:
+            others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
+            job.inline = may_inline(len(batch.items), batch.rows, instance.solo, self.schedulers[version].queued(),
+                                    others, self.inline_max_ns)
+        instance.start(job, asyncio.get_running_loop(), callbacks)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:
@@ -113,6 +122,10 @@ class Dispatch:
         self._custody.claim_timeout.observe((now - started_us) / 1000)
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
+        instance = self.instances[version][index]
+        if instance.inline_capable and len(batch.items) == 1 and isinstance(result, BatchOutcome):
+            instance.solo = SoloCost(batch.rows, result.compute_input_ns + result.compute_infer_ns
+                                     + result.compute_output_ns)
         self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake()
 

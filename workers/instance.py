@@ -14,6 +14,9 @@ reply wakes the loop, which reports the batch done and starts the staged one. Th
 saves (loop to thread, thread to loop) were a wake-up each, ~35 and ~140 µs of a C=1 request's time here
 (bench/RESULTS.md, stop 41). What needs a thread (a restart, a BLS call on the way, a rate limiter's
 wait) runs on the instance's thread as before.
+
+An in-process CPU model's batch is computed by the loop itself when nothing else waits for it
+(`Job.inline`; workers/inline.py says when): a forward is shorter than the two hand-offs there.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from batching.plan import Batch
 from fleet.model_spec import InstanceLimit
 from workers.backends.base import Backend, LoopBackend
 from workers.execute import BatchOutcome, LoopOutcome, LoopRun
+from workers.inline import SoloCost
 from workers.rate_limiter import RateLimiter
 
 
@@ -41,6 +45,7 @@ class Job:
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome
     run: Callable[[], BatchOutcome]
     on_loop: LoopRun | None = None  # the same batch run from the event loop, where the backend allows
+    inline: bool = False  # `run` is called on the event loop itself (workers/inline.py)
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
@@ -72,12 +77,17 @@ class Instance:
     running_since: float | None = None  # time.monotonic() the current batch started (the watchdog reads it)
     # The backend, if the event loop may drive its calls (and no rate limiter makes them wait).
     loop_backend: LoopBackend | None = field(init=False)
+    # Whether the loop may compute a batch itself (workers/inline.py), and the last one-request batch's cost.
+    inline_capable: bool = field(init=False)
+    solo: SoloCost | None = None
+    running_inline: bool = False  # the loop is computing a batch of this instance (its watchdog's thread reads it)
     _staged: Job | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         backend = self.backend
         self.loop_backend = backend if self.limiter is None and isinstance(backend, LoopBackend) else None
+        self.inline_capable = self.limiter is None and backend.runs_inline
 
     @property
     def staged(self) -> Job | None:
@@ -98,7 +108,19 @@ class Instance:
             if job.on_loop.begin(loop, functools.partial(self._computed, job, loop, callbacks, started_us)):
                 return
             self.running_since = None
+        elif job.inline:  # after what the loop is doing now (the driver's step), as a thread's report would
+            loop.call_soon(self._inline, job, loop, callbacks)
+            return
         self.executor.submit(self._chain, job, loop, callbacks)
+
+    def _inline(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
+        """On the loop: compute `job` here, then report it and go on as after a call made from the loop."""
+        self.running_inline = True
+        try:
+            result, started_us = self._run(job)
+        finally:
+            self.running_inline = False
+        self._computed(job, loop, callbacks, started_us, result)
 
     def _computed(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks, started_us: int,
                   outcome: LoopOutcome) -> None:

@@ -134,6 +134,8 @@ class ModelLoop:
         readers = [sup.start(f"reader-{lane}", functools.partial(self._read, lane))
                    for lane in range(self.bulk_lane + 1)]
         driver = sup.start("driver", self._drive)
+        if self.watchdog.guard_inline():
+            self._dispatch.inline_max_ns = self.config.inline_max_us * 1000
         try:
             await asyncio.gather(*readers)  # they return once stopping
             self._readers_done = True
@@ -144,6 +146,7 @@ class ModelLoop:
         finally:
             await cancel_and_wait([*background, *readers, driver], f"model '{self.spec.name}'")
             self._wake.close()
+            self.watchdog.unguard()
 
     def retire(self, why: str) -> None:
         """From now on, answer what is read with UNAVAILABLE `why` (the version is unloaded and no other

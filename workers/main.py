@@ -66,7 +66,8 @@ async def run_worker(settings: Settings, device: str, stop: asyncio.Event) -> in
                             keepalive_s=settings.claim_keepalive_s, claim_interval_s=settings.claim_interval_s,
                             max_deliveries=settings.max_deliveries, dead_consumer_idle_s=settings.dead_consumer_idle_s)
     config = LoopConfig(block_ms=settings.block_ms, read_ahead_batches=settings.read_ahead_batches,
-                        aging_us=settings.lane_aging_ms * 1000, watchdog_s=settings.watchdog_s, custody=custody,
+                        aging_us=settings.lane_aging_ms * 1000, watchdog_s=settings.watchdog_s,
+                        inline_max_us=settings.inline_max_us, custody=custody,
                         bulk_share=settings.bulk_share_cpu if device == "cpu" else 1.0)
 
     failures: list[BaseException] = []

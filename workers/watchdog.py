@@ -5,6 +5,9 @@
   where its backend can be interrupted (a Python backend's stub process: the call in flight then fails
   as a crash and is retried alone, up to max_deliveries); otherwise `on_hung` decides (the worker exits
   for its supervisor, and other workers claim what it held).
+- Computed by the loop: a batch the event loop computes itself (workers/inline.py) holds the loop, and
+  this watchdog with it, so a thread of its own watches those (`guard_inline`); a hung one is never
+  interruptible, and `on_hung` is called from that thread.
 - Down: a backend whose restart failed (a Python stub whose initialize() now raises) is not advertised;
   it is tried again each round, on the instance's own thread, until it starts.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -36,6 +40,7 @@ class Watchdog:
         self.down: set[Instance] = set()
         self._reviving: set[asyncio.Future[bool]] = set()
         self._killed_at: dict[Instance, float] = {}
+        self._guard: threading.Event | None = None  # set: the inline guard's thread stops
 
     @property
     def healthy(self) -> bool:
@@ -46,6 +51,33 @@ class Watchdog:
         while True:
             await asyncio.sleep(min(1.0, limit_s / 4) if limit_s > 0 else 1.0)
             self.check(time.monotonic())
+
+    def guard_inline(self) -> bool:
+        """Watch the batches the loop computes itself, from a thread; whether it does. Not where nothing
+        could be done about a hung one (no limit or no `on_hung`), nor where no instance computes so."""
+        if self.watchdog_s <= 0 or self.on_hung is None or not any(i.inline_capable for i in self.instances):
+            return False
+        if self._guard is None:
+            self._guard = threading.Event()
+            threading.Thread(target=self._watch_inline, args=(self._guard, self.on_hung), daemon=True,
+                             name=f"{self.model}-inline-watchdog").start()
+        return True
+
+    def unguard(self) -> None:
+        if self._guard is not None:
+            self._guard.set()
+            self._guard = None
+
+    def _watch_inline(self, stop: threading.Event, on_hung: HungHandler) -> None:
+        while not stop.wait(min(1.0, self.watchdog_s / 4)):
+            now = time.monotonic()
+            for instance in self.instances:
+                since = instance.running_since
+                if instance.running_inline and since is not None and now - since > self.watchdog_s:
+                    log.error("%s: instance %s has executed one batch on the event loop for %.0f s (watchdog "
+                              "limit %g s): it is hung", self.model, instance.name, now - since, self.watchdog_s)
+                    on_hung(instance)  # the loop is held by the forward: only the process can go
+                    return
 
     def check(self, now: float) -> None:
         for instance in self.instances:

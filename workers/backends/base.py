@@ -109,6 +109,8 @@ class Backend(Protocol):
     * `kill()`: interrupt a hung `execute()` (thread-safe; a no-op where not `interruptible`).
     * `host_bound`: its compute runs on the host's CPU (False on a GPU, and for the sleep backend: the
       instance's thread only waits). The scheduler stages partial batches only where it is False.
+    * `runs_inline`: `execute()` computes in this process, on the CPU, on the calling thread alone, so
+      the event loop may call it itself when nothing else waits (workers/inline.py).
 
     `InProcessBackend` holds the defaults of a backend that runs in the worker process.
     """
@@ -116,6 +118,7 @@ class Backend(Protocol):
     takes_wire: ClassVar[bool]
     interruptible: ClassVar[bool]
     host_bound: bool
+    runs_inline: bool
 
     @property
     def alive(self) -> bool: ...
@@ -148,6 +151,7 @@ class InProcessBackend:
     takes_wire: ClassVar[bool] = False
     interruptible: ClassVar[bool] = False
     host_bound: bool = True
+    runs_inline: bool = False  # TorchScript and ONNX on the CPU say so
 
     @property
     def alive(self) -> bool:

@@ -37,6 +37,7 @@ class OnnxBackend(InProcessBackend):
             providers.insert(0, "CUDAExecutionProvider")
         self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         self.host_bound = self._session.get_providers()[0] == "CPUExecutionProvider"
+        self.runs_inline = self.host_bound and opts.intra_op_num_threads == 1
         model_inputs = {i.name for i in self._session.get_inputs()}
         missing = [t.name for t in spec.inputs if t.name not in model_inputs]
         missing += [b.target_name for b in spec.batch_inputs if b.target_name not in model_inputs]

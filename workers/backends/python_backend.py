@@ -82,6 +82,7 @@ class PythonBackend:
     takes_wire: ClassVar[bool] = True  # the stub gets the envelope's tensor bytes as they are
     interruptible: ClassVar[bool] = True  # kill() ends a hung execute(): the stub is a process
     host_bound = True  # the stub computes on the host's CPU, unless its model moves work to a GPU (unknown here)
+    runs_inline = False  # the stub computes; the loop makes the call itself where it can (start_on_loop)
 
     def __init__(self, ctx: LoadContext) -> None:
         self._ctx = ctx

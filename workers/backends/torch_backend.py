@@ -40,6 +40,8 @@ class TorchBackend(InProcessBackend):
         self._configured = threading.local()
         self._device = torch.device(ctx.device)
         self.host_bound = self._device.type == "cpu"
+        # A forward on the loop's thread would give that thread an OpenMP team of its own (above).
+        self.runs_inline = self.host_bound and self._threads == 1
         path = ctx.model_dir / str(ctx.version) / spec.default_model_filename
         if not path.exists():
             raise ConfigError(f"{spec.name}: model file {path} is missing (run `make models`?)")

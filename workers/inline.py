@@ -1,0 +1,38 @@
+"""When the worker's event loop computes a batch itself instead of handing it to the instance's thread.
+
+An in-process CPU model (TorchScript, ONNX) computes on its instance's thread: the loop hands each batch
+over and the thread hands the outcome back, a wake-up each way, each on the order of the forward of a
+one-row `mlp` on this project's 2-core host (bench/RESULTS.md, stop 43). Under load that thread is what
+lets the loop read, batch and answer while a forward runs. With nothing else to do, the loop may as well
+compute the batch itself, and then the hand-offs are all a request pays for. So the loop computes a
+batch (workers/instance.py's `Instance._inline`) only when all of these hold:
+
+- the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
+  the instance has no rate limiter to wait for;
+- the batch is one request, no larger in rows than the last one-request batch this instance computed,
+  and that one took at most `max_ns` (LoopConfig.inline_max_us): the longest the loop is held;
+- nothing else of the model is queued or staged, and no other instance of it is running;
+- a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
+  (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SoloCost:
+    """An instance's last one-request batch: its rows, and how long it took to compute (ns)."""
+
+    rows: int
+    ns: int
+
+
+def may_inline(requests: int, rows: int, last: SoloCost | None, queued: int, others_running: bool,
+               max_ns: int) -> bool:
+    """Whether the loop computes this batch itself (the instance can, and the watchdog guards it).
+    `queued`: the model's requests waiting besides this batch; `others_running`: another instance of
+    the model is computing."""
+    return (max_ns > 0 and requests == 1 and queued == 0 and not others_running and last is not None
+            and rows <= last.rows and last.ns <= max_ns)
