@@ -109,11 +109,16 @@ class Dispatch:
                               refused=functools.partial(self._on_refused, version, index),
                               custody_fresh=self._custody.fresh)
         job = self._job(version, index, batch)
-        if instance.inline_capable:
-            others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
-            job.inline = may_inline(len(batch.items), batch.rows, instance.solo, self.schedulers[version].queued(),
-                                    others, self.inline_max_ns)
+        if self.inline_max_ns and instance.inline_capable and len(batch.items) == 1:  # measured, if not inline
+            job.solo_bytes = sum(len(t.data) for t in self._held[batch.items[0].request_id].env.inputs)
+            if self._may_inline(version, instance, job.solo_bytes):
+                job.inline = functools.partial(self._may_inline, version, instance, job.solo_bytes)
         instance.start(job, asyncio.get_running_loop(), callbacks)
+
+    def _may_inline(self, version: int, instance: Instance, nbytes: int) -> bool:
+        """Whether the loop computes a lone request of `nbytes` on `instance` (asked again when it gets to it)."""
+        others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
+        return may_inline(1, nbytes, instance.solo, self.schedulers[version].queued(), others, self.inline_max_ns)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:
@@ -122,10 +127,10 @@ class Dispatch:
         self._custody.claim_timeout.observe((now - started_us) / 1000)
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
-        instance = self.instances[version][index]
-        if instance.inline_capable and len(batch.items) == 1 and isinstance(result, BatchOutcome):
-            instance.solo = SoloCost(batch.rows, result.compute_input_ns + result.compute_infer_ns
-                                     + result.compute_output_ns)
+        if job.solo_bytes >= 0 and isinstance(result, BatchOutcome) and result.replies[0].ok:
+            # What a lone request this large costs (a failed one says nothing: it may have failed early).
+            self.instances[version][index].solo = SoloCost(job.solo_bytes, result.compute_input_ns
+                                                           + result.compute_infer_ns + result.compute_output_ns)
         self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake()
 

@@ -9,9 +9,11 @@ batch (workers/instance.py's `Instance._inline`) only when all of these hold:
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
   the instance has no rate limiter to wait for;
-- the batch is one request, no larger in rows than the last one-request batch this instance computed,
-  and that one took at most `max_ns` (LoopConfig.inline_max_us): the longest the loop is held;
-- nothing else of the model is queued or staged, and no other instance of it is running;
+- the batch is one request, with no more input bytes than the last one-request batch this instance
+  answered without an error, and that one took at most `max_ns` (LoopConfig.inline_max_us): about the
+  longest the loop is held (bytes, not rows: a model with variable dims takes larger inputs in a row);
+- nothing else of the model is queued or staged, and no other instance of it is running, both when the
+  batch is started and when the loop gets to computing it (after the driver's step);
 - a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
   (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
 """
@@ -23,16 +25,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class SoloCost:
-    """An instance's last one-request batch: its rows, and how long it took to compute (ns)."""
+    """An instance's last one-request batch answered without an error: its input bytes, and how long it
+    took to compute (ns)."""
 
-    rows: int
+    nbytes: int
     ns: int
 
 
-def may_inline(requests: int, rows: int, last: SoloCost | None, queued: int, others_running: bool,
+def may_inline(requests: int, nbytes: int, last: SoloCost | None, queued: int, others_running: bool,
                max_ns: int) -> bool:
     """Whether the loop computes this batch itself (the instance can, and the watchdog guards it).
     `queued`: the model's requests waiting besides this batch; `others_running`: another instance of
     the model is computing."""
     return (max_ns > 0 and requests == 1 and queued == 0 and not others_running and last is not None
-            and rows <= last.rows and last.ns <= max_ns)
+            and nbytes <= last.nbytes and last.ns <= max_ns)

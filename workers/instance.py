@@ -45,7 +45,9 @@ class Job:
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome
     run: Callable[[], BatchOutcome]
     on_loop: LoopRun | None = None  # the same batch run from the event loop, where the backend allows
-    inline: bool = False  # `run` is called on the event loop itself (workers/inline.py)
+    # Set where the event loop may call `run` itself (workers/inline.py): asked again when the loop gets to it.
+    inline: Callable[[], bool] | None = None
+    solo_bytes: int = -1  # a lone request's input bytes, where its cost is measured for `inline`
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
@@ -108,13 +110,18 @@ class Instance:
             if job.on_loop.begin(loop, functools.partial(self._computed, job, loop, callbacks, started_us)):
                 return
             self.running_since = None
-        elif job.inline:  # after what the loop is doing now (the driver's step), as a thread's report would
+        elif job.inline is not None:  # after the loop's current step, as a thread's report would come
             loop.call_soon(self._inline, job, loop, callbacks)
             return
         self.executor.submit(self._chain, job, loop, callbacks)
 
     def _inline(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
-        """On the loop: compute `job` here, then report it and go on as after a call made from the loop."""
+        """On the loop: compute `job` here if that still holds (more may have come meanwhile), then report it
+        and go on as after a call made from the loop."""
+        assert job.inline is not None
+        if not job.inline():
+            self.executor.submit(self._chain, job, loop, callbacks)
+            return
         self.running_inline = True
         try:
             result, started_us = self._run(job)

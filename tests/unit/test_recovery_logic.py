@@ -53,6 +53,7 @@ def test_a_configured_claim_timeout_wins() -> None:
 class _Backend:
     takes_wire = False
     interruptible = False
+    runs_inline = False
     alive = True
 
     def execute(self, items: list[object]) -> list[object]:
