@@ -56,6 +56,7 @@ class Dispatch:
         # The longest one-request batch the loop computes itself (workers/inline.py); 0: none. Set by the
         # model's loop once its watchdog guards such batches.
         self.inline_max_ns = 0
+        self._lone_batches = 0  # batches dispatched in a row (this one included) that were one request each
 
     def apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
         if isinstance(action, Run):
@@ -94,6 +95,7 @@ class Dispatch:
         if self._held.traced:
             stamp(envs, BATCH_FORMED, self._redis_clock.now_ns())
         instance = self.instances[version][index]
+        self._lone_batches = self._lone_batches + 1 if len(batch.items) == 1 else 0
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
         job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes))
         if instance.loop_backend is not None:
@@ -118,7 +120,8 @@ class Dispatch:
     def _may_inline(self, version: int, instance: Instance, nbytes: int) -> bool:
         """Whether the loop computes a lone request of `nbytes` on `instance` (asked again when it gets to it)."""
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
-        return may_inline(1, nbytes, instance.solo, self.schedulers[version].queued(), others, self.inline_max_ns)
+        return may_inline(1, self._lone_batches, nbytes, instance.solo, self.schedulers[version].queued(), others,
+                          self.inline_max_ns)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:

@@ -20,6 +20,11 @@ from workers.watchdog import Watchdog
 FAST = SoloCost(nbytes=1024, ns=300_000)
 
 
+@pytest.mark.parametrize(("lone_batches", "inline"), [(1, False), (2, False), (3, True), (40, True)])
+def test_the_loop_computes_only_where_the_clients_send_one_at_a_time(lone_batches: int, inline: bool) -> None:
+    assert may_inline(1, lone_batches, 1024, FAST, 0, False, 1_000_000) is inline
+
+
 @pytest.mark.parametrize(("requests", "nbytes", "last", "queued", "others", "max_ns", "inline"), [
     (1, 1024, FAST, 0, False, 1_000_000, True),  # alone, as small and as quick as the last one
     (1, 16, FAST, 0, False, 1_000_000, True),  # smaller
@@ -34,7 +39,7 @@ FAST = SoloCost(nbytes=1024, ns=300_000)
 ])
 def test_the_loop_computes_a_lone_quick_request_only(requests: int, nbytes: int, last: SoloCost | None, queued: int,
                                                      others: bool, max_ns: int, inline: bool) -> None:
-    assert may_inline(requests, nbytes, last, queued, others, max_ns) is inline
+    assert may_inline(requests, 3, nbytes, last, queued, others, max_ns) is inline
 
 
 class _Inline(InProcessBackend):
