@@ -1,11 +1,11 @@
 """When the worker's event loop computes a batch itself instead of handing it to the instance's thread.
 
 An in-process CPU model (TorchScript, ONNX) computes on its instance's thread: the loop hands each batch
-over and the thread hands the outcome back, a wake-up each way, each on the order of the forward of a
-one-row `mlp` on this project's 2-core host (bench/RESULTS.md, stop 43). Under load that thread is what
-lets the loop read, batch and answer while a forward runs. With nothing else to do, the loop may as well
-compute the batch itself, and then the hand-offs are all a request pays for. So the loop computes a
-batch (workers/instance.py's `Instance._inline`) only when all of these hold:
+over and the thread hands the outcome back, a wake-up each way (~35 and ~140 µs of a C=1 request on this
+project's 2-core host, bench/RESULTS.md stop 41). Under load that thread is what lets the loop read, batch
+and answer while a forward runs. With nothing else to do, the loop may as well compute the batch itself:
+at `mlp` C=1 the worker's context switches fell from 5.3 to 2.0 a request (stop 43). So the loop computes
+a batch (workers/instance.py's `Instance._inline`) only when all of these hold:
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
   the instance has no rate limiter to wait for;
