@@ -102,9 +102,10 @@ class Settings(BaseSettings):
     # An instance executing one batch longer than this is hung: the worker stops advertising the model
     # and restarts the instance (Python backend: its stub process) or exits for its supervisor.
     watchdog_s: float = 120.0
-    # A one-request batch of an in-process CPU model (TorchScript, ONNX) that took at most this long is
-    # computed by the worker's event loop itself when nothing else of the model waits (workers/inline.py):
-    # no hand-off to and from the instance's thread. 0 = always on the thread.
+    # A lone request of an in-process CPU model (TorchScript, ONNX) is computed by the worker's event loop
+    # itself (no hand-off to and from the instance's thread) when its clients send one at a time, nothing
+    # else of the model waits, and the last lone request at least as large succeeded within this long
+    # (workers/inline.py has every condition). 0 = always on the thread.
     inline_max_us: int = Field(default=1000, ge=0)
     # The gateway fails requests waiting for a reply with 503 once Redis has been unreachable this long
     # (a restart shorter than this loses nothing: with AOF, queued requests are answered after it).

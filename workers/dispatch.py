@@ -56,7 +56,8 @@ class Dispatch:
         # The longest one-request batch the loop computes itself (workers/inline.py); 0: none. Set by the
         # model's loop once its watchdog guards such batches.
         self.inline_max_ns = 0
-        self._lone_batches = 0  # batches dispatched in a row (this one included) that were one request each
+        # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
+        self._lone_batches = 0
 
     def apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
         if isinstance(action, Run):
@@ -113,15 +114,15 @@ class Dispatch:
         job = self._job(version, index, batch)
         if self.inline_max_ns and instance.inline_capable and len(batch.items) == 1:  # measured, if not inline
             job.solo_bytes = sum(len(t.data) for t in self._held[batch.items[0].request_id].env.inputs)
-            if self._may_inline(version, instance, job.solo_bytes):
-                job.inline = functools.partial(self._may_inline, version, instance, job.solo_bytes)
+            if self._may_inline(instance, job.solo_bytes):
+                job.inline = functools.partial(self._may_inline, instance, job.solo_bytes)
         instance.start(job, asyncio.get_running_loop(), callbacks)
 
-    def _may_inline(self, version: int, instance: Instance, nbytes: int) -> bool:
+    def _may_inline(self, instance: Instance, nbytes: int) -> bool:
         """Whether the loop computes a lone request of `nbytes` on `instance` (asked again when it gets to it)."""
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
-        return may_inline(1, self._lone_batches, nbytes, instance.solo, self.schedulers[version].queued(), others,
-                          self.inline_max_ns)
+        queued = sum(s.queued() for s in self.schedulers.values())
+        return may_inline(self._lone_batches, nbytes, instance.solo, queued, others, self.inline_max_ns)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:

@@ -12,11 +12,15 @@ a batch (workers/instance.py's `Instance._inline`) only when all of these hold:
 - the batch is one request, with no more input bytes than the last one-request batch this instance
   answered without an error, and that one took at most `max_ns` (LoopConfig.inline_max_us): about the
   longest the loop is held (bytes, not rows: a model with variable dims takes larger inputs in a row);
-- the model's last batches (LONE_BATCHES) were lone requests too: its clients send one at a time;
+- the model's last batches (LONE_BATCHES) were lone requests too: its clients send one at a time (for a
+  model without dynamic batching every batch is one request, and this says nothing more than the next);
 - nothing else of the model is queued or staged, and no other instance of it is running, both when the
   batch is started and when the loop gets to computing it (after the driver's step);
 - a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
   (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
+
+The loop is the worker's, shared by its models: while it computes, the other models' requests wait too
+(for `max_ns` at most), though only this model's queue is looked at.
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ class SoloCost:
     ns: int
 
 
-def may_inline(requests: int, lone_batches: int, nbytes: int, last: SoloCost | None, queued: int,
-               others_running: bool, max_ns: int) -> bool:
-    """Whether the loop computes this batch itself (the instance can, and the watchdog guards it).
-    `queued`: the model's requests waiting besides this batch; `others_running`: another instance of
-    the model is computing; `lone_batches`: how many of the model's batches in a row, this one included,
-    were one request each."""
-    return (max_ns > 0 and requests == 1 and lone_batches >= LONE_BATCHES and queued == 0 and not others_running
+def may_inline(lone_batches: int, nbytes: int, last: SoloCost | None, queued: int, others_running: bool,
+               max_ns: int) -> bool:
+    """Whether the loop computes a batch of one request of `nbytes` itself (the instance can, and the
+    watchdog guards it). `lone_batches`: how many of the model's batches in a row, this one included, were
+    one request each; `queued`: the model's requests waiting besides this one (every version's);
+    `others_running`: another instance of the model is computing."""
+    return (max_ns > 0 and lone_batches >= LONE_BATCHES and queued == 0 and not others_running
             and last is not None and nbytes <= last.nbytes and last.ns <= max_ns)

@@ -15,8 +15,8 @@ saves (loop to thread, thread to loop) were a wake-up each, ~35 and ~140 µs of 
 (bench/RESULTS.md, stop 41). What needs a thread (a restart, a BLS call on the way, a rate limiter's
 wait) runs on the instance's thread as before.
 
-An in-process CPU model's batch is computed by the loop itself when nothing else waits for it
-(`Job.inline`; workers/inline.py says when): a forward is shorter than the two hand-offs there.
+An in-process CPU model's lone request is computed by the loop itself when nothing else waits for it
+(`Job.inline`; workers/inline.py says when), which saves the two hand-offs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from workers.rate_limiter import RateLimiter
 
 @dataclass(slots=True)
 class Job:
-    """One batch for one instance: `run` computes it on the instance thread."""
+    """One batch for one instance: `run` computes it (on the instance thread, or on the loop: `inline`)."""
 
     version: int
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome

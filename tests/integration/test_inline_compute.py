@@ -54,14 +54,14 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
-async def _infer(s: InProcessSystem, value: float) -> httpx.Response:
+async def _infer(s: InProcessSystem, value: float, rows: int = 1) -> httpx.Response:
     return await s.client.post("/v2/models/triple/infer", json={
-        "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 4], "data": [value] * 4}]})
+        "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [rows, 4], "data": [value] * 4 * rows}]})
 
 
-def _check(value: float, r: httpx.Response) -> None:
+def _check(value: float, r: httpx.Response, rows: int = 1) -> None:
     assert r.status_code == 200, r.text
-    assert r.json()["outputs"][0]["data"] == [3 * value] * 4
+    assert r.json()["outputs"][0]["data"] == [3 * value] * 4 * rows
 
 
 def test_lone_requests_are_computed_by_the_loop_and_batches_by_the_thread(
@@ -88,13 +88,23 @@ def test_lone_requests_are_computed_by_the_loop_and_batches_by_the_thread(
             assert sum(n for _, n in wave) == 16 and len(wave) < 16
             assert all(name.startswith("triple_0") for name, n in wave if n > 1)
 
-            # One at a time again: the loop's again, from the third.
+            # One at a time again: the loop's again, once three batches in a row were lone requests (the wave
+            # may have ended with one or two).
             before = len(calls)
             for v in range(5):
                 _check(float(v), await _infer(s, float(v)))
-            assert calls[before:] == [("triple_0_0", 1)] * 2 + [(loop_thread, 1)] * 3
+            names = [name for name, _ in calls[before:]]
+            first = names.index(loop_thread)
+            assert first <= 2 and all(n.startswith("triple_0") for n in names[:first])
+            assert names[first:] == [loop_thread] * (5 - first)
+
+            # A larger request than any measured goes to the thread (and is measured); then the loop again.
+            before = len(calls)
+            _check(2.0, await _infer(s, 2.0, rows=3), rows=3)
+            _check(1.0, await _infer(s, 1.0))
+            assert calls[before:] == [("triple_0_0", 1), (loop_thread, 1)]
             stats = (await s.client.get("/v2/models/triple/stats")).json()["model_stats"][0]
-            assert stats["inference_count"] == 29 and stats["execution_count"] == len(calls)
+            assert stats["inference_count"] == 33 and stats["execution_count"] == len(calls)
 
     asyncio.run(main())
 
