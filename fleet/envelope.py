@@ -91,6 +91,11 @@ class RequestEnvelope:
             return 1
         return max(1, self.inputs[0].shape[0])
 
+    @property
+    def input_bytes(self) -> int:
+        """The bytes of its input tensors."""
+        return sum(len(t.data) for t in self.inputs)
+
 
 @dataclass(slots=True)
 class ReplyEnvelope:

@@ -113,7 +113,7 @@ class Dispatch:
                               custody_fresh=self._custody.fresh)
         job = self._job(version, index, batch)
         if self.inline_max_ns and instance.inline_capable and len(batch.items) == 1:  # measured, if not inline
-            job.solo_bytes = sum(len(t.data) for t in self._held[batch.items[0].request_id].env.inputs)
+            job.solo_bytes = self._held[batch.items[0].request_id].env.input_bytes
             if self._may_inline(instance, job.solo_bytes):
                 job.inline = functools.partial(self._may_inline, instance, job.solo_bytes)
         instance.start(job, asyncio.get_running_loop(), callbacks)

@@ -193,7 +193,7 @@ class LoopRun:
     def ready(self) -> bool:
         """Whether the backend would take this batch from the loop now (it may still decline a call that
         turns out larger than its pipe)."""
-        return self.backend.loop_ready(sum(len(t.data) for env in self.envs for t in env.inputs))
+        return self.backend.loop_ready(sum(env.input_bytes for env in self.envs))
 
     def begin(self, loop: asyncio.AbstractEventLoop, on_outcome: Callable[[LoopOutcome], None]) -> bool:
         """Start the batch from the loop; `on_outcome` gets its outcome there (an exception: a bug outside

@@ -46,10 +46,14 @@ class Watchdog:
     def healthy(self) -> bool:
         return not self.hung and not self.down
 
+    @property
+    def _period_s(self) -> float:
+        """How often the instances are looked at: a quarter of the limit, at least once a second."""
+        return min(1.0, self.watchdog_s / 4) if self.watchdog_s > 0 else 1.0
+
     async def run(self) -> None:
-        limit_s = self.watchdog_s
         while True:
-            await asyncio.sleep(min(1.0, limit_s / 4) if limit_s > 0 else 1.0)
+            await asyncio.sleep(self._period_s)
             self.check(time.monotonic())
 
     def guard_inline(self) -> bool:
@@ -69,7 +73,7 @@ class Watchdog:
             self._guard = None
 
     def _watch_inline(self, stop: threading.Event, on_hung: HungHandler) -> None:
-        while not stop.wait(min(1.0, self.watchdog_s / 4)):
+        while not stop.wait(self._period_s):
             now = time.monotonic()
             for instance in self.instances:
                 since = instance.running_since
