@@ -76,6 +76,10 @@ class Scheduler:
         self._completed: list[int] = []  # finished, not yet released (completion order)
         self._online_seen_us: int | None = None
         self._bulk_after_us = 0
+        # Whether an event since the last step() may change what it decides: the driver steps again at
+        # once only then, since carrying out a plan's actions can report such events (a staged batch
+        # taken back, a sequence's next request let in) without waking it.
+        self.changed = False
 
     # ------------------------------------------------------------------ what the driver can read
 
@@ -103,6 +107,7 @@ class Scheduler:
     def arrive(self, item: Pending, order: Order, now_us: int) -> None:
         """A request to schedule. `order` ranks it among the queued ones (the stream entry id: a
         claimed orphan is older than new arrivals, so it goes first in its lane)."""
+        self.changed = True
         self._insert(order, item)
         if item.lane != self.config.bulk_lane:
             self._online_seen_us = now_us
@@ -110,6 +115,7 @@ class Scheduler:
     def cancel(self, request_ids: set[str]) -> None:
         """Drop these requests if they have not started: queued ones at the next step, staged ones once
         taken back. Requests already running are computed (their replies are dropped by the caller)."""
+        self.changed = True
         keep = [(k, p) for k, p in self._queue if p.request_id not in request_ids]
         if len(keep) != len(self._queue):
             self._dropped += [p for _, p in self._queue if p.request_id in request_ids]
@@ -119,6 +125,7 @@ class Scheduler:
 
     def done(self, instance: int, batch_id: int, now_us: int, started_us: int) -> None:
         """`instance` has computed `batch_id` (its thread moved on to the staged batch, if any)."""
+        self.changed = True
         slot = self._slots[instance]
         batch = slot.assigned.popleft()
         assert batch.id == batch_id, f"instance {instance} finished batch {batch_id}, expected {batch.id}"
@@ -135,6 +142,7 @@ class Scheduler:
             self._bulk_after_us = now_us + int((now_us - started_us) * (1 - share) / share)
 
     def idle(self, instance: int) -> None:
+        self.changed = True
         slot = self._slots[instance]
         assert not slot.assigned, f"instance {instance} went idle holding batches"
         slot.thread_idle = True
@@ -142,11 +150,13 @@ class Scheduler:
 
     def stage_refused(self, instance: int, batch_id: int) -> None:
         """The instance went idle before it could take the staged batch: it goes back to the queue."""
+        self.changed = True
         slot = self._slots[instance]
         self._requeue(slot.assigned.pop(), batch_id)
         slot.no_stage = True
 
     def unstaged(self, instance: int, batch_id: int, taken_back: bool) -> None:
+        self.changed = True
         slot = self._slots[instance]
         if taken_back:
             self._requeue(slot.assigned.pop(), batch_id)
@@ -156,6 +166,7 @@ class Scheduler:
     def grown(self, instance: int, batch_id: int, replaced: bool) -> None:
         """The driver tried to replace the staged batch with the grown one, `batch_id`: done, or too late
         (the thread had taken the staged batch: it runs as it was, the newcomers go back to the queue)."""
+        self.changed = True
         slot = self._slots[instance]
         into, before = slot.assigned[1], slot.grown_from
         assert into.id == batch_id and before is not None, f"batch {batch_id} is not growing on instance {instance}"
@@ -193,8 +204,9 @@ class Scheduler:
 
     def step(self, now_us: int) -> Plan:
         """Everything to do at `now_us`. After carrying out the actions (and reporting what they say),
-        the driver calls step() again at once if there were any, else on the next event or at
+        the driver calls step() again at once if that made it `changed`, else on the next event or at
         `wake_at_us`."""
+        self.changed = False
         actions: list[Action] = []
         if self._dropped:
             actions.append(Drop(tuple(self._dropped)))

@@ -263,6 +263,7 @@ class ModelLoop:
 
     async def _drive(self) -> None:
         while True:
+            self._wake.clear()
             if not self.custody.fresh():
                 # This process stalled (or Redis was away) past half the claim timeout: another worker may
                 # own some of what it holds now. Start nothing until a keepalive round has said which.
@@ -272,20 +273,19 @@ class ModelLoop:
                 await self._wake.wait(None)
                 continue
             now = self.clock.now_us()
-            acted = False
             wake: int | None = None
             for version, scheduler in self.schedulers.items():
                 plan = scheduler.step(now)
-                if plan.actions:
-                    acted = True
-                    for action in plan.actions:
-                        self._dispatch.apply(version, scheduler, action, now)
+                for action in plan.actions:
+                    self._dispatch.apply(version, scheduler, action, now)
                 if plan.wake_at_us is not None:
                     wake = plan.wake_at_us if wake is None else min(wake, plan.wake_at_us)
             idle_at = self._sequences.release_idle(now)
             if idle_at is not None:
                 wake = idle_at if wake is None else min(wake, idle_at)
-            if acted:
+            # Again at once only if carrying out the plans changed what a step would decide; an event
+            # meanwhile that woke the driver is kept (cleared above), so the wait below ends at once.
+            if any(s.changed for s in self.schedulers.values()):
                 continue
             if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                 return

@@ -27,9 +27,15 @@ class Wakeup:
     def set(self) -> None:
         self._event.set()
 
-    async def wait(self, timeout_s: float | None) -> None:
-        """Until the next set() or `timeout_s` (None: no timeout); a set() before this call is forgotten."""
+    def clear(self) -> None:
+        """Forget the set()s so far: the driver clears before it looks at its schedulers, so that one
+        made meanwhile (while it carries out what they decided) is not lost."""
         self._event.clear()
+
+    async def wait(self, timeout_s: float | None) -> None:
+        """Until set() (at once if set since the last clear()) or `timeout_s` (None: no timeout)."""
+        if self._event.is_set():
+            return
         if timeout_s is None:
             await self._event.wait()
         elif timeout_s >= TIMER_RESOLUTION_S:
