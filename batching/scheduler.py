@@ -315,8 +315,9 @@ class Scheduler:
                 self._slots[stageable[0]].assigned.append(batch)
                 actions.append(Stage(stageable[0], batch))
                 # The instance may refuse it (its thread went idle meanwhile) and the batch come back: form
-                # the next batch only once the driver has said (it calls step() again at once), so a
-                # lower lane is never staged elsewhere while this batch is being refused.
+                # the next batch only once the driver has said (`changed`: it calls step() again at once),
+                # so a lower lane is never staged elsewhere while this batch is being refused.
+                self.changed = True
                 return None
         return None
 

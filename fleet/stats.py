@@ -291,7 +291,7 @@ def _add_latencies(d: dict[str, int], n: _Names, s: BatchSample) -> None:
     for dist, values in (("request", s.request_us), ("queue", s.queue_us)):
         names = buckets[dist]
         for value in values:
-            name = names[bisect_left(LATENCY_BOUNDS_US, value)]
+            name = names[bisect_left(LATENCY_BOUNDS_US, value)]  # as fleet/latency_stats.py's bucket_name
             d[name] = d.get(name, 0) + 1
     ok = s.requests_ok
     for dist, ns in (("compute_input", s.compute_input_ns), ("compute_infer", s.compute_infer_ns),

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # Acknowledgements wait this long for the next batch's reply write to carry them: under load a batch
 # costs one round trip (replies + the previous batch's acks), not two.
 ACK_DELAY_S = 0.005
+ACK_RESOLUTION_S = 0.001  # the event loop's timers are whole milliseconds (workers/wakeup.py)
 
 # Messages to acknowledge together, with when they joined (monotonic s).
 Carried = list[tuple[list[MessageId], float]]
@@ -73,13 +74,15 @@ class Acks:
 
     async def _flush_later(self, delay_s: float) -> None:
         backoff = Backoff()
-        await asyncio.sleep(delay_s)
+        await asyncio.sleep(delay_s)  # also spaces the retry of a ride that failed (its acks are older)
         while self._waiting:
             # Each waits ACK_DELAY_S for a ride from when it joined, not from when this flush was armed:
             # at one request at a time, a flush armed by an earlier one would otherwise send the latest
             # acknowledgements on their own, a round trip for a quarter of the requests at ~1 ms each.
-            wait_s = self._waiting[0][1] + ACK_DELAY_S - time.monotonic()
-            if wait_s > 0:
+            # (The oldest need not be first: a failed ride puts its own back in front. Under a
+            # millisecond counts as due: uvloop's timers fire a shorter sleep at once, a spin.)
+            wait_s = min(since for _, since in self._waiting) + ACK_DELAY_S - time.monotonic()
+            if wait_s >= ACK_RESOLUTION_S:
                 await asyncio.sleep(wait_s)
                 continue
             carried = self.take()

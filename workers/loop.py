@@ -289,7 +289,8 @@ class ModelLoop:
                 continue
             if self._readers_done and not self._held and not any(s.busy() for s in self.schedulers.values()):
                 return
-            await self._wake.wait(None if wake is None else (wake - now) / 1e6)
+            # From now, not from the round's start: carrying out the plans took time.
+            await self._wake.wait(None if wake is None else (wake - self.clock.now_us()) / 1e6)
 
     # ------------------------------------------------------------------ answering
 

@@ -436,6 +436,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return
             for action in plan.actions:
                 self.apply(action)
+            if not self.s.changed:
+                # The driver steps again at once only if carrying out the plan changed the scheduler
+                # (workers/loop.py), else on the next event: a step now must find nothing to do.
+                again = self.s.step(self.now)
+                assert not again.actions, f"a step after a plan that changed nothing acted: {kinds(again)}"
+                return
         raise AssertionError("step() kept producing actions without any event")
 
     def apply(self, action: Action) -> None:
