@@ -3,8 +3,8 @@ replies are written, to be acknowledged and deleted, then released.
 
 Under load they ride along with the next batch's reply write (one round trip fewer per batch); those
 that waited ACK_DELAY_S for a ride go out on their own, retried with backoff while Redis is away (held
-meanwhile, so kept alive). Past `finish_retry_s` unacknowledged they are left pending: their replies are out, so
-whoever claims them computes a duplicate the gateway drops."""
+meanwhile, so kept alive). Past `finish_retry_s` unacknowledged they are left pending: their replies are
+out, so whoever claims them computes a duplicate the gateway drops."""
 
 from __future__ import annotations
 
