@@ -43,3 +43,18 @@ def test_clear_forgets_earlier_sets_and_a_wait_ends_at_a_set_or_its_timeout() ->
             wake.close()
 
     asyncio.run(main())
+
+
+def test_a_wait_already_due_returns_at_once() -> None:
+    """The driver waits until its next timer from after carrying out its plans: one already past is a
+    zero or negative timeout, which must not block."""
+    async def main() -> None:
+        wake = Wakeup("t")
+        try:
+            wake.clear()
+            await asyncio.wait_for(wake.wait(0.0), 1)
+            await asyncio.wait_for(wake.wait(-0.001), 1)
+        finally:
+            wake.close()
+
+    asyncio.run(main())
