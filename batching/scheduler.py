@@ -23,7 +23,8 @@ What lives here and nowhere else:
 - ``preserve_ordering``: replies are released in the order batches were dispatched, across instances
   (Triton assigns response slots in that order too).
 - fleet's bulk lane: it ages into the lowest online lane (``BatchPolicy.aging_us``), and on CPU
-  workers takes at most ``bulk_share`` of an instance's time while online requests are coming in.
+  workers takes at most ``bulk_share`` of an instance's time while online requests are coming in
+  (``batching/bulk_share.py``).
 
 The driver protocol, per action:
 - ``Run(instance, batch)``: start the batch on the idle instance; report ``done`` when it has
@@ -42,6 +43,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter, deque
 
+from batching.bulk_share import BulkShare
 from batching.plan import (
     Action,
     Batch,
@@ -74,8 +76,7 @@ class Scheduler:
         self._cancelled: set[str] = set()  # ids inside staged batches, dropped once taken back
         self._dispatched: deque[int] = deque()  # batch ids in dispatch order, not yet released
         self._completed: list[int] = []  # finished, not yet released (completion order)
-        self._online_seen_us: int | None = None
-        self._bulk_after_us = 0
+        self._bulk = BulkShare(config)
         # Whether an event since the last step() may change what it decides: the driver steps again at
         # once only then, since carrying out a plan's actions can report such events (a staged batch
         # taken back, a sequence's next request let in) without waking it.
@@ -109,8 +110,7 @@ class Scheduler:
         claimed orphan is older than new arrivals, so it goes first in its lane)."""
         self.changed = True
         self._insert(order, item)
-        if item.lane != self.config.bulk_lane:
-            self._online_seen_us = now_us
+        self._bulk.arrived(item.lane, now_us)
 
     def cancel(self, request_ids: set[str]) -> None:
         """Drop these requests if they have not started: queued ones at the next step, staged ones once
@@ -136,10 +136,7 @@ class Scheduler:
             self._orders.pop(p.request_id, None)
         if self._cancelled:  # cancelled after its thread took it (the unstage came too late): it ran
             self._cancelled -= {p.request_id for p in batch.items}
-        share = self.config.bulk_share
-        if share < 1 and all(p.lane == self.config.bulk_lane for p in batch.items):
-            # While online requests come in, each bulk batch is followed by idle time in proportion.
-            self._bulk_after_us = now_us + int((now_us - started_us) * (1 - share) / share)
+        self._bulk.finished(batch, now_us, started_us)
 
     def idle(self, instance: int) -> None:
         self.changed = True
@@ -298,9 +295,9 @@ class Scheduler:
                 return decision.until_us
             if not isinstance(decision, Dispatch):
                 return None  # REJECT expiries were taken out above; nothing else to do
-            if self._bulk_held(decision, now_us):
-                return self._bulk_after_us
-            if self._bulk_capped(decision):
+            if self._bulk.held(decision, now_us):
+                return self._bulk.after_us
+            if self._bulk.capped(decision, self._slots):
                 return None  # an instance's bulk batch ending is the event to look again
             if not free and not self._stageable(decision, now_us):
                 return None
@@ -320,13 +317,6 @@ class Scheduler:
                 self.changed = True
                 return None
         return None
-
-    def _bulk_capped(self, decision: Dispatch) -> bool:
-        cap, bulk = self.config.bulk_instances, self.config.bulk_lane
-        if not cap or any(p.lane != bulk for p in decision.items):
-            return False
-        holding = sum(1 for s in self._slots if any(all(p.lane == bulk for p in b.items) for b in s.assigned))
-        return holding >= cap
 
     def _take(self, items: tuple[Pending, ...], replacing: Batch | None = None) -> Batch:
         """A new batch of these requests, the queued ones out of the queue (their order keys kept to requeue
@@ -363,15 +353,6 @@ class Scheduler:
             actions.append(Run(index, batch))
         return wake
 
-    def _online_active(self, now_us: int) -> bool:
-        seen = self._online_seen_us
-        return seen is not None and now_us - seen < self.config.online_quiet_us
-
-    def _bulk_held(self, decision: Dispatch, now_us: int) -> bool:
-        """A bulk-only batch waits out the bulk share's idle time while online requests come in."""
-        return (now_us < self._bulk_after_us and self._online_active(now_us)
-                and all(p.lane == self.config.bulk_lane for p in decision.items))
-
     def _full_rows(self) -> int:
         """The rows of a full batch: the largest preferred size, or 1 without batching."""
         policy = self.policy
@@ -385,7 +366,7 @@ class Scheduler:
         online requests come in, and none of it may time out before it runs."""
         if not self.config.stage_partial and sum(p.rows for p in decision.items) < self._full_rows():
             return False
-        if any(p.lane == self.config.bulk_lane for p in decision.items) and self._online_active(now_us):
+        if any(p.lane == self.config.bulk_lane for p in decision.items) and self._bulk.online_active(now_us):
             # Online traffic is about: a bulk batch waits in the queue, where an online request that
             # arrives while the instance computes still goes first.
             return False
