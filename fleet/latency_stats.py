@@ -32,9 +32,14 @@ BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 
+def bucket_index(value_us: int) -> int:
+    """The bucket that `value_us` falls in (len(LATENCY_BOUNDS_US): +Inf)."""
+    return bisect.bisect_left(LATENCY_BOUNDS_US, value_us)
+
+
 def bucket_name(dist: str, value_us: int) -> str:
     """The (version-less) field of the bucket that `value_us` falls in."""
-    return f"lat:{dist}:{bisect.bisect_left(LATENCY_BOUNDS_US, value_us)}"
+    return f"lat:{dist}:{bucket_index(value_us)}"
 
 
 def bucket_deltas(dist: str, values_us: Iterable[int], weight: int = 1) -> dict[str, int]:

@@ -20,13 +20,12 @@ too (gateway/counters.py)."""
 from __future__ import annotations
 
 import random
-from bisect import bisect_left
 from dataclasses import dataclass
 
 import msgpack
 
 from fleet.keys import Keys
-from fleet.latency_stats import DISTRIBUTIONS, LATENCY_BOUNDS_US
+from fleet.latency_stats import DISTRIBUTIONS, LATENCY_BOUNDS_US, bucket_index
 
 # Model-wide fields (no version prefix), counted by the workers' custody (workers/custody.py): messages
 # taken over from a dead or stalled consumer, those of them computed again, and messages dead-lettered.
@@ -233,7 +232,7 @@ class _Names:
         self.rejected = field(version, "rejected:count")
         self.rate_limit = (field(version, "rate_limit:count"), field(version, "rate_limit:ns"))
         self.last_inference = field(version, LAST_INFERENCE)
-        # Per distribution, its buckets' fields by index (fleet/latency_stats.py's bucket_name).
+        # Per distribution, its buckets' fields by bucket_index (fleet/latency_stats.py's bucket_name).
         self.buckets = {dist: tuple(field(version, f"lat:{dist}:{i}") for i in range(len(LATENCY_BOUNDS_US) + 1))
                         for dist in DISTRIBUTIONS}
         self._batch: dict[int, tuple[str, ...]] = {}
@@ -291,12 +290,12 @@ def _add_latencies(d: dict[str, int], n: _Names, s: BatchSample) -> None:
     for dist, values in (("request", s.request_us), ("queue", s.queue_us)):
         names = buckets[dist]
         for value in values:
-            name = names[bisect_left(LATENCY_BOUNDS_US, value)]  # as fleet/latency_stats.py's bucket_name
+            name = names[bucket_index(value)]
             d[name] = d.get(name, 0) + 1
     ok = s.requests_ok
     for dist, ns in (("compute_input", s.compute_input_ns), ("compute_infer", s.compute_infer_ns),
                      ("compute_output", s.compute_output_ns)):
-        name = buckets[dist][bisect_left(LATENCY_BOUNDS_US, ns // 1000)]
+        name = buckets[dist][bucket_index(ns // 1000)]
         d[name] = d.get(name, 0) + ok
 
 
