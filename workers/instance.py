@@ -17,6 +17,14 @@ wait) runs on the instance's thread as before.
 
 An in-process CPU model's lone request is computed by the loop itself when nothing else waits for it
 (`Job.inline`; workers/inline.py says when), which saves the two hand-offs.
+
+A batch handed to the thread gets the GIL at once: the loop waits until the thread has begun it
+(`_to_thread`). The loop holds the GIL through its own work (uvloop writes to sockets without letting it
+go) and lets go only when it waits for I/O; a thread that wants the GIL meanwhile gets it only after the
+interpreter's switch interval (5 ms). Under load the loop always has the last batch's replies to write
+and the next requests to read, so a batch started on the thread waited for the GIL: traced at `mlp`
+C=32 (bench/RESULTS.md, stop 45), 513 µs from formed to compute start; 64-82 µs with the wait. The loop
+waits for the batch's preparation (the thread gives up the GIL in the forward), at most HANDOFF_WAIT_S.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ from workers.backends.base import Backend, LoopBackend
 from workers.execute import BatchOutcome, LoopOutcome, LoopRun
 from workers.inline import SoloCost
 from workers.rate_limiter import RateLimiter
+
+# The longest the loop waits for an instance's thread to begin a batch handed to it (see above): a thread
+# still busy (finishing a batch's report) or a host that does not run it soon costs the loop no more.
+HANDOFF_WAIT_S = 0.002
 
 
 @dataclass(slots=True)
@@ -113,14 +125,22 @@ class Instance:
         elif job.inline is not None:  # after the loop's current step, as a thread's report would come
             loop.call_soon(self._inline, job, loop, callbacks)
             return
-        self.executor.submit(self._chain, job, loop, callbacks)
+        self._to_thread(job, loop, callbacks)
+
+    def _to_thread(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks,
+                   rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0) -> None:
+        """On the loop: run `job` (or finish it: `rest`) on the thread, which takes the GIL before the loop
+        goes on (see above)."""
+        began = threading.Event()
+        self.executor.submit(self._chain, job, loop, callbacks, rest, rest_started_us, began)
+        began.wait(HANDOFF_WAIT_S)
 
     def _inline(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
         """On the loop: compute `job` here if that still holds (more may have come meanwhile), then report it
         and go on as after a call made from the loop."""
         assert job.inline is not None
         if not job.inline():
-            self.executor.submit(self._chain, job, loop, callbacks)
+            self._to_thread(job, loop, callbacks)
             return
         self.running_inline = True
         try:
@@ -134,7 +154,7 @@ class Instance:
         """On the loop, once a batch started there has its reply: report it and start the staged one. An
         outcome still to be finished (a callable) is finished on the thread, which goes on from there."""
         if callable(outcome):
-            self.executor.submit(self._chain, job, loop, callbacks, outcome, started_us)
+            self._to_thread(job, loop, callbacks, outcome, started_us)
             return
         self.running_since = None
         try:
@@ -169,9 +189,13 @@ class Instance:
             return job
 
     def _chain(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks,
-               rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0) -> None:
+               rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0,
+               began: threading.Event | None = None) -> None:
         """On the thread: run `job` (or finish it: `rest`, from where the loop left it), then whatever gets
-        staged behind it; a staged job the loop can run goes back to the loop."""
+        staged behind it; a staged job the loop can run goes back to the loop. `began` is set first: the
+        loop that handed `job` over waits for it."""
+        if began is not None:
+            began.set()
         current: Job | None = job
         while current is not None:
             if rest is not None:

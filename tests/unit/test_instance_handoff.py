@@ -1,0 +1,87 @@
+"""workers/instance.py hands a batch to its thread and lets the thread take the GIL before the loop goes on:
+start() returns once the thread has begun the batch, and never waits longer than HANDOFF_WAIT_S (a thread
+still busy with other work)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from batching.plan import Batch
+from workers import instance as instance_module
+from workers.backends import load_backend
+from workers.backends.base import LoadContext
+from workers.execute import BatchOutcome
+from workers.instance import Callbacks, Instance, Job
+
+from .test_sleep_backend import sleep_spec
+
+
+def _instance(executor: ThreadPoolExecutor) -> Instance:
+    backend = load_backend(LoadContext(spec=sleep_spec("0", "0"), model_dir=Path("."), version=1,
+                                       instance_name="m_0", device="cpu"))
+    return Instance("m_0", backend, executor)
+
+
+def _job(ran: threading.Event, go: threading.Event | None = None) -> Job:
+    def run() -> BatchOutcome:
+        ran.set()
+        if go is not None:
+            assert go.wait(5)
+        return None  # type: ignore[return-value]  # the outcome is the driver's business, not tested here
+    return Job(1, Batch(0, ()), run)
+
+
+def _callbacks(idle: asyncio.Event) -> Callbacks:
+    return Callbacks(done=lambda *_: None, idle=lambda _: idle.set(), refused=lambda _: None,
+                     custody_fresh=lambda: True)
+
+
+def test_start_returns_once_the_thread_has_begun_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(instance_module, "HANDOFF_WAIT_S", 30.0)  # so that only the thread's signal ends it
+    entered = threading.Event()
+    chain = Instance._chain
+
+    def recording_chain(self: Instance, *args: object) -> None:
+        entered.set()  # before the real _chain signals the loop: set by the time start() returns
+        chain(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Instance, "_chain", recording_chain)
+    ran, go = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        idle = asyncio.Event()
+        with ThreadPoolExecutor(1) as executor:
+            instance = _instance(executor)
+            started = time.monotonic()
+            instance.start(_job(ran, go), asyncio.get_running_loop(), _callbacks(idle))
+            assert time.monotonic() - started < 5  # the thread's signal, not the 30 s bound
+            assert entered.is_set()
+            go.set()
+            await asyncio.wait_for(idle.wait(), 5)
+        assert ran.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_thread_keeps_the_loop_no_longer_than_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(instance_module, "HANDOFF_WAIT_S", 0.05)
+    ran, release = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        idle = asyncio.Event()
+        with ThreadPoolExecutor(1) as executor:
+            instance = _instance(executor)
+            executor.submit(release.wait, 5)  # the thread is busy with something else
+            instance.start(_job(ran), asyncio.get_running_loop(), _callbacks(idle))
+            assert not ran.is_set()  # the loop went on after the bound; the batch waits for the thread
+            release.set()
+            await asyncio.wait_for(idle.wait(), 5)
+        assert ran.is_set()
+
+    asyncio.run(scenario())
