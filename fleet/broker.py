@@ -143,11 +143,7 @@ class Broker:
             self._on_enqueued[request_id] = on_enqueued
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
-            # The flush's first step runs after this loop turn, with the turn's requests. Started from a
-            # callback of its own, it ran a turn later: under load, where each turn of a gateway's loop
-            # answers a burst of replies and reads the next requests, that turn kept a request from
-            # its worker (traced at mlp C=32: 1.4-1.9 ms from here to the worker's read; stop 45).
-            self._start_flush()
+            loop.call_soon(self._start_flush)
         if reject_at_us is not None:
             now = self.redis_clock.to_redis(self.redis_clock.now_us())
             loop.call_later(max(0.0, (reject_at_us - now) / 1e6), self._reject_if_unread, request_id)

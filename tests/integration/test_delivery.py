@@ -468,39 +468,3 @@ def test_a_letter_redis_refuses_keeps_only_its_own_message_pending(redis_server:
             await r.aclose()
 
     asyncio.run(main())
-
-
-def test_a_request_is_written_in_the_loop_turn_after_it_is_submitted(redis_server: LocalServer,
-                                                                      key_prefix: str) -> None:
-    """submit() starts the enqueue's pipeline for the turn after its own, not a turn later: under load each turn
-    of a gateway's loop is long (a burst of replies and requests), and a turn more kept requests from the
-    workers (fleet/broker.py)."""
-    import redis
-
-    async def main() -> None:
-        keys = Keys(key_prefix)
-        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "turn",
-                        block_ms=50, request_timeout_s=10)
-        await broker.start()
-        probe = redis.Redis.from_url(redis_server.url)  # synchronous: the loop does not run while it looks
-        stream = keys.queue("m", version=1)
-        try:
-            broker.submit("warm", stream, b"x", model="m", version=1)  # the link connects on its first use
-            deadline = time.monotonic() + 5
-            while not probe.xlen(stream) and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # that round trip is back
-            for i in range(3):
-                broker.submit(f"r{i}", stream, b"x", model="m", version=1)
-            await asyncio.sleep(0)  # one turn of the loop
-            deadline = time.monotonic() + 5
-            while probe.xlen(stream) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert probe.xlen(stream) == 4
-        finally:
-            for rid in ("warm", "r0", "r1", "r2"):
-                broker.forget(rid)
-            probe.close()
-            await broker.stop()
-
-    asyncio.run(main())
