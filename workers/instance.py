@@ -24,7 +24,8 @@ go) and lets go only when it waits for I/O; a thread that wants the GIL meanwhil
 interpreter's switch interval (5 ms). Under load the loop always has the last batch's replies to write
 and the next requests to read, so a batch started on the thread waited for the GIL: traced at `mlp`
 C=32 (bench/RESULTS.md, stop 45), 513 µs from formed to compute start; 64-82 µs with the wait. The loop
-waits for the batch's preparation (the thread gives up the GIL in the forward), at most HANDOFF_WAIT_S.
+waits at most HANDOFF_WAIT_S for the thread to begin, then for the GIL while the thread prepares the batch
+(decoding and stacking its inputs): until the thread lets go in the forward, or the switch interval.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from fleet.redis_time import RedisClock
 from fleet.settings import Settings
 from fleet.settings_watch import follow_log_settings
 from fleet.subscription import follow_channel
+from workers import gil
 from workers.auto_complete import complete_config
 from workers.bls import BlsService
 from workers.control import HostContext, ModelHost
@@ -165,6 +166,7 @@ async def listen_for_cancellations(url: str, keys: Keys, host: ModelHost) -> Non
 
 def serve(settings: Settings, device: str = "cpu") -> int:
     configure_logging(settings, "worker")
+    gil.serving()
     import uvloop
 
     async def main() -> int:

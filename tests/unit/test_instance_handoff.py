@@ -57,6 +57,8 @@ def test_start_returns_once_the_thread_has_begun_the_batch(monkeypatch: pytest.M
     async def scenario() -> None:
         idle = asyncio.Event()
         with ThreadPoolExecutor(1) as executor:
+            # The thread first started: a new one would run (holding the GIL) before submit() returns.
+            executor.submit(lambda: None).result()
             instance = _instance(executor)
             started = time.monotonic()
             instance.start(_job(ran, go), asyncio.get_running_loop(), _callbacks(idle))
@@ -78,7 +80,9 @@ def test_a_busy_thread_keeps_the_loop_no_longer_than_the_bound(monkeypatch: pyte
         with ThreadPoolExecutor(1) as executor:
             instance = _instance(executor)
             executor.submit(release.wait, 5)  # the thread is busy with something else
+            started = time.monotonic()
             instance.start(_job(ran), asyncio.get_running_loop(), _callbacks(idle))
+            assert time.monotonic() - started < 2.5  # the 50 ms bound, not the 5 s the thread is busy
             assert not ran.is_set()  # the loop went on after the bound; the batch waits for the thread
             release.set()
             await asyncio.wait_for(idle.wait(), 5)
