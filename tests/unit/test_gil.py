@@ -1,0 +1,30 @@
+"""workers/gil.py: the worker's switch interval, online and while bulk batches run (an injected clock)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from workers import gil
+
+
+@pytest.fixture(autouse=True)
+def _interval() -> Iterator[None]:
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+    gil._short = False
+    gil._bulk_seen_us = 0
+
+
+def test_online_then_bulk_then_online_again_a_second_after_the_last_bulk_batch() -> None:
+    gil.serving()
+    assert sys.getswitchinterval() == pytest.approx(gil.ONLINE_INTERVAL_S)
+    gil.batch_started(bulk=True, now_us=10_000_000)
+    assert sys.getswitchinterval() == pytest.approx(gil.BULK_INTERVAL_S)
+    gil.batch_started(bulk=False, now_us=10_000_000 + gil.IDLE_AFTER_US)  # a bulk batch a second ago: kept
+    assert sys.getswitchinterval() == pytest.approx(gil.BULK_INTERVAL_S)
+    gil.batch_started(bulk=False, now_us=10_000_001 + gil.IDLE_AFTER_US)
+    assert sys.getswitchinterval() == pytest.approx(gil.ONLINE_INTERVAL_S)
