@@ -21,12 +21,12 @@ An in-process CPU model's lone request is computed by the loop itself when nothi
 A batch handed to the thread gets the GIL at once: the loop waits until the thread has begun it
 (`_to_thread`). The loop holds the GIL through its own work (uvloop writes to sockets without letting it
 go) and lets go only when it waits for I/O; a thread that wants the GIL meanwhile gets it only after the
-interpreter's switch interval (CPython's 5 ms; a worker's 0.5 ms, workers/gil.py). Under load the loop always
-has the last batch's replies to write and the next requests to read, so a batch started on the thread waited
-for the GIL: traced at `mlp` C=32 (bench/RESULTS.md, stop 45), 513 µs from formed to compute start; 68-82 µs
-with the wait. The loop
-waits at most HANDOFF_WAIT_S for the thread to begin, then for the GIL while the thread prepares the batch
-(decoding and stacking its inputs): until the thread lets go in the forward, or the switch interval.
+interpreter's switch interval (CPython's 5 ms; a worker's 0.5 ms, workers/gil.py). Under load the loop
+always has the last batch's replies to write and the next requests to read, so a batch started on the
+thread waited for the GIL: traced at `mlp` C=32 (bench/RESULTS.md, stop 45), 513 µs from formed to
+compute start; 68-82 µs with the wait. The loop waits at most HANDOFF_WAIT_S for the thread to begin,
+then for the GIL while the thread prepares the batch (decoding and stacking its inputs): until the
+thread lets go in the forward, or the switch interval.
 """
 
 from __future__ import annotations
