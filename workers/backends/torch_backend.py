@@ -63,6 +63,14 @@ class TorchBackend(InProcessBackend):
             if not arr.flags.writeable:
                 arr = arr.copy()  # torch.from_numpy refuses read-only buffers (zero-copy decode)
             args.append(torch.from_numpy(arr).to(self._device))
+        # A C++ list holding the inputs for the call's length, so that the forward never needs the GIL
+        # before it ends. Without it, the interpreter dropping an input (its last use) brings the tensor's
+        # C++ count from 2 to 1, and torch then lets go of the Python object it owns, which takes the GIL
+        # in the middle of the forward: from the worker's event loop, which holds it through its own work
+        # (up to the switch interval, or through a long socket write). Measured beside a busy Python
+        # thread: two waits for the GIL a forward without it, one (at the end) with it (bench/RESULTS.md,
+        # stop 46).
+        _held = torch._C.ScriptList(args) if args else None
         # optimized_execution(False): TorchScript's profiling executor re-specialises on new batch
         # shapes (a 25 ms stall on first sight of each); the plain interpreter is as fast here.
         with torch.inference_mode(), torch.jit.optimized_execution(False):

@@ -1,0 +1,111 @@
+"""workers/backends/torch_backend.py: a TorchScript forward on an instance's thread runs to its end without the GIL.
+
+The worker's event loop holds the GIL through its own work. A forward that needed it midway (torch lets go of
+an input's Python object when the interpreter drops the input) stopped there until the loop let go. Here the
+test's thread keeps the GIL (a switch interval no waiter reaches) while the forward runs on another thread,
+and reads that thread's CPU clock: the forward must do all its work before it stops, not just its first op.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleet.model_config import parse_config
+from workers.backends.base import LoadContext
+from workers.generate_models import _JIT_DEPRECATED
+
+CONFIG = """platform: "pytorch_libtorch"
+max_batch_size: 64
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
+"""
+STALL_S = 0.3  # the forward's thread used no CPU this long: it waits (for the GIL)
+LONGEST_S = 30.0  # never spin longer than this, whatever happens
+
+
+def _backend(root: Path):  # type: ignore[no-untyped-def]
+    import torch
+
+    from workers.backends.torch_backend import TorchBackend
+
+    class Late(torch.nn.Module):
+        """Its input's last use is its first op, which is cheap; the matmuls after it are the work."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(256, 1536)
+            self.mid = torch.nn.Linear(1536, 1536)
+            self.down = torch.nn.Linear(1536, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x + 1.0
+            return self.down(torch.relu(self.mid(torch.relu(self.up(h)))))
+
+    (root / "late" / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
+        torch.jit.save(torch.jit.script(Late()), str(root / "late" / "1" / "model.pt"))
+    spec = parse_config(CONFIG, source="late", model_name="late")
+    return TorchBackend(LoadContext(spec=spec, model_dir=root / "late", version=1, instance_name="late_0",
+                                    device="cpu"))
+
+
+def _cpu(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def test_the_forward_does_all_its_work_while_another_thread_holds_the_gil(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    backend = _backend(tmp_path)
+    x = np.random.default_rng(0).random((64, 256), dtype=np.float32)
+    alone: list[float] = []
+    entered = threading.Event()
+    go = threading.Event()
+
+    def run() -> None:
+        for _ in range(3):  # warm, then the forward alone: its CPU time
+            start = time.thread_time()
+            backend._run({"INPUT0": x})
+            alone.append(time.thread_time() - start)
+        assert go.wait(30)
+        module = backend._module
+
+        def entering(*args: object) -> object:
+            entered.set()  # the test's thread takes the GIL when this thread lets go: in the forward
+            return module(*args)
+
+        backend._module = entering
+        backend._run({"INPUT0": x})
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    switch = sys.getswitchinterval()
+    try:
+        while len(alone) < 3:
+            time.sleep(0.01)
+        sys.setswitchinterval(1000.0)  # from here this thread keeps the GIL until it blocks
+        go.set()
+        assert entered.wait(30)
+        begun = _cpu(thread)
+        last, still_since, deadline = begun, time.monotonic(), time.monotonic() + LONGEST_S
+        while time.monotonic() < deadline:  # holding the GIL: pure Python, no blocking call
+            now_cpu = _cpu(thread)
+            if now_cpu != last:
+                last, still_since = now_cpu, time.monotonic()
+            elif time.monotonic() - still_since > STALL_S:
+                break
+        worked = last - begun
+    finally:
+        sys.setswitchinterval(switch)
+        thread.join(30)
+        backend.close()
+    # Stopped midway, it would have done only `x + 1` (well under a tenth of the forward).
+    assert worked > 0.7 * min(alone), (worked, alone)
