@@ -1,4 +1,5 @@
-"""workers/backends/torch_backend.py: a TorchScript forward on an instance's thread runs to its end without the GIL.
+"""workers/backends/torch_backend.py: a TorchScript forward on an instance's thread runs to its end without the
+GIL, and its outputs are read without another op.
 
 The worker's event loop holds the GIL through its own work. A forward that needed it midway (torch lets go of
 an input's Python object when the interpreter drops the input) stopped there until the loop let go. Here the
@@ -109,3 +110,38 @@ def test_the_forward_does_all_its_work_while_another_thread_holds_the_gil(tmp_pa
         backend.close()
     # Stopped midway, it would have done only `x + 1` (well under a tenth of the forward).
     assert worked > 0.7 * min(alone), (worked, alone)
+
+
+def test_outputs_are_read_without_a_copy_and_one_that_requires_grad_still_is(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from workers.backends.torch_backend import TorchBackend
+
+    class Scaled(torch.nn.Module):
+        """Returns its input scaled, and its own parameter (which requires grad, even in inference mode)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((1, 2), 3.0))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2.0, self.scale
+
+    (tmp_path / "scaled" / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
+        torch.jit.save(torch.jit.script(Scaled()), str(tmp_path / "scaled" / "1" / "model.pt"))
+    spec = parse_config("""platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1, 2 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1, 2 ] }, { name: "S", data_type: TYPE_FP32, dims: [ 1, 2 ] } ]
+""", source="scaled", model_name="scaled")
+    backend = TorchBackend(LoadContext(spec=spec, model_dir=tmp_path / "scaled", version=1, instance_name="scaled_0",
+                                       device="cpu"))
+    x = np.frombuffer(np.array([[1.0, 2.0]], dtype=np.float32).tobytes(), dtype=np.float32).reshape(1, 2)
+    assert not x.flags.writeable  # as decoded from a request (zero-copy)
+    try:
+        out = backend._run({"X": x})
+    finally:
+        backend.close()
+    assert out["Y"].tolist() == [[2.0, 4.0]] and out["S"].tolist() == [[3.0, 3.0]]
+    assert x.tolist() == [[1.0, 2.0]]

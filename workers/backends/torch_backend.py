@@ -62,7 +62,8 @@ class TorchBackend(InProcessBackend):
             arr = inputs[name]
             if not arr.flags.writeable:
                 arr = arr.copy()  # torch.from_numpy refuses read-only buffers (zero-copy decode)
-            args.append(torch.from_numpy(arr).to(self._device))
+            tensor = torch.from_numpy(arr)
+            args.append(tensor if self.host_bound else tensor.to(self._device))
         # A C++ list holding the inputs for the call's length, so that the forward never needs the GIL
         # before it ends. Without it, the interpreter dropping an input (its last use) brings the tensor's
         # C++ count from 2 to 1, and torch then lets go of the Python object it owns, which takes the GIL
@@ -77,7 +78,10 @@ class TorchBackend(InProcessBackend):
             out: Any = self._module(*args)
         if isinstance(out, torch.Tensor):
             out = (out,)
-        return {t.name: o.detach().cpu().numpy() for t, o in zip(self._spec.outputs, out, strict=False)}
+        # On the CPU an output is read as it is: no detach() or cpu() call, each of which lets go of the
+        # GIL (torch's bindings do, around every op) and may have to wait for the loop to get it back.
+        return {t.name: o.numpy() if self.host_bound and not o.requires_grad else o.detach().cpu().numpy()
+                for t, o in zip(self._spec.outputs, out, strict=False)}
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
         return run_merged(self._spec, items, self._run)
