@@ -4,7 +4,8 @@ GIL, and its outputs are read without another op.
 The worker's event loop holds the GIL through its own work. A forward that needed it midway (torch lets go of
 an input's Python object when the interpreter drops the input) stopped there until the loop let go. Here the
 test's thread keeps the GIL (a switch interval no waiter reaches) while the forward runs on another thread,
-and reads that thread's CPU clock: the forward must do all its work before it stops, not just its first op.
+and reads that thread's CPU clock from the forward's call: the forward must get through most of its work,
+not stop after its first op (all it did before, the test's thread never letting the GIL go).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ max_batch_size: 64
 input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
 output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
 """
-STALL_S = 0.3  # the forward's thread used no CPU this long: it waits (for the GIL)
-LONGEST_S = 30.0  # never spin longer than this, whatever happens
+LONGEST_S = 20.0  # a forward stopped for the GIL never gets there: the test fails after this long
 
 
 def _backend(root: Path):  # type: ignore[no-untyped-def]
@@ -68,8 +68,9 @@ def test_the_forward_does_all_its_work_while_another_thread_holds_the_gil(tmp_pa
     backend = _backend(tmp_path)
     x = np.random.default_rng(0).random((64, 256), dtype=np.float32)
     alone: list[float] = []
-    entered = threading.Event()
+    entered: list[float] = []  # the forward thread's CPU time as it calls the module
     go = threading.Event()
+    called = threading.Event()
 
     def run() -> None:
         for _ in range(3):  # warm, then the forward alone: its CPU time
@@ -80,39 +81,35 @@ def test_the_forward_does_all_its_work_while_another_thread_holds_the_gil(tmp_pa
         module = backend._module
 
         def entering(*args: object) -> object:
-            entered.set()  # the test's thread takes the GIL when this thread lets go: in the forward
+            entered.append(time.thread_time())
+            called.set()  # the test's thread takes the GIL when this one lets go: in the forward
             return module(*args)
 
         backend._module = entering
         backend._run({"INPUT0": x})
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     switch = sys.getswitchinterval()
     try:
-        while len(alone) < 3:
+        while len(alone) < 3 and thread.is_alive():
             time.sleep(0.01)
+        assert len(alone) == 3, "the forward failed on its own"
+        needed = 0.7 * min(alone)  # stopped midway, it would have done only `x + 1`: well under a tenth
         sys.setswitchinterval(1000.0)  # from here this thread keeps the GIL until it blocks
         go.set()
-        assert entered.wait(30)
-        begun = _cpu(thread)
-        last, still_since, deadline = begun, time.monotonic(), time.monotonic() + LONGEST_S
-        while time.monotonic() < deadline:  # holding the GIL: pure Python, no blocking call
-            now_cpu = _cpu(thread)
-            if now_cpu != last:
-                last, still_since = now_cpu, time.monotonic()
-            elif time.monotonic() - still_since > STALL_S:
-                break
-        worked = last - begun
+        assert called.wait(30)
+        worked, deadline = 0.0, time.monotonic() + LONGEST_S
+        while worked < needed and time.monotonic() < deadline:  # holding the GIL: pure Python, nothing blocks
+            worked = _cpu(thread) - entered[0]
     finally:
         sys.setswitchinterval(switch)
         thread.join(30)
         backend.close()
-    # Stopped midway, it would have done only `x + 1` (well under a tenth of the forward).
-    assert worked > 0.7 * min(alone), (worked, alone)
+    assert worked >= needed, (worked, alone)
 
 
-def test_outputs_are_read_without_a_copy_and_one_that_requires_grad_still_is(tmp_path: Path) -> None:
+def test_outputs_are_read_one_that_requires_grad_included(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from workers.backends.torch_backend import TorchBackend
 
@@ -138,10 +135,9 @@ output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1, 2 ] }, { name: "S", data_
     backend = TorchBackend(LoadContext(spec=spec, model_dir=tmp_path / "scaled", version=1, instance_name="scaled_0",
                                        device="cpu"))
     x = np.frombuffer(np.array([[1.0, 2.0]], dtype=np.float32).tobytes(), dtype=np.float32).reshape(1, 2)
-    assert not x.flags.writeable  # as decoded from a request (zero-copy)
+    assert not x.flags.writeable  # as decoded from a request (zero-copy): the backend copies it
     try:
         out = backend._run({"X": x})
     finally:
         backend.close()
     assert out["Y"].tolist() == [[2.0, 4.0]] and out["S"].tolist() == [[3.0, 3.0]]
-    assert x.tolist() == [[1.0, 2.0]]

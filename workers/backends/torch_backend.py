@@ -63,24 +63,24 @@ class TorchBackend(InProcessBackend):
             if not arr.flags.writeable:
                 arr = arr.copy()  # torch.from_numpy refuses read-only buffers (zero-copy decode)
             tensor = torch.from_numpy(arr)
+            # On the CPU, no .to(): it would return the same tensor, after letting go of the GIL (below).
             args.append(tensor if self.host_bound else tensor.to(self._device))
-        # A C++ list holding the inputs for the call's length, so that the forward never needs the GIL
-        # before it ends. Without it, the interpreter dropping an input (its last use) brings the tensor's
-        # C++ count from 2 to 1, and torch then lets go of the Python object it owns, which takes the GIL
-        # in the middle of the forward: from the worker's event loop, which holds it through its own work
-        # (up to the switch interval, or through a long socket write). Measured beside a busy Python
-        # thread: two waits for the GIL a forward without it, one (at the end) with it (bench/RESULTS.md,
-        # stop 46).
-        _held = torch._C.ScriptList(args) if args else None
+        # A C++ list holding the inputs for the call's length, so that the forward does not take the GIL
+        # when the interpreter drops an input (its last use). Without it that brings the tensor's C++ count
+        # from 2 to 1, and torch then lets go of the Python object it owns, which takes the GIL in the
+        # middle of the forward: from the worker's event loop, which holds it through its own work (up to
+        # the switch interval, or through a long socket write). Measured beside a busy Python thread: two
+        # waits for the GIL a forward without it, one (at the end) with it (bench/RESULTS.md, stop 46).
+        _held = torch._C.ScriptList(args)
         # optimized_execution(False): TorchScript's profiling executor re-specialises on new batch
         # shapes (a 25 ms stall on first sight of each); the plain interpreter is as fast here.
         with torch.inference_mode(), torch.jit.optimized_execution(False):
             out: Any = self._module(*args)
         if isinstance(out, torch.Tensor):
             out = (out,)
-        # On the CPU an output is read as it is: no detach() or cpu() call, each of which lets go of the
+        # An output on the CPU is read as it is: no detach() or cpu() call, each of which lets go of the
         # GIL (torch's bindings do, around every op) and may have to wait for the loop to get it back.
-        return {t.name: o.numpy() if self.host_bound and not o.requires_grad else o.detach().cpu().numpy()
+        return {t.name: o.numpy() if o.is_cpu and not o.requires_grad else o.detach().cpu().numpy()
                 for t, o in zip(self._spec.outputs, out, strict=False)}
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
