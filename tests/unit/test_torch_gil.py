@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,10 +32,23 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
 LONGEST_S = 20.0  # a forward stopped for the GIL never gets there: the test fails after this long
 
 
-def _backend(root: Path):  # type: ignore[no-untyped-def]
+def _load(root: Path, name: str, module: Any, config: str) -> Any:
+    """`module` scripted and saved as model `name` under `root`, loaded by the backend as a worker would."""
     import torch
 
     from workers.backends.torch_backend import TorchBackend
+
+    (root / name / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
+        torch.jit.save(torch.jit.script(module), str(root / name / "1" / "model.pt"))
+    spec = parse_config(config, source=name, model_name=name)
+    return TorchBackend(LoadContext(spec=spec, model_dir=root / name, version=1, instance_name=f"{name}_0",
+                                    device="cpu"))
+
+
+def _backend(root: Path) -> Any:
+    import torch
 
     class Late(torch.nn.Module):
         """Its input's last use is its first op, which is cheap; the matmuls after it are the work."""
@@ -49,13 +63,7 @@ def _backend(root: Path):  # type: ignore[no-untyped-def]
             h = x + 1.0
             return self.down(torch.relu(self.mid(torch.relu(self.up(h)))))
 
-    (root / "late" / "1").mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
-        torch.jit.save(torch.jit.script(Late()), str(root / "late" / "1" / "model.pt"))
-    spec = parse_config(CONFIG, source="late", model_name="late")
-    return TorchBackend(LoadContext(spec=spec, model_dir=root / "late", version=1, instance_name="late_0",
-                                    device="cpu"))
+    return _load(root, "late", Late(), CONFIG)
 
 
 def _cpu(thread: threading.Thread) -> float:
@@ -111,7 +119,6 @@ def test_the_forward_does_all_its_work_while_another_thread_holds_the_gil(tmp_pa
 
 def test_outputs_are_read_one_that_requires_grad_included(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from workers.backends.torch_backend import TorchBackend
 
     class Scaled(torch.nn.Module):
         """Returns its input scaled, and its own parameter (which requires grad, even in inference mode)."""
@@ -123,17 +130,11 @@ def test_outputs_are_read_one_that_requires_grad_included(tmp_path: Path) -> Non
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x * 2.0, self.scale
 
-    (tmp_path / "scaled" / "1").mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
-        torch.jit.save(torch.jit.script(Scaled()), str(tmp_path / "scaled" / "1" / "model.pt"))
-    spec = parse_config("""platform: "pytorch_libtorch"
+    backend = _load(tmp_path, "scaled", Scaled(), """platform: "pytorch_libtorch"
 max_batch_size: 0
 input [ { name: "X", data_type: TYPE_FP32, dims: [ 1, 2 ] } ]
 output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1, 2 ] }, { name: "S", data_type: TYPE_FP32, dims: [ 1, 2 ] } ]
-""", source="scaled", model_name="scaled")
-    backend = TorchBackend(LoadContext(spec=spec, model_dir=tmp_path / "scaled", version=1, instance_name="scaled_0",
-                                       device="cpu"))
+""")
     x = np.frombuffer(np.array([[1.0, 2.0]], dtype=np.float32).tobytes(), dtype=np.float32).reshape(1, 2)
     assert not x.flags.writeable  # as decoded from a request (zero-copy): the backend copies it
     try:
