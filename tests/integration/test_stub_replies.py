@@ -235,8 +235,12 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
         assert result.error is None and result.wire_outputs is not None, result.error
         return on_loop, struct.unpack("<f", result.wire_outputs["OUT"].data)[0]
 
+    def blocking() -> bool:
+        return os.get_blocking(backend._pipe._in.fileno())
+
     async def main() -> None:
         assert await call(1.0) == (True, 0.0)
+        assert not blocking()  # left non-blocking for the loop's next call (not set back and forth each call)
         # A call larger than the pipe takes without the stub reading: declined, nothing written.
         size = backend._pipe.capacity
         assert not backend.loop_ready(size)
@@ -244,7 +248,9 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
         assert not backend.start_on_loop([big], asyncio.get_running_loop(), lambda _: None)
         proc = backend._proc
         assert await call(-1.0) == (False, 1.0)  # the BLS call's frame came first: the rest on a thread
+        assert blocking()  # which read the pipe blocking
         assert await call(2.0) == (True, 1.0)
+        assert not blocking()
         assert backend._proc is proc and proc is not None  # no restart on the way
         os.kill(proc.pid, signal.SIGKILL)  # the stub gone between calls: the loop sees the pipe closed
         proc.wait(10)

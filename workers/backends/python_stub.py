@@ -286,7 +286,9 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL, int(argv[3]))
     # The worker decides when this instance stops (finalize or closing the pipe), not a terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    channel = StubChannel(os.fdopen(int(argv[1]), "rb", buffering=0), os.fdopen(int(argv[2]), "wb"))
+    # Buffered reading: a frame's length and body in one read of the pipe, not one each (only this process
+    # reads it, one thread at a time, so nothing it buffers is anyone else's).
+    channel = StubChannel(os.fdopen(int(argv[1]), "rb"), os.fdopen(int(argv[2]), "wb"))
     stub = Stub(channel)
     while True:
         msg = channel.next_op()

@@ -50,6 +50,10 @@ class StubPipe:
         self._replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a reader thread's, in order
         self._reader_gone = False  # its reader thread saw the pipe close: no reply comes any more
         self._inline = True
+        # Whether the read end is non-blocking now. The event loop reads it so, a thread blocking; each
+        # sets it only when it is not (calls from the loop one after another leave it as it is: two
+        # ioctls fewer a call).
+        self._nonblocking = False
         try:  # what a write takes without waiting for the stub to read (the pipe is empty between calls)
             self.capacity = fcntl.fcntl(out.fileno(), F_GETPIPE_SZ)
         except OSError:
@@ -87,7 +91,6 @@ class StubPipe:
         def finish(result: Any) -> None:
             try:
                 loop.remove_reader(fd)
-                os.set_blocking(fd, True)
             except (OSError, ValueError):  # the pipe closed here meanwhile: the frame is what it is
                 pass
             on_frame(result)
@@ -123,14 +126,16 @@ class StubPipe:
             loop.call_soon(on_frame, READ)
             return
         try:
-            # Non-blocking while the loop reads it (uvloop's add_reader makes it so and leaves it so; asyncio's
-            # does not), blocking again after: the calls a thread finishes read it blocking.
-            os.set_blocking(fd, False)
+            # Non-blocking while the loop reads it (uvloop's add_reader makes it so too; asyncio's does not).
+            # It stays so after the call: a thread that reads it next makes it blocking first (`_blocking`).
+            if not self._nonblocking:
+                os.set_blocking(fd, False)
+                self._nonblocking = True
             loop.add_reader(fd, readable)
         except (OSError, ValueError):
             try:
-                os.set_blocking(fd, True)
-            except OSError:
+                self._blocking()
+            except (OSError, ValueError):
                 pass
             loop.call_soon(on_frame, READ)
 
@@ -160,11 +165,18 @@ class StubPipe:
         self._inline = False
         threading.Thread(target=self._read, daemon=True, name=self._reader_name).start()
 
+    def _blocking(self) -> None:
+        """Before a thread reads: the read end blocking, if the event loop left it not."""
+        if self._nonblocking:
+            os.set_blocking(self._in.fileno(), True)
+            self._nonblocking = False
+
     def _inline_reply(self, first: Any) -> Any:
         msg = first
         while True:
             try:
                 if msg is READ:
+                    self._blocking()
                     msg = read_frame(self._in)
             except (PipeClosed, OSError, ValueError) as exc:
                 self._closed()
@@ -177,6 +189,10 @@ class StubPipe:
             return msg
 
     def _read(self) -> None:
+        try:
+            self._blocking()  # the loop read the last reply, and reads no more (no longer `inline`)
+        except (OSError, ValueError):
+            pass  # closed here: the read below says so
         while True:
             try:
                 msg = read_frame(self._in)
