@@ -258,6 +258,48 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
         assert await call(5.0) == (True, 0.0)
 
     try:
-        run(main())  # uvloop (the worker's loop) leaves a pipe it read non-blocking: the thread's reads too
+        run(main())  # the loop leaves the pipe it read non-blocking: a thread's reads make it blocking first
+    finally:
+        backend.close()
+
+
+# Starts a thread of its own in its first execute(): from that reply on, its stub may write between calls.
+THREAD_LATER_MODEL = """
+import threading
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        if not hasattr(self, "idle"):
+            self.idle = threading.Thread(target=threading.Event().wait, daemon=True)
+            self.idle.start()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy() * 2)]) for r in requests]
+"""
+
+
+def test_a_reply_the_event_loop_read_that_starts_a_reader_leaves_the_pipe_blocking_for_it(tmp_path: Path) -> None:
+    model_dir, spec = _model(tmp_path, "late_loop", THREAD_LATER_MODEL)
+    backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="late_loop_0",
+                                        device="cpu"))
+
+    async def main() -> None:
+        assert backend.loop_ready(4)
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = loop.create_future()
+        backend.start_on_loop([_item(3.0)], loop, got.set_result)
+        outcome = await got
+        assert callable(outcome)  # its reply says the stub writes between calls: finished on a thread
+        (result,) = await asyncio.to_thread(outcome)
+        assert result.error is None and result.wire_outputs is not None, result.error
+        assert struct.unpack("<f", result.wire_outputs["OUT"].data) == (6.0,)
+
+    proc = backend._proc
+    try:
+        uvloop.run(main())
+        assert not backend.loop_ready(4) and len(_readers("late_loop_0")) == 1
+        assert _doubled(backend, 1.0) == 2.0  # read by the reader thread, from the pipe the loop left non-blocking
+        assert os.get_blocking(backend._pipe._in.fileno())
+        assert backend._proc is proc  # no restart on the way (a non-blocking read would have looked like one)
     finally:
         backend.close()

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from workers.backends.frames import read_frame, write_frame
+from workers.backends.frames import LENGTH, pack, read_frame, write_frame
+from workers.backends.python_stub import PIPE_READ_BUFFER
 from workers.backends.stub_channel import StubChannel
 
 
@@ -21,7 +22,8 @@ def ends() -> Iterator[tuple[StubChannel, Any, Any]]:
     """(the stub's channel, the worker's writing end, the worker's reading end)"""
     to_stub_r, to_stub_w = os.pipe()
     from_stub_r, from_stub_w = os.pipe()
-    channel = StubChannel(os.fdopen(to_stub_r, "rb", buffering=0), os.fdopen(from_stub_w, "wb"))
+    # Buffered as main() opens it.
+    channel = StubChannel(os.fdopen(to_stub_r, "rb", buffering=PIPE_READ_BUFFER), os.fdopen(from_stub_w, "wb"))
     worker_out, worker_in = os.fdopen(to_stub_w, "wb"), os.fdopen(from_stub_r, "rb", buffering=0)
     yield channel, worker_out, worker_in
     worker_out.close()  # a reader thread, if one runs, sees the pipe close and ends
@@ -54,6 +56,20 @@ def test_the_main_loop_reads_and_hands_a_model_threads_bls_reply_on(ends: tuple[
     write_frame(worker_out, {"op": "finalize"})
     main.join(5)
     assert op == [{"op": "finalize"}] and _readers() == readers  # no reader thread was needed
+
+
+def test_frames_the_main_loop_read_ahead_reach_the_reader_it_starts(ends: tuple[StubChannel, Any, Any]) -> None:
+    channel, worker_out, worker_in = ends
+    execute, finalize = pack({"op": "execute", "requests": []}), pack({"op": "finalize"})
+    worker_out.write(LENGTH.pack(len(execute)) + execute + LENGTH.pack(len(finalize)) + finalize)  # one write
+    worker_out.flush()
+    assert channel.next_op() == {"op": "execute", "requests": []}  # its buffered read took the finalize too
+    replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    n = channel.call({"op": "bls", "req": {}}, replies.put)  # as execute() would: a reader starts
+    assert read_frame(worker_in)["n"] == n
+    write_frame(worker_out, {"op": "bls_reply", "n": n, "final": True})
+    assert replies.get(timeout=5)["n"] == n
+    assert channel.next_op() == {"op": "finalize"}  # the reader had it from the shared buffer first
 
 
 def test_a_bls_call_while_the_main_loop_does_not_read_starts_a_reader(ends: tuple[StubChannel, Any, Any]) -> None:

@@ -40,6 +40,7 @@ from workers.backends.stub_channel import StubChannel
 
 SHIM_DIR = Path(__file__).parent / "python_shim"
 METRICS_FLUSH_S = 1.0  # how often the flusher thread looks for metric changes made between calls
+PIPE_READ_BUFFER = 1 << 16  # Linux's default pipe capacity: a call the worker wrote whole, in one read
 
 
 def import_model_module(model_py: Path) -> Any:
@@ -286,9 +287,9 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL, int(argv[3]))
     # The worker decides when this instance stops (finalize or closing the pipe), not a terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Buffered reading: a frame's length and body in one read of the pipe, not one each (only this process
-    # reads it, one thread at a time, so nothing it buffers is anyone else's).
-    channel = StubChannel(os.fdopen(int(argv[1]), "rb"), os.fdopen(int(argv[2]), "wb"))
+    # Buffered reading, a pipe's capacity at a time: a frame's length and body in one read of the pipe, not
+    # one each (only this process reads it, one thread at a time, so nothing it buffers is anyone else's).
+    channel = StubChannel(os.fdopen(int(argv[1]), "rb", buffering=PIPE_READ_BUFFER), os.fdopen(int(argv[2]), "wb"))
     stub = Stub(channel)
     while True:
         msg = channel.next_op()
