@@ -186,6 +186,11 @@ class _ArrayOutput:
             for ts, f in zip(self._specs, files, strict=True)
         }
         self._failed: np.memmap | None = _memmap(failed_file, np.dtype(np.bool_), (total,), resume)
+        # Results are written through each file, not through its map: a map's first write to a page faults
+        # the page in zeroed and then copies (~130 µs a 64-row batch of 256 floats here); a write copies once
+        # (~24 µs). Both go to the same page cache, so the maps (failures, resume, .npz) read what was written.
+        self._files: dict[str, IO[bytes]] = {ts.name: open(f, "r+b", buffering=0)  # noqa: SIM115 - closed in close()
+                                             for ts, f in zip(self._specs, files, strict=True)}
         self._rows = resume_offset
 
     def _mask(self) -> np.memmap:
@@ -213,7 +218,9 @@ class _ArrayOutput:
             self._fail(rows)
             raise
         for ts, value in zip(self._specs, values, strict=True):
-            self._arrays[ts.name][rows] = value
+            array = self._arrays[ts.name]
+            data = np.ascontiguousarray(value, dtype=array.dtype).data.cast("B")
+            _write_at(self._files[ts.name], data, array.offset + item.index * array.strides[0])
         failed[rows] = False
 
     def _rows_value(self, ts: TensorSpec, t: WireTensor | None, count: int) -> np.ndarray:
@@ -239,6 +246,8 @@ class _ArrayOutput:
     def _sync(self) -> None:
         for array in self._arrays.values():
             array.flush()
+        for file in self._files.values():
+            os.fsync(file.fileno())  # what was written through the file, whatever msync covers
         self._mask().flush()
 
     def finish(self, partial: bool = False) -> None:
@@ -250,8 +259,19 @@ class _ArrayOutput:
         """Write the maps to disk and drop them; the files stay, ready for a resume."""
         if self._failed is not None:
             self._sync()
+        for file in self._files.values():
+            file.close()
+        self._files = {}
         self._arrays = {}
         self._failed = None
+
+
+def _write_at(file: IO[bytes], data: memoryview, offset: int) -> None:
+    """All of `data` into `file` at `offset` (a write may take less than it is given)."""
+    fd = file.fileno()
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 class NpyOutput(_ArrayOutput):
