@@ -3,8 +3,9 @@
 Writers receive items in input order, exactly once each, and `flush()` returns the resume offset the
 runner stores with its cursor: reopening with that offset drops whatever was written after it, so a
 resumed job produces the same file as an uninterrupted one. JSONL lines are the online /infer JSON
-response (same `data` rendering) plus the item's `line`; array writers fill preallocated memmaps,
-so memory stays flat whatever the job size.
+response (same `data` rendering) plus the item's `line`; array writers write rows in place into
+preallocated .npy files (mapped for the failure mask, resume and the .npz), so memory stays flat whatever
+the job size.
 
 A job that ends `failed` keeps its output (`finish(partial=True)`): JSONL holds the lines written before
 it stopped, arrays hold every row with the rows never written flagged in `failed`. A cancelled job's
@@ -13,6 +14,7 @@ output is removed (`remove_output`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Sequence
@@ -162,6 +164,8 @@ def _memmap(path: Path, dtype: np.dtype, shape: tuple[int, ...], resume: bool) -
         raise InvalidInput(
             f"cannot resume '{path.name}': it holds {mm.dtype}{list(mm.shape)}, expected {dtype}{list(shape)}"
         )
+    if not mm.flags.c_contiguous:  # rows are written at C-order offsets
+        raise InvalidInput(f"cannot resume '{path.name}': it is stored in Fortran order")
     return mm
 
 
@@ -188,9 +192,15 @@ class _ArrayOutput:
         self._failed: np.memmap | None = _memmap(failed_file, np.dtype(np.bool_), (total,), resume)
         # Results are written through each file, not through its map: a map's first write to a page faults
         # the page in zeroed and then copies (~130 µs a 64-row batch of 256 floats here); a write copies once
-        # (~24 µs). Both go to the same page cache, so the maps (failures, resume, .npz) read what was written.
-        self._files: dict[str, IO[bytes]] = {ts.name: open(f, "r+b", buffering=0)  # noqa: SIM115 - closed in close()
-                                             for ts, f in zip(self._specs, files, strict=True)}
+        # (~24 µs). Both go to the one page cache (Linux's, macOS's unified buffer cache), so the maps
+        # (failures, resume, the .npz) read what was written. An output holds two descriptors so (the map's
+        # own and this one).
+        with contextlib.ExitStack() as opened:
+            self._files: dict[str, IO[bytes]] = {
+                ts.name: opened.enter_context(open(f, "r+b", buffering=0))
+                for ts, f in zip(self._specs, files, strict=True)
+            }
+            opened.pop_all()  # all open: closed in close()
         self._rows = resume_offset
 
     def _mask(self) -> np.memmap:
@@ -219,7 +229,7 @@ class _ArrayOutput:
             raise
         for ts, value in zip(self._specs, values, strict=True):
             array = self._arrays[ts.name]
-            data = np.ascontiguousarray(value, dtype=array.dtype).data.cast("B")
+            data = np.ascontiguousarray(value, dtype=array.dtype).reshape(-1).view(np.uint8).data
             _write_at(self._files[ts.name], data, array.offset + item.index * array.strides[0])
         failed[rows] = False
 
@@ -237,9 +247,10 @@ class _ArrayOutput:
         self._mask()[rows] = True
 
     def flush(self) -> int:
-        """Rows written so far. Nothing to do: a write to a shared memory map is already in the OS page
-        cache, which outlives this process (a killed runner loses nothing); msync (`_sync`) would write
-        it to disk on every progress save and stall the feed behind the disk."""
+        """Rows written so far. Nothing to do: what was written (results through the files, the mask through
+        its map) is already in the OS page cache, which outlives this process (a killed runner loses
+        nothing); syncing (`_sync`) would write it to disk on every progress save and stall the feed behind
+        the disk."""
         self._mask()
         return self._rows
 
@@ -247,7 +258,7 @@ class _ArrayOutput:
         for array in self._arrays.values():
             array.flush()
         for file in self._files.values():
-            os.fsync(file.fileno())  # what was written through the file, whatever msync covers
+            os.fsync(file.fileno())  # POSIX's msync need not cover pages a write() dirtied (Linux's does)
         self._mask().flush()
 
     def finish(self, partial: bool = False) -> None:
@@ -256,14 +267,16 @@ class _ArrayOutput:
         self.close()
 
     def close(self) -> None:
-        """Write the maps to disk and drop them; the files stay, ready for a resume."""
-        if self._failed is not None:
-            self._sync()
-        for file in self._files.values():
-            file.close()
-        self._files = {}
-        self._arrays = {}
-        self._failed = None
+        """Write the files and maps to disk and drop them; the files stay, ready for a resume."""
+        try:
+            if self._failed is not None:
+                self._sync()
+        finally:
+            for file in self._files.values():
+                file.close()
+            self._files = {}
+            self._arrays = {}
+            self._failed = None
 
 
 def _write_at(file: IO[bytes], data: memoryview, offset: int) -> None:
@@ -271,6 +284,8 @@ def _write_at(file: IO[bytes], data: memoryview, offset: int) -> None:
     fd = file.fileno()
     while data:
         written = os.pwrite(fd, data, offset)
+        if not written:
+            raise OSError(f"nothing written to '{file.name}' at offset {offset}")
         data, offset = data[written:], offset + written
 
 
@@ -300,13 +315,15 @@ class NpzOutput(_ArrayOutput):
 
     def finish(self, partial: bool = False) -> None:
         """Write `<path>` atomically from the parts, then remove the parts directory."""
-        if partial:
-            self._mask()[self._rows:] = True
-        self._sync()
-        arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
-        tmp = Path(f"{self.path}.tmp")
-        with tmp.open("wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, self.path)
-        self.close()
+        try:
+            if partial:
+                self._mask()[self._rows:] = True
+            self._sync()
+            arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
+            tmp = Path(f"{self.path}.tmp")
+            with tmp.open("wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, self.path)
+        finally:
+            self.close()  # the parts stay if the .npz could not be written
         shutil.rmtree(self.parts)

@@ -468,6 +468,13 @@ def test_npy_output_with_failed_mask_and_resume(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), [[0, 1, 2, 3]])
 
 
+def test_an_npy_output_in_fortran_order_is_not_resumed(tmp_path: Path) -> None:
+    path = tmp_path / "o.npy"
+    np.save(path, np.asfortranarray(np.zeros((4, 4), np.float32)))  # its rows are not where a C write goes
+    with pytest.raises(InvalidInput, match="Fortran order"):
+        open_output(path, "npy", BATCHED, 4, resume_offset=2)
+
+
 def test_npz_output_assembles_and_cleans_up(tmp_path: Path) -> None:
     path = tmp_path / "o.npz"
     out = open_output(path, "npz", spec_of(MULTI), 3)
