@@ -5,8 +5,8 @@ A TorchScript forward gives up the GIL and takes it back at its end (it also did
 workers/backends/torch_backend.py held its inputs for the call); whenever the event loop is running
 Python at that moment, the compute thread waits up to the switch interval. Measured, with the midway
 wait still there, on mlp (2 ms per 64-row batch) against a loop thread busy all the time: 12.4 / 3.2 /
-2.35 ms per batch at 5 (CPython's default) / 0.5 / 0.1 ms. A short interval made bulk jobs ~9% faster, but 0.1 ms cost
-online serving ~13% at C=32 (the loop is preempted more often), so that one is set only while bulk
+2.35 ms per batch at 5 (CPython's default) / 0.5 / 0.1 ms. A short interval made bulk jobs ~9% faster,
+but 0.1 ms cost online serving ~13% at C=32 (the loop is preempted more often), so that one is set only while bulk
 batches are running and put back once none has run for a second. Online, 0.5 ms: with an instance's
 thread taking the GIL as it starts a batch (workers/instance.py), it served mlp at C=32 1.01-1.10x of
 the default in five interleaved passes, `double` (no instance thread) 0.84-1.06x (bench/RESULTS.md, stop 45).

@@ -266,10 +266,11 @@ class _ArrayOutput:
             self._mask()[self._rows:] = True  # never written: flagged, so no row reads as a result
         self.close()
 
-    def close(self) -> None:
-        """Write the files and maps to disk and drop them; the files stay, ready for a resume."""
+    def close(self, sync: bool = True) -> None:
+        """Write the files and maps to disk (unless they are about to be removed: `sync` False) and drop
+        them; the files stay, ready for a resume."""
         try:
-            if self._failed is not None:
+            if sync and self._failed is not None:
                 self._sync()
         finally:
             for file in self._files.values():
@@ -318,12 +319,14 @@ class NpzOutput(_ArrayOutput):
         try:
             if partial:
                 self._mask()[self._rows:] = True
-            self._sync()
+            # The maps read the page cache the results were written to: nothing needs to reach the disk first.
             arrays: dict[str, Any] = {**self._arrays, FAILED: self._mask()}
             tmp = Path(f"{self.path}.tmp")
             with tmp.open("wb") as f:
                 np.savez(f, **arrays)
             os.replace(tmp, self.path)
-        finally:
-            self.close()  # the parts stay if the .npz could not be written
+        except BaseException:
+            self.close()  # the parts stay, on disk, if the .npz could not be written
+            raise
+        self.close(sync=False)  # the parts are removed next: writing them to disk first would be for nothing
         shutil.rmtree(self.parts)

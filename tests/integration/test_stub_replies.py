@@ -215,6 +215,20 @@ def test_a_stub_reads_its_own_pipe_until_a_bls_call_needs_a_reader(tmp_path: Pat
         backend.close()
 
 
+async def _call_on_loop(backend: PythonBackend, value: float) -> tuple[bool, float]:
+    """A call the event loop makes: (whether the loop had the results itself, OUT)."""
+    assert backend.loop_ready(4)
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = loop.create_future()
+    backend.start_on_loop([_item(value)], loop, got.set_result)
+    outcome = await got
+    on_loop = not callable(outcome)
+    results = outcome if not callable(outcome) else await asyncio.to_thread(outcome)
+    (result,) = results
+    assert result.error is None and result.wire_outputs is not None, result.error
+    return on_loop, struct.unpack("<f", result.wire_outputs["OUT"].data)[0]
+
+
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
         tmp_path: Path, run: Callable[[Coroutine[Any, Any, None]], None]) -> None:
@@ -223,17 +237,7 @@ def test_the_event_loop_makes_a_call_and_hands_one_with_a_bls_call_to_a_thread(
                                         device="cpu"))
 
     async def call(value: float) -> tuple[bool, float]:
-        """(whether the loop had the results itself, OUT)"""
-        assert backend.loop_ready(4)
-        got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = \
-            asyncio.get_running_loop().create_future()
-        backend.start_on_loop([_item(value)], asyncio.get_running_loop(), got.set_result)
-        outcome = await got
-        on_loop = not callable(outcome)
-        results = outcome if not callable(outcome) else await asyncio.to_thread(outcome)
-        (result,) = results
-        assert result.error is None and result.wire_outputs is not None, result.error
-        return on_loop, struct.unpack("<f", result.wire_outputs["OUT"].data)[0]
+        return await _call_on_loop(backend, value)
 
     def blocking() -> bool:
         return os.get_blocking(backend._pipe._in.fileno())
@@ -283,20 +287,10 @@ def test_a_reply_the_event_loop_read_that_starts_a_reader_leaves_the_pipe_blocki
     backend = PythonBackend(LoadContext(spec=spec, model_dir=model_dir, version=1, instance_name="late_loop_0",
                                         device="cpu"))
 
-    async def main() -> None:
-        assert backend.loop_ready(4)
-        loop = asyncio.get_running_loop()
-        got: asyncio.Future[list[ItemResult] | Callable[[], list[ItemResult]]] = loop.create_future()
-        backend.start_on_loop([_item(3.0)], loop, got.set_result)
-        outcome = await got
-        assert callable(outcome)  # its reply says the stub writes between calls: finished on a thread
-        (result,) = await asyncio.to_thread(outcome)
-        assert result.error is None and result.wire_outputs is not None, result.error
-        assert struct.unpack("<f", result.wire_outputs["OUT"].data) == (6.0,)
-
     proc = backend._proc
     try:
-        uvloop.run(main())
+        # Its reply says the stub writes between calls: the call is finished on a thread.
+        assert uvloop.run(_call_on_loop(backend, 3.0)) == (False, 6.0)
         assert not backend.loop_ready(4) and len(_readers("late_loop_0")) == 1
         assert _doubled(backend, 1.0) == 2.0  # read by the reader thread, from the pipe the loop left non-blocking
         assert os.get_blocking(backend._pipe._in.fileno())
