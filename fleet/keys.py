@@ -75,6 +75,10 @@ class Keys:
     def job_results(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:results"
 
+    def is_job_results(self, key: str) -> bool:
+        """Whether `key` is a job's results stream (a reply to a bulk job's request)."""
+        return key.startswith(f"{self.prefix}:job:") and key.endswith(":results")
+
     # Job records share the hash tag {jobs}: the record scripts touch a job and the indexes together,
     # which a Redis Cluster allows only within one slot. They are small; the heavy traffic of a job
     # (its results stream, its model's lane) stays spread out.

@@ -27,6 +27,7 @@ from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
 from fleet.stats import COPY_FIELD, DEAD_LETTERED, FOLD_MAX, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
 from fleet.trace_points import REPLY_WRITE
+from fleet.unlogged import JOB_REPLY_XADD, MAX_UNLOGGED_REPLIES
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,8 @@ class StreamConsumer:
         xadds: list[int] = []  # positions of the XADDs among the commands
         for reply_to, indices in by_stream.items():
             xadd: list[bytes | Parts | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
+            if self._keys.is_job_results(reply_to) and len(indices) <= MAX_UNLOGGED_REPLIES:
+                xadd[:2] = ["EVAL", JOB_REPLY_XADD, 1, reply_to]  # kept out of the AOF: fleet/unlogged.py
             for n, i in enumerate(indices):
                 reply = replies[i][1]
                 if reply.trace is not None:

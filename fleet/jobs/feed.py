@@ -10,8 +10,8 @@ still exists (queued on the lane, or held by a worker that has not replied yet),
 timer restarts. If the entry is gone and no reply came, it is sent again with the same request id.
 Workers write a reply before they delete its request (one ordered pipeline), and the check reads
 the results stream after looking for the entry, in the same round trip; so "gone and unanswered" means
-the reply is lost: trimmed or deleted from the results stream, or the lane and results lost in a Redis
-restart without AOF.
+the reply is lost: trimmed or deleted from the results stream, or lost in a Redis restart or failover (a
+job's requests and replies are kept out of the AOF and the replicas: fleet/unlogged.py).
 
 Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
 the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
@@ -44,6 +44,7 @@ from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_it
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
 from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
+from fleet.unlogged import JOB_REQUEST_XADD
 
 if TYPE_CHECKING:
     from fleet.jobs.runner import JobRunner
@@ -199,7 +200,7 @@ class Feed:
             except (ServingError, OverflowError, ValueError, TypeError) as exc:
                 group.errors = [_unencodable(first, exc)] * len(group.items)
                 continue
-            pipe.xadd(self.stream, {b"d": payload})
+            pipe.eval(JOB_REQUEST_XADD, 1, self.stream, payload)  # kept out of the AOF: fleet/unlogged.py
             self.by_id[group.request_id] = group
             sent.append(group)
         if not sent:

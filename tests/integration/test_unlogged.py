@@ -1,0 +1,76 @@
+"""fleet/unlogged.py against a real Valkey with AOF, restarted: a bulk job's requests (the runner's XADD,
+fleet/jobs/feed.py) and their replies (the worker's write, workers/consumer.py) never reach the AOF, online
+replies do, and a replayed lane keeps its last id, so the workers' group reads what comes after."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import redis
+
+from fleet.envelope import ReplyEnvelope
+from fleet.keys import GROUP, Keys
+from fleet.redis_clients import async_client
+from fleet.redis_server import start_server
+from fleet.unlogged import JOB_REQUEST_XADD
+from workers.consumer import StreamConsumer
+
+REQUEST = b"job-request-payload|" * 50
+JOB_REPLY = "job-reply-message|" * 50
+ONLINE_REPLY = "online-reply-message|" * 50
+
+
+def aof_bytes(data_dir: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted((data_dir / "appendonlydir").iterdir()))
+
+
+def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_ids(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = Keys("unlogged")
+    lane = keys.queue("m", 0, version=1)
+    results, online = keys.job_results("j1"), keys.reply("gw")
+    server = start_server(data)
+    client = redis.Redis.from_url(server.url, protocol=2)
+    pipe = client.pipeline(transaction=False)
+    for _ in range(2):
+        pipe.eval(JOB_REQUEST_XADD, 1, lane, REQUEST)  # the first creates the lane (no worker joined yet)
+    first, second = pipe.execute()
+
+    async def worker() -> None:
+        r = async_client(server.url)
+        consumer = StreamConsumer(r, keys, "m", 1, "c")
+        try:
+            await consumer.join()
+            read = await consumer.read(0, 10, 0)
+            assert [(m, payload) for m, payload in read] == [((0, first), REQUEST), ((0, second), REQUEST)]
+            written = await consumer.write([(results, ReplyEnvelope(id="r1", error_code="X", error_message=JOB_REPLY)),
+                                            (online, ReplyEnvelope(id="r2", error_code="X", error_message=ONLINE_REPLY))],
+                                           [], acks=[(0, first)])
+            assert written.replies == {0, 1} and written.acked and written.error is None
+        finally:
+            await consumer.close()
+            await r.aclose()
+
+    asyncio.run(worker())
+    assert client.xlen(results) == 1 and client.xlen(online) == 1 and client.xlen(lane) == 1  # all in memory
+    client.close()
+    port = server.port
+    server.stop()  # SIGTERM: the AOF is written out
+    log = aof_bytes(data)
+    assert REQUEST not in log and JOB_REPLY.encode() not in log, "a job's request or reply reached the AOF"
+    assert ONLINE_REPLY.encode() in log and b"XSETID" in log
+
+    server = start_server(data, port)
+    try:
+        client = redis.Redis.from_url(server.url, protocol=2)
+        assert client.exists(results) == 0 and client.xlen(online) == 1
+        info = client.xinfo_stream(lane)
+        assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
+        (group,) = client.xinfo_groups(lane)
+        assert group["last-delivered-id"] == second
+        after = client.xadd(lane, {b"d": b"online"})
+        assert client.xreadgroup(GROUP, "c", {lane: ">"}) == [[lane.encode(), [(after, {b"d": b"online"})]]]
+        client.close()
+    finally:
+        server.stop()
