@@ -3,7 +3,7 @@ saturating the workers while online requests come in) against online alone.
 
     .venv/bin/python bench/bulk.py [--items 200000] [--mixed-items 400000] [--conc 4] [--port 18000]
                                    [--interval-ms 3000] [--out bench/out/bulk-TIME] [--skip-mixed]
-                                   [--instances 1] [--direct-threads "1"]
+                                   [--instances 1] [--direct-threads "1"] [--offline-passes 1]
 
 1. direct: `mlp` in this process (bench/direct.py: TorchScript, torch.set_num_threads(T) for each T of
    --direct-threads, 1 by default as the served config's INTRA_OP_THREAD_COUNT, inference_mode) at batch
@@ -11,9 +11,10 @@ saturating the workers while online requests come in) against online alone.
 2. Starts `fleet up` (bench/served.py's Fleet: own session, stopped by PID; one worker, one job worker),
    serving `mlp` with --instances instances (model_repository/mlp's config with that count, in a
    temporary repository).
-3. offline: a job of --items random FP32 [256] rows (.npy in, .npy out, input read by the job worker from
-   disk): items/s = items / (finished_at - started_at) from the job record, and every output row is
-   compared with direct computation.
+3. offline: --offline-passes jobs of --items random FP32 [256] rows (.npy in, .npy out, input read by the job
+   worker from disk), each followed by a direct measurement (fleet idle): items/s = items / (finished_at -
+   started_at) from the job record, against the mean of the direct rates before and after that job; the
+   first job's every output row is compared with direct computation.
 4. online idle: perf_analyzer -m mlp --concurrency-range C (3 windows of --interval-ms): p50/p99.
 5. mixed: the same perf_analyzer run while a --mixed-items job runs on the bulk lane; the bulk job's
    items/s over the perf_analyzer run comes from its progress record sampled before and after.
@@ -108,6 +109,8 @@ def main() -> None:
                    help="also JSONL jobs of this many mlp lines (JSON in, JSON out), each pass between two direct "
                         "measurements")
     p.add_argument("--passes", type=int, default=1, help="JSONL passes (default 1)")
+    p.add_argument("--offline-passes", type=int, default=1,
+                   help="offline jobs, each between two direct measurements (default 1)")
     p.add_argument("--root", type=Path, default=ROOT, help="the fleet checkout to serve (before/after a change)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     a = p.parse_args()
@@ -132,12 +135,7 @@ def main() -> None:
     try:
         fleet.start()
         if not a.skip_offline:
-            record = run_job(a.port, offline_in)
-            offline_ips = record["done"] / (record["finished_at"] - record["started_at"])
-            check_output(offline_in, fleet, record)
-            rows.append(["offline job", f"{a.items:,}", f"{offline_ips:,.0f}", f"{offline_ips / direct_ips:.2f}x",
-                         "", "", ""])
-            print(f"offline: {offline_ips:,.0f} items/s ({offline_ips / direct_ips:.2f}x direct)", flush=True)
+            rows += offline_passes(a, fleet, offline_in, direct_ips, threads)
         if a.jsonl_items:
             rows += jsonl_passes(a, fleet, data, rng, threads)
         if not a.skip_mixed:
@@ -163,6 +161,26 @@ def main() -> None:
     rows.insert(0, [f"direct in-process, batch 64, {threads} thread(s)", "", f"{direct_ips:,.0f}", "1.00x", "", "", ""])
     print_table(f"bulk jobs on mlp ({out})",
                 ["scenario", "items", "bulk items/s", "vs direct", "online infer/s", "p50 ms", "p99 ms"], rows)
+
+
+def offline_passes(a: argparse.Namespace, fleet: Fleet, source: Path, before: float, threads: int) -> list[list[str]]:
+    """--offline-passes jobs of the .npy input, each between two direct measurements (`before` is the
+    first's): the ratio is against the mean of the direct rates around that very job, fleet idle."""
+    rows = []
+    for n in range(a.offline_passes):
+        record = run_job(a.port, source)
+        ips = record["done"] / (record["finished_at"] - record["started_at"])
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
+        after = batch * calls / seconds
+        direct = (before + after) / 2
+        if n == 0:
+            check_output(source, fleet, record)
+        print(f"offline pass {n + 1}: {ips:,.0f} items/s, direct {before:,.0f} / {after:,.0f}: {ips / direct:.2f}x",
+              flush=True)
+        rows.append([f"offline job, pass {n + 1}", f"{a.items:,}", f"{ips:,.0f}",
+                     f"{ips / direct:.2f}x (direct {before:,.0f}/{after:,.0f})", "", "", ""])
+        before = after
+    return rows
 
 
 def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random.Generator,

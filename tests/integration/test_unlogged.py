@@ -44,9 +44,9 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
             await consumer.join()
             read = await consumer.read(0, 10, 0)
             assert [(m, payload) for m, payload in read] == [((0, first), REQUEST), ((0, second), REQUEST)]
-            written = await consumer.write([(results, ReplyEnvelope(id="r1", error_code="X", error_message=JOB_REPLY)),
-                                            (online, ReplyEnvelope(id="r2", error_code="X", error_message=ONLINE_REPLY))],
-                                           [], acks=[(0, first)])
+            replies = [(results, ReplyEnvelope(id="r1", error_code="X", error_message=JOB_REPLY)),
+                       (online, ReplyEnvelope(id="r2", error_code="X", error_message=ONLINE_REPLY))]
+            written = await consumer.write(replies, [], acks=[(0, first)])
             assert written.replies == {0, 1} and written.acked and written.error is None
         finally:
             await consumer.close()

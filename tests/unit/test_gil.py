@@ -13,6 +13,9 @@ from workers import gil
 @pytest.fixture(autouse=True)
 def _interval() -> Iterator[None]:
     before = sys.getswitchinterval()
+    # An earlier test of this process may have run a bulk batch in a worker loop (the module's state set).
+    gil._short = False
+    gil._bulk_seen_us = 0
     yield
     sys.setswitchinterval(before)
     gil._short = False
