@@ -135,8 +135,9 @@ def ensure_base_image(env: dict[str, str]) -> None:
 
 
 def wheelhouse() -> Path:
-    """The packages for fleet's image, downloaded again when pyproject.toml changes."""
-    stamp = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    """The packages for fleet's image, downloaded again when pyproject.toml or constraints.txt changes."""
+    stamp = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "constraints.txt").read_bytes()
+                           ).hexdigest()[:16]
     wheels = CACHE / "wheels"
     marker = wheels / f".complete-{stamp}"
     if not marker.exists():

