@@ -12,7 +12,7 @@ saturating the workers while online requests come in) against online alone.
    serving `mlp` with --instances instances (model_repository/mlp's config with that count, in a
    temporary repository).
 3. offline: --offline-passes jobs of --items random FP32 [256] rows (.npy in, .npy out, input read by the job
-   worker from disk), each followed by a direct measurement (fleet idle): items/s = items / (finished_at -
+   worker from disk), each between two direct measurements (fleet idle): items/s = items / (finished_at -
    started_at) from the job record, against the mean of the direct rates before and after that job; the
    first job's every output row is compared with direct computation.
 4. online idle: perf_analyzer -m mlp --concurrency-range C (3 windows of --interval-ms): p50/p99.
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,7 @@ def main() -> None:
     try:
         fleet.start()
         if not a.skip_offline:
-            rows += offline_passes(a, fleet, offline_in, direct_ips, threads)
+            rows += offline_passes(a, fleet, offline_in, threads)
         if a.jsonl_items:
             rows += jsonl_passes(a, fleet, data, rng, threads)
         if not a.skip_mixed:
@@ -163,51 +164,50 @@ def main() -> None:
                 ["scenario", "items", "bulk items/s", "vs direct", "online infer/s", "p50 ms", "p99 ms"], rows)
 
 
-def offline_passes(a: argparse.Namespace, fleet: Fleet, source: Path, before: float, threads: int) -> list[list[str]]:
-    """--offline-passes jobs of the .npy input, each between two direct measurements (`before` is the
-    first's): the ratio is against the mean of the direct rates around that very job, fleet idle."""
-    rows = []
-    for n in range(a.offline_passes):
-        record = run_job(a.port, source)
-        ips = record["done"] / (record["finished_at"] - record["started_at"])
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
-        after = batch * calls / seconds
-        direct = (before + after) / 2
-        if n == 0:
-            check_output(source, fleet, record)
-        print(f"offline pass {n + 1}: {ips:,.0f} items/s, direct {before:,.0f} / {after:,.0f}: {ips / direct:.2f}x",
-              flush=True)
-        rows.append([f"offline job, pass {n + 1}", f"{a.items:,}", f"{ips:,.0f}",
-                     f"{ips / direct:.2f}x (direct {before:,.0f}/{after:,.0f})", "", "", ""])
-        before = after
-    return rows
+def offline_passes(a: argparse.Namespace, fleet: Fleet, source: Path, threads: int) -> list[list[str]]:
+    """--offline-passes jobs of the .npy input (.npy out), each between two direct measurements."""
+    return passes_between_direct(a, threads, "offline", a.offline_passes, a.items, lambda: run_job(a.port, source),
+                                 lambda record: check_output(source, fleet, record))
 
 
 def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random.Generator,
                  threads: int) -> list[list[str]]:
     """JSONL jobs (a KServe /infer body per line, 256 floats as json.dumps writes them; a JSON line out),
-    each between two direct measurements: the ratio is against the direct rate around that very job."""
+    each between two direct measurements."""
     source = data / "offline.jsonl"
     x = rng.standard_normal((a.jsonl_items, 256), dtype=np.float32)
     with source.open("w") as f:
         for row in x:
             f.write(json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 256],
                                             "data": row.tolist()}]}) + "\n")
+    return passes_between_direct(a, threads, "JSONL", a.passes, a.jsonl_items,
+                                 lambda: run_job(a.port, source, fmt="jsonl"),
+                                 lambda record: check_jsonl(x, fleet, record))
+
+
+def passes_between_direct(a: argparse.Namespace, threads: int, name: str, passes: int, items: int,
+                          job: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None]
+                          ) -> list[list[str]]:
+    """`passes` runs of `job`, each between two direct measurements in this process while fleet idles (the
+    one after a job is the next one's before): each job's ratio is against the mean of the direct rates
+    around that very job. The first job's output is checked against direct computation."""
+    def direct() -> float:
+        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
+        return batch * calls / seconds
+
     rows = []
-    for n in range(a.passes):
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
-        before = batch * calls / seconds
-        record = run_job(a.port, source, fmt="jsonl")
+    before = direct()
+    for n in range(passes):
+        record = job()
         ips = record["done"] / (record["finished_at"] - record["started_at"])
-        (batch, calls, seconds), = bench_mlp(ROOT / "model_repository", [64], a.direct_seconds, threads)
-        after = batch * calls / seconds
-        direct = (before + after) / 2
+        after = direct()
+        ratio = ips / ((before + after) / 2)
         if n == 0:
-            check_jsonl(x, fleet, record)
-        print(f"JSONL pass {n + 1}: {ips:,.0f} items/s, direct {before:,.0f} / {after:,.0f}: "
-              f"{ips / direct:.2f}x", flush=True)
-        rows.append([f"JSONL job, pass {n + 1}", f"{a.jsonl_items:,}", f"{ips:,.0f}", f"{ips / direct:.2f}x "
-                     f"(direct {before:,.0f}/{after:,.0f})", "", "", ""])
+            check(record)
+        print(f"{name} pass {n + 1}: {ips:,.0f} items/s, direct {before:,.0f} / {after:,.0f}: {ratio:.2f}x", flush=True)
+        rows.append([f"{name} job, pass {n + 1}", f"{items:,}", f"{ips:,.0f}",
+                     f"{ratio:.2f}x (direct {before:,.0f}/{after:,.0f})", "", "", ""])
+        before = after
     return rows
 
 

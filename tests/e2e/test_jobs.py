@@ -87,7 +87,8 @@ def test_a_10k_job_equals_direct_computation_and_records_bad_lines(
     write_jsonl(source, rows[:n], bad={10: "{not json", 500: json.dumps(
         {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]})})
     record = jobs.create({"model": "mlp", "input": {"upload": jobs.upload(source)}})
-    assert record["state"] == "queued" and record["model"] == "mlp"
+    # The answer is the record read after the job was queued: an idle job worker may have started it already.
+    assert record["state"] in ("queued", "running") and record["model"] == "mlp"
     record = wait_for(jobs, record["id"], finished)
     assert record["state"] == "completed", record
     assert record["total"] == n + 2 and record["done"] == n + 2 and record["failed"] == 2

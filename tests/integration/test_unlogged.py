@@ -1,6 +1,6 @@
 """fleet/unlogged.py against a real Valkey with AOF, restarted: a bulk job's requests (the runner's XADD,
-fleet/jobs/feed.py) and their replies (the worker's write, workers/consumer.py) never reach the AOF, online
-replies do, and a replayed lane keeps its last id, so the workers' group reads what comes after."""
+fleet/jobs/feed.py) and their replies (the worker's write, workers/consumer.py) are not logged, online
+replies are, and a replayed lane keeps its last id, so the workers' group reads what comes after."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
 from fleet.redis_server import start_server
 from fleet.unlogged import JOB_REQUEST_XADD
+from workers.backends.base import InferenceItem
 from workers.consumer import StreamConsumer
+from workers.replies import ReplyWriter
 
 REQUEST = b"job-request-payload|" * 50
 JOB_REPLY = "job-reply-message|" * 50
 ONLINE_REPLY = "online-reply-message|" * 50
+STREAMED_JOB_REPLY = "streamed-job-reply|" * 50  # a decoupled model's response before its last
 
 
 def aof_bytes(data_dir: Path) -> bytes:
@@ -31,14 +34,42 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
     lane = keys.queue("m", 0, version=1)
     results, online = keys.job_results("j1"), keys.reply("gw")
     server = start_server(data)
-    client = redis.Redis.from_url(server.url, protocol=2)
+    try:
+        second = written_before_restart(server.url, keys, lane, results, online)
+        port = server.port
+    finally:
+        server.stop()  # SIGTERM: the AOF is written out
+    log = aof_bytes(data)
+    logged = [m for m in (REQUEST, JOB_REPLY.encode(), STREAMED_JOB_REPLY.encode()) if m in log]
+    assert not logged, f"a job's request or reply reached the AOF: {[m[:20] for m in logged]}"
+    assert ONLINE_REPLY.encode() in log and b"XSETID" in log
+
+    server = start_server(data, port)
+    try:
+        client = redis.Redis.from_url(server.url, protocol=2)
+        assert client.exists(results) == 0 and client.xlen(online) == 1
+        info = client.xinfo_stream(lane)
+        assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
+        (group,) = client.xinfo_groups(lane)
+        assert group["last-delivered-id"] == info["last-generated-id"]
+        after = client.xadd(lane, {b"d": b"online"})
+        assert client.xreadgroup(GROUP, "c", {lane: ">"}) == [[lane.encode(), [(after, {b"d": b"online"})]]]
+        client.close()
+    finally:
+        server.stop()
+
+
+def written_before_restart(url: str, keys: Keys, lane: str, results: str, online: str) -> bytes:
+    """Two job requests (the first creates the lane), both read by a worker, replies to the job and to a
+    gateway, the first request acknowledged. Returns the second's entry id."""
+    client = redis.Redis.from_url(url, protocol=2)
     pipe = client.pipeline(transaction=False)
     for _ in range(2):
         pipe.eval(JOB_REQUEST_XADD, 1, lane, REQUEST)  # the first creates the lane (no worker joined yet)
     first, second = pipe.execute()
 
     async def worker() -> None:
-        r = async_client(server.url)
+        r = async_client(url)
         consumer = StreamConsumer(r, keys, "m", 1, "c")
         try:
             await consumer.join()
@@ -53,24 +84,9 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
             await r.aclose()
 
     asyncio.run(worker())
-    assert client.xlen(results) == 1 and client.xlen(online) == 1 and client.xlen(lane) == 1  # all in memory
+    writer = ReplyWriter(url, keys)  # the decoupled responses' writer (workers/replies.py)
+    writer.emit(InferenceItem({}, key="r3", reply_to=results), {"e": ["X", STREAMED_JOB_REPLY]})
+    writer.close()
+    assert client.xlen(results) == 2 and client.xlen(online) == 1 and client.xlen(lane) == 1  # all in memory
     client.close()
-    port = server.port
-    server.stop()  # SIGTERM: the AOF is written out
-    log = aof_bytes(data)
-    assert REQUEST not in log and JOB_REPLY.encode() not in log, "a job's request or reply reached the AOF"
-    assert ONLINE_REPLY.encode() in log and b"XSETID" in log
-
-    server = start_server(data, port)
-    try:
-        client = redis.Redis.from_url(server.url, protocol=2)
-        assert client.exists(results) == 0 and client.xlen(online) == 1
-        info = client.xinfo_stream(lane)
-        assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
-        (group,) = client.xinfo_groups(lane)
-        assert group["last-delivered-id"] == second
-        after = client.xadd(lane, {b"d": b"online"})
-        assert client.xreadgroup(GROUP, "c", {lane: ">"}) == [[lane.encode(), [(after, {b"d": b"online"})]]]
-        client.close()
-    finally:
-        server.stop()
+    return bytes(second)

@@ -10,16 +10,18 @@ import pytest
 from workers import gil
 
 
+def _reset() -> None:
+    gil._short = False
+    gil._bulk_seen_us = 0
+
+
 @pytest.fixture(autouse=True)
 def _interval() -> Iterator[None]:
     before = sys.getswitchinterval()
-    # An earlier test of this process may have run a bulk batch in a worker loop (the module's state set).
-    gil._short = False
-    gil._bulk_seen_us = 0
+    _reset()  # an earlier test of this process may have run a bulk batch in a worker loop
     yield
     sys.setswitchinterval(before)
-    gil._short = False
-    gil._bulk_seen_us = 0
+    _reset()
 
 
 def test_online_then_bulk_then_online_again_a_second_after_the_last_bulk_batch() -> None:
