@@ -196,7 +196,7 @@ class StreamConsumer:
         for reply_to, indices in by_stream.items():
             xadd: list[bytes | Parts | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
             if self._keys.is_job_results(reply_to) and len(indices) <= MAX_UNLOGGED_REPLIES:
-                xadd[:2] = ["EVAL", JOB_REPLY_XADD, 1, reply_to]  # kept out of the AOF: fleet/unlogged.py
+                xadd[:2] = ["EVAL", JOB_REPLY_XADD, 1, reply_to]  # not logged (AOF, replicas): fleet/unlogged.py
             for n, i in enumerate(indices):
                 reply = replies[i][1]
                 if reply.trace is not None:

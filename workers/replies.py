@@ -88,7 +88,7 @@ class ReplyWriter:
             pipe = self._client.pipeline(transaction=False)
             for item, frame in frames:
                 payload = encode_reply(reply_of(item, frame, final=False))
-                if self._keys.is_job_results(item.reply_to):  # kept out of the AOF: fleet/unlogged.py
+                if self._keys.is_job_results(item.reply_to):  # not logged (AOF, replicas): fleet/unlogged.py
                     pipe.eval(JOB_REPLY_XADD, 1, item.reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*", "d", payload)
                 else:
                     pipe.xadd(item.reply_to, {b"d": payload}, maxlen=REPLY_MAXLEN, approximate=True)

@@ -11,7 +11,7 @@ timer restarts. If the entry is gone and no reply came, it is sent again with th
 Workers write a reply before they delete its request (one ordered pipeline), and the check reads
 the results stream after looking for the entry, in the same round trip; so "gone and unanswered" means
 the reply is lost: trimmed or deleted from the results stream, or lost in a Redis restart or failover (a
-job's requests and replies are kept out of the AOF and the replicas: fleet/unlogged.py).
+job's requests and replies are not logged to the AOF or the replicas: fleet/unlogged.py).
 
 Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
 the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
@@ -200,7 +200,7 @@ class Feed:
             except (ServingError, OverflowError, ValueError, TypeError) as exc:
                 group.errors = [_unencodable(first, exc)] * len(group.items)
                 continue
-            pipe.eval(JOB_REQUEST_XADD, 1, self.stream, payload)  # kept out of the AOF: fleet/unlogged.py
+            pipe.eval(JOB_REQUEST_XADD, 1, self.stream, payload)  # not logged (AOF, replicas): fleet/unlogged.py
             self.by_id[group.request_id] = group
             sent.append(group)
         if not sent:
