@@ -21,6 +21,7 @@ class Holding:
         self.per_batch = per_batch
         self.capacity = capacity  # rows the bulk lane may fill (queued + executing)
         self._rows_of: dict[MessageId, int] = {}
+        self._answered: set[MessageId] = set()  # held, their replies written: waiting to be acknowledged
         self._rows = [0] * lanes
         self._hint = [1] * lanes  # per lane: rows of its last message
 
@@ -39,6 +40,7 @@ class Holding:
             rows = self._rows_of.pop(message, None)
             if rows is not None:
                 self._rows[message[0]] -= rows
+                self._answered.discard(message)
 
     def answered(self, messages: Iterable[MessageId]) -> None:
         """Their replies are written: their rows stop counting against the read-ahead, though they stay
@@ -48,9 +50,16 @@ class Holding:
         idle a third of the time, 0.58x direct, with two batches of room)."""
         for message in messages:
             rows = self._rows_of.get(message)
+            if rows is None:
+                continue
+            self._answered.add(message)
             if rows:
                 self._rows[message[0]] -= rows
                 self._rows_of[message] = 0
+
+    def unanswered(self, messages: Iterable[MessageId]) -> list[MessageId]:
+        """Those of `messages` still held whose replies are not written yet."""
+        return [m for m in messages if m in self._rows_of and m not in self._answered]
 
     def rows(self) -> int:
         return sum(self._rows)

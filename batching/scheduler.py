@@ -35,7 +35,9 @@ The driver protocol, per action:
 - ``Grow(instance, batch, into)``: replace the staged ``batch`` with ``into`` (its requests and more) if
   the thread has not taken it yet; report ``grown(instance, into.id, replaced)``.
 - ``Expire(items)``: answer with a timeout; ``Drop(items)``: cancelled, answer nothing.
-- ``Release(batches)``: write these finished batches' replies now, in this order.
+- ``Release(batches)``: write these finished batches' replies now, in this order. It comes first in a
+  plan, ahead of the ``Run`` or ``Stage`` of the batch that follows: the replies' write is set going before
+  the driver hands the next batch to a thread (workers/instance.py says why that order pays).
 """
 
 from __future__ import annotations
@@ -220,10 +222,10 @@ class Scheduler:
         grow = self._grow(now_us) if self.config.stage_partial else []
         if grow:
             return Plan(tuple(actions + grow), None)  # the queue changes back if one comes too late
-        wake = self._dispatch(now_us, actions)
         released = self._releasable()
         if released:
             actions.append(Release(released))
+        wake = self._dispatch(now_us, actions)
         deadlines = [p.deadline_us for _, p in self._queue if p.deadline_us is not None and not p.delay_on_timeout]
         # A staged batch's requests are looked at again once within the margin of their deadlines (_unstage).
         deadlines += [p.deadline_us - self.config.stage_margin_us for slot in self._slots

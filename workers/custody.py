@@ -287,7 +287,11 @@ class Custody:
                 log.warning("%s: refreshing held messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
                 continue
-            lost = [m for m in lost if m in self.holding]  # answered meanwhile: not lost
+            # Answered meanwhile: not lost. Their acknowledgement rides on the reply link (workers/acks.py)
+            # and may have deleted them before this round ran, while they stay held until its result is
+            # read; a reply written is never lost anyway (whoever claims it computes a duplicate the
+            # gateway drops).
+            lost = self.holding.unanswered(lost)
             if lost:
                 log.warning("%s: %d held messages are another worker's now (this one stalled past the claim "
                             "timeout); dropping those not started", self.model, len(lost))

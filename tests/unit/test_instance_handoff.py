@@ -1,6 +1,7 @@
 """workers/instance.py hands a batch to its thread and lets the thread take the GIL before the loop goes on:
-start() returns once the thread has begun the batch, and never waits longer than HANDOFF_WAIT_S (a thread
-still busy with other work)."""
+start() marks the instance busy and hands the batch over on the loop's next turn (after what the driver's
+step set going, such as the finished batch's reply write); that hand-off returns once the thread has begun
+the batch, and never waits longer than HANDOFF_WAIT_S (a thread still busy with other work)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def test_start_returns_once_the_thread_has_begun_the_batch(monkeypatch: pytest.M
             # The thread first started: a new one would run (holding the GIL) before submit() returns.
             executor.submit(lambda: None).result()
             instance = _instance(executor)
-            started = time.monotonic()
             instance.start(_job(ran, go), asyncio.get_running_loop(), _callbacks(idle))
+            assert instance.busy and not entered.is_set()  # handed over on the loop's next turn
+            started = time.monotonic()
+            await asyncio.sleep(0)  # that turn: the hand-off
             assert time.monotonic() - started < 5  # the thread's signal, not the 30 s bound
             assert entered.is_set()
             go.set()
@@ -82,6 +85,7 @@ def test_a_busy_thread_keeps_the_loop_no_longer_than_the_bound(monkeypatch: pyte
             executor.submit(release.wait, 5)  # the thread is busy with something else
             started = time.monotonic()
             instance.start(_job(ran), asyncio.get_running_loop(), _callbacks(idle))
+            await asyncio.sleep(0)  # the hand-off
             assert time.monotonic() - started < 2.5  # the 50 ms bound, not the 5 s the thread is busy
             assert not ran.is_set()  # the loop went on after the bound; the batch waits for the thread
             release.set()

@@ -77,3 +77,16 @@ def test_answered_rows_stop_counting_but_stay_held_until_released() -> None:
     assert holding.rows() == 4 and (1, b"1-0") not in holding
     holding.release([(1, b"2-0")])
     assert holding.rows() == 0
+
+
+def test_answered_messages_are_not_unanswered() -> None:
+    holding = Holding(lanes=1, per_batch=4, capacity=8)
+    a, b, gone = (0, b"1-0"), (0, b"2-0"), (0, b"3-0")
+    holding.hold(a, 1)
+    holding.hold(b, 0)  # a request of no rows: answered must not be told by its count
+    holding.answered([a, b])
+    holding.hold((0, b"4-0"), 2)
+    assert holding.unanswered([a, b, gone, (0, b"4-0")]) == [(0, b"4-0")]
+    holding.release([a])
+    holding.hold(a, 1)  # held again after its release (a new delivery): not answered any more
+    assert holding.unanswered([a]) == [a]
