@@ -36,8 +36,8 @@ The driver protocol, per action:
   the thread has not taken it yet; report ``grown(instance, into.id, replaced)``.
 - ``Expire(items)``: answer with a timeout; ``Drop(items)``: cancelled, answer nothing.
 - ``Release(batches)``: write these finished batches' replies now, in this order. It comes first in a
-  plan, ahead of the ``Run`` or ``Stage`` of the batch that follows: the replies' write is set going before
-  the driver hands the next batch to a thread (workers/instance.py says why that order pays).
+  plan, ahead of the ``Run`` of the batch that follows: the replies' write is set going before the driver
+  hands the next batch to a thread (workers/instance.py says why that order pays).
 """
 
 from __future__ import annotations

@@ -26,12 +26,14 @@ always has the last batch's replies to write and the next requests to read, so a
 thread waited for the GIL: traced at `mlp` C=32 (bench/RESULTS.md, stop 45), 513 µs from formed to
 compute start; 68-82 µs with the wait. The loop waits at most HANDOFF_WAIT_S for the thread to begin,
 then for the GIL while the thread prepares the batch (decoding and stacking its inputs): until the
-thread lets go in the forward, or the switch interval. So `start` marks the instance busy at once and makes
-the hand-off on the loop's next turn, after what the driver's step set going: the batch just finished has its
-reply write released in the same step, ahead of the next batch (batching/scheduler.py), and that write's task
-runs first. Handed over in the step itself, the replies waited for the hand-off and the thread's preparation:
-traced at `mlp` Poisson 2,000/s (bench/RESULTS.md, stop 49), computed → reply written 330 µs (median) against
-194 after; throughput at C=32 1.2x.
+thread lets go in the forward, or the switch interval. So that wait comes on the loop's next turn
+(`_hand_off`), after what the driver's step set going: the batch just finished has its replies released in
+the same step, ahead of the next batch's Run (batching/scheduler.py), and their write's task sends them first
+(unless its finish is ordered and waits for an earlier write: preserve_ordering, sequences). Handed over in
+the step itself, the replies waited for the hand-off and the thread's preparation: traced at `mlp` Poisson
+2,000/s (bench/RESULTS.md, stop 49), computed → reply written 330 µs (median) against 194 after; batches at
+`double` C=32 7 requests against 5. A call to a stub or a batch computed inline does not wait for the GIL
+and starts at once.
 """
 
 from __future__ import annotations
@@ -115,12 +117,11 @@ class Instance:
         return self._staged
 
     def start(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
-        """Run `job` (the instance must be idle), then whatever gets staged behind it: busy now, handed over on
-        the loop's next turn (see above)."""
+        """Run `job` now (the instance must be idle), then whatever gets staged behind it."""
         with self._lock:
             assert not self.busy, f"{self.name} is already running a batch"
             self.busy = True
-        loop.call_soon(self._begin, job, loop, callbacks)
+        self._begin(job, loop, callbacks)
 
     def _begin(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
         """On the loop: start `job` from the loop if it can go that way, else on the thread."""
@@ -137,10 +138,22 @@ class Instance:
 
     def _to_thread(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks,
                    rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0) -> None:
-        """On the loop: run `job` (or finish it: `rest`) on the thread, which takes the GIL before the loop
-        goes on (see above)."""
+        """On the loop: run `job` (or finish it: `rest`) on the thread, handed over on the loop's next turn
+        (see above)."""
+        loop.call_soon(self._hand_off, job, loop, callbacks, rest, rest_started_us)
+
+    def _hand_off(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks,
+                  rest: Callable[[], BatchOutcome] | None = None, rest_started_us: int = 0) -> None:
+        """On the loop: give `job` to the thread, which takes the GIL before the loop goes on (see above)."""
         began = threading.Event()
-        self.executor.submit(self._chain, job, loop, callbacks, rest, rest_started_us, began)
+        try:
+            self.executor.submit(self._chain, job, loop, callbacks, rest, rest_started_us, began)
+        except RuntimeError as exc:
+            # The executor is shut down. Not expected: instances close only once their model's loop has
+            # ended, and it ends only once every batch is done. Reported as a failed batch all the same
+            # (its messages are claimed and computed again), so the instance is never left busy.
+            self._computed(job, loop, callbacks, time.time_ns() // 1000, exc)
+            return
         began.wait(HANDOFF_WAIT_S)
 
     def _inline(self, job: Job, loop: asyncio.AbstractEventLoop, callbacks: Callbacks) -> None:
@@ -148,7 +161,7 @@ class Instance:
         and go on as after a call made from the loop."""
         assert job.inline is not None
         if not job.inline():
-            self._to_thread(job, loop, callbacks)
+            self._hand_off(job, loop, callbacks)  # this is the loop's next turn already
             return
         self.running_inline = True
         try:

@@ -1,7 +1,8 @@
 """workers/instance.py hands a batch to its thread and lets the thread take the GIL before the loop goes on:
 start() marks the instance busy and hands the batch over on the loop's next turn (after what the driver's
 step set going, such as the finished batch's reply write); that hand-off returns once the thread has begun
-the batch, and never waits longer than HANDOFF_WAIT_S (a thread still busy with other work)."""
+the batch, and never waits longer than HANDOFF_WAIT_S (a thread still busy with other work). An executor
+that cannot take it reports the batch failed, leaving the instance free."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_start_returns_once_the_thread_has_begun_the_batch(monkeypatch: pytest.M
     chain = Instance._chain
 
     def recording_chain(self: Instance, *args: object) -> None:
-        entered.set()  # before the real _chain signals the loop: set by the time start() returns
+        entered.set()  # before the real _chain signals the loop: set by the time the hand-off returns
         chain(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Instance, "_chain", recording_chain)
@@ -93,3 +94,22 @@ def test_a_busy_thread_keeps_the_loop_no_longer_than_the_bound(monkeypatch: pyte
         assert ran.is_set()
 
     asyncio.run(scenario())
+
+
+def test_an_executor_that_cannot_take_the_batch_reports_it_failed() -> None:
+    ran = threading.Event()
+    reports: list[object] = []
+
+    async def scenario() -> None:
+        idle = asyncio.Event()
+        executor = ThreadPoolExecutor(1)
+        executor.shutdown()
+        instance = _instance(executor)
+        callbacks = Callbacks(done=lambda _job, outcome, _started: reports.append(outcome),
+                              idle=lambda _: idle.set(), refused=lambda _: None, custody_fresh=lambda: True)
+        instance.start(_job(ran), asyncio.get_running_loop(), callbacks)
+        await asyncio.wait_for(idle.wait(), 5)
+        assert not instance.busy
+
+    asyncio.run(scenario())
+    assert not ran.is_set() and len(reports) == 1 and isinstance(reports[0], RuntimeError)

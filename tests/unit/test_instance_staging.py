@@ -44,7 +44,7 @@ def test_a_staged_job_is_replaced_until_the_thread_takes_it() -> None:
             instance.start(job("first", release_first), loop, callbacks)
             small, grown, late = job("small"), job("grown"), job("late")
             assert instance.stage(small)
-            assert instance.restage(small, grown)  # the thread still computes "first"
+            assert instance.restage(small, grown)  # "first" is handed over (or computing): busy either way
             assert not instance.restage(small, late)  # "small" is no longer the staged one
             release_first.set()
             await asyncio.wait_for(idle.wait(), 5)

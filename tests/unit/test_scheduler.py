@@ -96,7 +96,7 @@ def test_a_staged_batch_grows_with_what_arrives_until_the_thread_takes_it() -> N
     assert isinstance(run, Run)
     s.done(0, run.batch.id, 10, 0)  # the thread moved on to b..e
     plan = s.step(10)
-    # The finished batch's replies go first: the next batch's hand-off holds the loop (workers/instance.py).
+    # Release comes first in a plan (ahead of a Run, whose hand-off holds the loop: workers/instance.py).
     assert kinds(plan) == ["Release", "Stage"] and ids(plan.actions[1].batch.items) == ["f"]  # type: ignore[union-attr]
 
 
