@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -113,3 +114,36 @@ def test_an_executor_that_cannot_take_the_batch_reports_it_failed() -> None:
 
     asyncio.run(scenario())
     assert not ran.is_set() and len(reports) == 1 and isinstance(reports[0], RuntimeError)
+
+
+class _StubCall:
+    """A stub's call as workers/execute.py's LoopRun makes it: written from the loop, its reply read there."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def begin(self, loop: asyncio.AbstractEventLoop, done: Callable[[object], None]) -> bool:
+        self.order.append("stub call written")
+        loop.call_soon(done, RuntimeError("the stub's reply"))
+        return True
+
+
+def test_a_stub_call_goes_after_what_the_step_set_going() -> None:
+    """A stub's call does not wait for the GIL, but it too goes on the loop's next turn, after the finished
+    batch's reply write that the driver's step set going (bench/RESULTS.md, stop 49: `double`'s batches grew)."""
+    order: list[str] = []
+
+    async def scenario() -> None:
+        idle = asyncio.Event()
+        with ThreadPoolExecutor(1) as executor:
+            instance = _instance(executor)
+            job = _job(threading.Event())
+            job.on_loop = _StubCall(order)  # type: ignore[assignment]
+            loop = asyncio.get_running_loop()
+            loop.call_soon(order.append, "reply write")  # queued earlier in the same step
+            instance.start(job, loop, _callbacks(idle))
+            order.append("start returned")
+            await asyncio.wait_for(idle.wait(), 5)
+
+    asyncio.run(scenario())
+    assert order == ["start returned", "reply write", "stub call written"]
