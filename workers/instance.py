@@ -33,7 +33,7 @@ the same step, ahead of the next batch's Run (batching/scheduler.py), and their 
 the step itself, the replies waited for the hand-off and the thread's preparation: traced at `mlp` Poisson
 2,000/s (bench/RESULTS.md, stop 49), computed → reply written 330 µs (median) against 194 after. A call to a
 stub (`Job.on_loop`) does not wait for the GIL but goes on the next turn too, after the replies: at `double`
-C=32 that grew the batches from 5 requests to 7 and throughput 1.1-1.2x, where starting it at once did not
+C=32 that grew the batches from 5 requests to 7 and throughput 1.13x, where starting it at once did not
 (stop 49).
 """
 

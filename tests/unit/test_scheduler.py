@@ -283,7 +283,7 @@ def test_without_preserve_ordering_a_finished_batch_is_released_at_once() -> Non
 def test_a_finished_batch_is_released_ahead_of_the_batch_that_follows_it() -> None:
     """The replies' write is set going before the next batch is handed over: the hand-off holds the worker's
     loop until the instance's thread has begun (workers/instance.py), and replies written after it waited
-    for that (bench/RESULTS.md, stop 49: 1.2x at C=32)."""
+    for that (bench/RESULTS.md, stop 49: `double` 1.13x at C=32)."""
     s = make(max_batch=2, delay_us=100)
     s.arrive(req("a"), (1, 0), 0)
     s.arrive(req("b"), (1, 1), 0)
