@@ -3,6 +3,7 @@ Triton, interleaved.
 
     .venv/bin/python bench/poisson.py [--model mlp] [--p99-ms 20] [--range 250:5000:250] [--passes 2]
                                       [--systems "fleet triton-native"] [--port 18000] [--out DIR]
+                                      [--base-root CHECKOUT]  # system "fleet-base": that checkout's fleet
 
 Per pass, per system (the order rotating per pass), one server at a time on one port: fleet as bench/served.py
 starts it (`fleet up` serving the model), native Triton as the anchor kit's start_native.sh (bench/native.py). Then
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--perf-analyzer", default=str(DEFAULT_PA))
     p.add_argument("--pa-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--base-root", type=Path, help="another checkout, measured as the system fleet-base")
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("poisson-%Y%m%d-%H%M%S")).resolve()
     systems = a.systems.split()
@@ -85,6 +87,11 @@ def main() -> None:
             server: Fleet | NativeTriton
             if system == "fleet":
                 server = Fleet(a.port, d, 180.0, [a.model])
+            elif system == "fleet-base":
+                if a.base_root is None:
+                    raise SystemExit("fleet-base needs --base-root")
+                (d / system).mkdir(exist_ok=True)
+                server = Fleet(a.port, d / system, 180.0, [a.model], root=a.base_root)
             else:
                 server = NativeTriton(a.port, d / system)
             try:
@@ -103,11 +110,13 @@ def main() -> None:
         cells = [f"{r[1]:,.0f} ({r[2]:.1f} ms)" if r else "-" for r in found[system]]
         rates = [r[1] for r in found[system] if r]
         rows.append([system, *cells, f"{statistics.median(rates):,.0f}" if rates else "-"])
-    if "fleet" in found and "triton-native" in found:
-        f = [r[1] for r in found["fleet"] if r]
-        t = [r[1] for r in found["triton-native"] if r]
-        if f and t:
-            rows.append(["fleet / native", *[""] * a.passes, f"{statistics.median(f) / statistics.median(t):.2f}x"])
+    for other in ("triton-native", "fleet-base"):
+        if "fleet" in found and other in found:
+            f = [r[1] for r in found["fleet"] if r]
+            t = [r[1] for r in found[other] if r]
+            if f and t:
+                ratio = statistics.median(f) / statistics.median(t)
+                rows.append([f"fleet / {other}", *[""] * a.passes, f"{ratio:.2f}x"])
     print_table(f"{a.model}: the highest Poisson rate with p99 <= {a.p99_ms:g} ms, achieved infer/s (its p99) ({out})",
                 ["system", *[f"pass {i + 1}" for i in range(a.passes)], "median"], rows)
 

@@ -12,10 +12,10 @@ Redis may have run it, by custody's retry or the link's own resend) is marked a 
 each token once, whichever copy comes first (a gateway's own entries have none: they are not retried, a
 failed write loses them). FOLD_STATS adds
 the log's entries into the hash and deletes them, atomically: every reader of the hash runs it first, in
-the same pipeline (so a batch answered before the read is counted in it), and every worker runs it each
-second for its models (so the log stays short when nobody reads). Rare counts (claims, dead letters)
-still go straight into the hash; the gateway's own (cache hits and misses, ensembles) are log entries
-too (gateway/counters.py)."""
+the same pipeline (so a batch answered before the read is counted in it), and every worker runs it for its
+models a chunk at a time, as often as their logs grow (so the log stays short when nobody reads, and no
+fold holds Redis long: FOLD_CHUNK). Rare counts (claims, dead letters) still go straight into the hash;
+the gateway's own (cache hits and misses, ensembles) are log entries too (gateway/counters.py)."""
 
 from __future__ import annotations
 
@@ -174,9 +174,29 @@ for name, value in pairs(sums) do redis.call('HINCRBY', KEYS[2], name, string.fo
 for name, value in pairs(latest) do redis.call('HSET', KEYS[2], name, string.format('%d', value)) end
 return #entries
 """
-# Entries per fold: one fold holds Redis ~15 ms a 1,000 entries here. A worker folds every second, again
-# while a fold comes back full (workers/consumer.py fold_stats), so the log stays ~1 s long.
+# Entries a reader folds before it reads (gateway/dataplane.py, queue_reading.py): everything the workers
+# have not folded yet, which their own folds keep to a fraction of a second's batches.
 FOLD_MAX = 2_000
+# Entries a worker's or a gateway's own fold takes at once. A fold holds Redis ~6-7 µs an entry here (~1 ms
+# for a chunk), and every request in flight waits for it: when a worker folded a second's log each second
+# (~1,100 batches, ~7 ms), that stall was the slowest 1 % of `mlp` requests at 2,000 a second, once a
+# second (bench/RESULTS.md, stop 50). A backlog is folded a chunk a round trip, other clients served between.
+FOLD_CHUNK = 128
+# A worker folds at most this far apart (a log nobody writes costs one EVAL a second), at least FOLD_MIN_S
+# apart unless its last fold came back full (fold_delay).
+FOLD_IDLE_S = 1.0
+FOLD_MIN_S = 0.01
+
+
+def fold_delay(folded: int, elapsed_s: float) -> float:
+    """How long a worker waits before its next fold, given that its last one folded `folded` entries
+    logged over the `elapsed_s` before it: about half a chunk's worth of the rate the log grew at, so a
+    fold stays well under a chunk; at once after a full one (a backlog); FOLD_IDLE_S when nothing came."""
+    if folded >= FOLD_CHUNK:
+        return 0.0
+    if folded <= 0 or elapsed_s <= 0:
+        return FOLD_IDLE_S
+    return min(FOLD_IDLE_S, max(FOLD_MIN_S, elapsed_s * FOLD_CHUNK / (2 * folded)))
 
 
 def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,

@@ -7,8 +7,9 @@ latest time whoever wrote last (a direct HSET could set it back past a worker's 
 No worker folds an ensemble's log (no worker serves it), so the gateway folds a model's log itself:
 in the same round trip as a write at most once every FOLD_EVERY_S, and once more that long after a
 write it did not fold, so the last entries before a quiet spell are folded too (and at close). A fold
-that comes back full (a backlog) folds on at once, as a worker's does (workers/consumer.py
-fold_stats), up to FOLD_ROUNDS in a row. The log stays about FOLD_EVERY_S long."""
+takes a chunk (fleet/stats.py FOLD_CHUNK); one that comes back full (a backlog) folds on at once, a
+chunk a round trip as a worker's does (workers/custody.py fold_statistics), up to FOLD_ROUNDS in a row.
+The log stays about FOLD_EVERY_S long."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.keys import Keys
-from fleet.stats import FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
+from fleet.stats import FOLD_CHUNK, FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
 
 log = logging.getLogger(__name__)
 
-FOLD_EVERY_S = 1.0  # as a worker folds its models' logs
-# Full folds in a row, as a worker's fold_stats: a longer backlog waits for this gateway's next fold
-# (with a later write) or a reader's (every read of the statistics folds first).
-FOLD_ROUNDS = 10
+FOLD_EVERY_S = 1.0
+# Full folds in a row, a chunk each (fleet/stats.py FOLD_CHUNK: no fold holds Redis long), up to FOLD_MAX
+# ten times over: a longer backlog waits for this gateway's next fold (with a later write) or a reader's
+# (every read of the statistics folds first).
+FOLD_ROUNDS = 10 * FOLD_MAX // FOLD_CHUNK
 
 
 class Counters:
@@ -58,7 +60,7 @@ class Counters:
         folding = now - self._folded_at.get(model, -self._fold_every_s) >= self._fold_every_s
         if folding:
             self._folded_at[model] = now
-            pipe.eval(*fold_args(self.keys, model))
+            pipe.eval(*fold_args(self.keys, model, FOLD_CHUNK))
         elif model not in self._trailing:
             delay = self._folded_at[model] + self._fold_every_s - now
             self._trailing[model] = asyncio.get_running_loop().call_later(delay, self._fold_later, model)
@@ -67,7 +69,7 @@ class Counters:
         except RedisError as exc:
             log.warning("cannot add to the statistics of %s: %s", model, exc)
             return
-        if folding and results[-1] == FOLD_MAX:
+        if folding and results[-1] == FOLD_CHUNK:
             self._spawn(self._fold(model, FOLD_ROUNDS - 1))  # a backlog: on at once
 
     def _fold_later(self, model: str) -> None:
@@ -83,11 +85,11 @@ class Counters:
         for _ in range(rounds):
             self._folded_at[model] = self._monotonic()
             try:
-                folded = await self.client.eval(*fold_args(self.keys, model))
+                folded = await self.client.eval(*fold_args(self.keys, model, FOLD_CHUNK))
             except RedisError as exc:
                 log.warning("cannot fold the statistics of %s: %s", model, exc)
                 return
-            if folded != FOLD_MAX:
+            if folded != FOLD_CHUNK:
                 return
 
     async def drain(self) -> None:

@@ -25,7 +25,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import COPY_FIELD, DEAD_LETTERED, FOLD_MAX, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
+from fleet.stats import COPY_FIELD, DEAD_LETTERED, FOLD_CHUNK, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
 from fleet.trace_points import REPLY_WRITE
 from fleet.unlogged import JOB_REPLY_XADD, MAX_UNLOGGED_REPLIES
 
@@ -346,16 +346,10 @@ class StreamConsumer:
             entry += [b"d", letter.payload]
         return [entry, ("HINCRBY", self._keys.stats(self.model), DEAD_LETTERED, 1)]
 
-    async def fold_stats(self, most: int = 10) -> int:
-        """Fold the model's stats log into its hash (what readers do before reading), again while a fold
-        comes back full (a model past FOLD_MAX batches a second), at most `most` times; how many batches."""
-        total = 0
-        for _ in range(most):
-            folded = int(await self._client.eval(*fold_args(self._keys, self.model)))
-            total += folded
-            if folded < FOLD_MAX:
-                break
-        return total
+    async def fold_stats(self, most: int = FOLD_CHUNK) -> int:
+        """Fold the oldest `most` entries of the model's stats log into its hash (what readers do before
+        reading); how many it folded (custody paces the folds: fleet/stats.py fold_delay)."""
+        return int(await self._client.eval(*fold_args(self._keys, self.model, most)))
 
     async def count(self, deltas: dict[str, int]) -> None:
         """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request

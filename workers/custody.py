@@ -38,7 +38,7 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
-from fleet.stats import CLAIMED, REDELIVERED, BatchSample, logged_batches
+from fleet.stats import CLAIMED, REDELIVERED, BatchSample, fold_delay, logged_batches
 from workers.acks import Acks
 from workers.consumer import Letter, StreamConsumer
 
@@ -321,11 +321,21 @@ class Custody:
                 raise_if_cancelled()
                 log.warning("%s: claiming abandoned messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
-            try:  # the statistics log stays short when nobody reads the statistics (fleet/stats.py)
-                await self.consumer.fold_stats()
+
+    async def fold_statistics(self) -> None:
+        """Fold the model's statistics log into its hash a chunk at a time, as often as it grows, so that
+        it stays short when nobody reads the statistics and no fold holds Redis long (fleet/stats.py)."""
+        delay, last = 0.0, time.monotonic()  # at once: a log a stopped worker left
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            now = time.monotonic()
+            try:
+                folded = await self.consumer.fold_stats()
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()
                 log.debug("%s: folding the statistics log failed: %s", self.model, exc)
+                folded = 0  # tried again after fleet/stats.py FOLD_IDLE_S
+            delay, last = fold_delay(folded, now - last), now
 
     async def _claim(self, room: int) -> None:
         claimed = await self.consumer.claim(self.claim_timeout.idle_ms, self.holding.messages_to_read(0, room))

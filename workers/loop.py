@@ -130,7 +130,8 @@ class ModelLoop:
         await self.consumer.join_when_reachable()
         sup = self.supervisor
         background = [sup.start("keepalive", self.custody.keep_alive),
-                      sup.start("claims", self.custody.claim_abandoned), sup.start("watchdog", self.watchdog.run)]
+                      sup.start("claims", self.custody.claim_abandoned), sup.start("watchdog", self.watchdog.run),
+                      sup.start("statistics", self.custody.fold_statistics)]
         readers = [sup.start(f"reader-{lane}", functools.partial(self._read, lane))
                    for lane in range(self.bulk_lane + 1)]
         driver = sup.start("driver", self._drive)

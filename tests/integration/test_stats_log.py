@@ -20,6 +20,7 @@ from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from fleet.stats import (
     COPY_FIELD,
+    FOLD_CHUNK,
     FOLD_MAX,
     FOLDED_ROTATE_S,
     LAST_INFERENCE,
@@ -168,6 +169,68 @@ def test_a_backlog_past_one_fold_is_folded_in_turns(redis_server: LocalServer, k
     client.close()
 
 
+def test_a_worker_folds_its_log_a_chunk_at_a_time_and_a_backlog_at_once(redis_server: LocalServer,
+                                                                           key_prefix: str) -> None:
+    """A worker's own folds (custody's statistics task) take FOLD_CHUNK entries each, so that none holds
+    Redis long (one second's log in one fold was the slowest 1 % of requests); a backlog is folded chunk
+    after chunk as soon as the task starts; a fold that Redis refuses does not end the task."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batching.holding import Holding
+    from workers.consumer import StreamConsumer
+    from workers.custody import Custody, CustodyConfig
+
+    keys = Keys(key_prefix)
+    sync = redis.Redis.from_url(redis_server.url, protocol=2)
+    entry = msgpack.packb({field(1, "success:count"): 1})
+
+    def backlog(n: int) -> None:
+        pipe = sync.pipeline(transaction=False)
+        for _ in range(n):
+            pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+        pipe.execute()
+
+    async def main() -> list[int]:
+        client = aioredis.Redis.from_url(redis_server.url, protocol=2)
+        consumer = StreamConsumer(client, keys, MODEL, 1, "c")
+        custody = Custody(consumer, Holding(1, 4, 16), CustodyConfig(), admit=lambda m, p: None,
+                          lost=lambda ms: None, released=lambda: None)
+        folds: list[int] = []
+        fold = consumer.fold_stats
+
+        async def recorded() -> int:
+            folds.append(await fold())
+            return folds[-1]
+
+        consumer.fold_stats = recorded  # type: ignore[method-assign]
+        backlog(3 * FOLD_CHUNK + 5)
+        task = asyncio.create_task(custody.fold_statistics())
+        try:
+            for _ in range(200):
+                if len(folds) >= 4:
+                    break
+                await asyncio.sleep(0.005)
+            assert sync.xlen(keys.stats_log(MODEL)) == 0
+            sync.delete(keys.stats_log(MODEL))
+            sync.set(keys.stats_log(MODEL), "not a stream")  # every fold refused from here
+            await asyncio.sleep(0.05)
+            assert not task.done()
+        finally:
+            custody.stop()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await consumer.close()
+            await client.aclose()
+        return folds
+
+    assert asyncio.run(main())[:4] == [FOLD_CHUNK, FOLD_CHUNK, FOLD_CHUNK, 5]
+    assert stats(sync, keys)[field(1, "success:count")] == 3 * FOLD_CHUNK + 5
+    sync.delete(keys.stats_log(MODEL))
+    sync.close()
+
+
 def test_an_unreadable_entry_is_dropped_not_left_to_stop_the_fold(redis_server: LocalServer, key_prefix: str) -> None:
     keys = Keys(key_prefix)
     client = redis.Redis.from_url(redis_server.url, protocol=2)
@@ -279,8 +342,9 @@ def test_the_gateways_counts_go_through_the_log_and_keep_the_latest_time(redis_s
 
 
 def test_the_gateway_folds_on_while_its_fold_comes_back_full(redis_server: LocalServer, key_prefix: str) -> None:
-    """An ensemble's log past FOLD_MAX (nobody read it for a while): a write's full fold folds on at once,
-    whatever FOLD_EVERY_S says, until a fold comes back short or FOLD_ROUNDS folds in a row, as a worker's."""
+    """An ensemble's log past FOLD_MAX (nobody read it for a while): a write's full fold (a chunk, FOLD_CHUNK)
+    folds on at once, whatever FOLD_EVERY_S says, a chunk a round trip until one comes back short or
+    FOLD_ROUNDS folds in a row, as a worker's."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -304,9 +368,9 @@ def test_the_gateway_folds_on_while_its_fold_comes_back_full(redis_server: Local
             counters = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)  # the clock never moves on
             counters.add(MODEL, 1, {"success:count": 1})
             await counters.drain()
-            assert sync.xlen(keys.stats_log(MODEL)) == 0  # FOLD_MAX with the write, the other 11 right after it
+            assert sync.xlen(keys.stats_log(MODEL)) == 0  # a chunk with the write, the rest right after it
 
-            backlog(FOLD_ROUNDS * FOLD_MAX + 5)
+            backlog(FOLD_ROUNDS * FOLD_CHUNK + 5)
             capped = Counters(client, keys, monotonic=lambda: 5.0, fold_every_s=60.0)
             capped.add(MODEL, 1, {"success:count": 1})
             await capped.drain()
@@ -319,7 +383,7 @@ def test_the_gateway_folds_on_while_its_fold_comes_back_full(redis_server: Local
 
     asyncio.run(main())
     sync.eval(*fold_args(keys, MODEL))
-    assert stats(sync, keys)[field(1, "success:count")] == (FOLD_ROUNDS + 1) * FOLD_MAX + 18
+    assert stats(sync, keys)[field(1, "success:count")] == FOLD_MAX + FOLD_ROUNDS * FOLD_CHUNK + 18
     sync.close()
 
 
