@@ -177,10 +177,10 @@ return #entries
 # Entries a reader folds before it reads (gateway/dataplane.py, queue_reading.py): everything the workers
 # have not folded yet, which their own folds keep to a fraction of a second's batches.
 FOLD_MAX = 2_000
-# Entries a worker's or a gateway's own fold takes at once. A fold holds Redis ~6-7 µs an entry here (~1 ms
-# for a chunk), and every request in flight waits for it: when a worker folded a second's log each second
-# (~1,100 batches, ~7 ms), that stall was the slowest 1 % of `mlp` requests at 2,000 a second, once a
-# second (bench/RESULTS.md, stop 50). A backlog is folded a chunk a round trip, other clients served between.
+# Entries a worker's or a gateway's own fold takes at once. A fold holds Redis ~6-7 µs an entry on stop 50's
+# host (~1 ms a chunk), and every request in flight waits for it: when a worker folded a second's log each
+# second (~1,100 batches, ~7 ms), that stall was the slowest 1 % of `mlp` requests at 2,000 a second
+# (bench/RESULTS.md, stop 50). A backlog is folded a chunk a round trip, other clients served between.
 FOLD_CHUNK = 128
 # A worker folds at most this far apart (a log nobody writes costs one EVAL a second), at least FOLD_MIN_S
 # apart unless its last fold came back full (fold_delay).
@@ -188,23 +188,28 @@ FOLD_IDLE_S = 1.0
 FOLD_MIN_S = 0.01
 
 
-def fold_delay(folded: int, elapsed_s: float) -> float:
-    """How long a worker waits before its next fold, given that its last one folded `folded` entries
-    logged over the `elapsed_s` before it: about half a chunk's worth of the rate the log grew at, so a
-    fold stays well under a chunk; at once after a full one (a backlog); FOLD_IDLE_S when nothing came."""
-    if folded >= FOLD_CHUNK:
+def fold_delay(folded: int, elapsed_s: float, chunk: int = FOLD_CHUNK) -> float:
+    """How long a worker waits before its next fold of up to `chunk` entries, given that its last one
+    folded `folded` entries logged over the `elapsed_s` before it: about half a chunk's worth of the rate
+    the log grew at, so a fold stays well under a chunk; at once after a full one (a backlog);
+    FOLD_IDLE_S when nothing came."""
+    if folded >= chunk:
         return 0.0
     if folded <= 0 or elapsed_s <= 0:
         return FOLD_IDLE_S
-    return min(FOLD_IDLE_S, max(FOLD_MIN_S, elapsed_s * FOLD_CHUNK / (2 * folded)))
+    return min(FOLD_IDLE_S, max(FOLD_MIN_S, elapsed_s * chunk / (2 * folded)))
 
 
 def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
               rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, str, str, int, int, int]:
     """EVAL's arguments after the command name: fold `model`'s stats log into its hash."""
-    return (FOLD_STATS, 6, keys.stats_log(model), keys.stats(model), keys.stats_tokens(model),
-            keys.stats_tokens(model, "old"), keys.stats_tokens(model, "copied"),
-            keys.stats_tokens(model, "copied:old"), most, rotate_s, TOKEN_BYTES)
+    return (FOLD_STATS, 6, *fold_keys(keys, model), most, rotate_s, TOKEN_BYTES)
+
+
+def fold_keys(keys: Keys, model: str) -> tuple[str, str, str, str, str, str]:
+    """FOLD_STATS's KEYS for `model` (its ARGV: `most`, FOLDED_ROTATE_S, TOKEN_BYTES)."""
+    return (keys.stats_log(model), keys.stats(model), keys.stats_tokens(model), keys.stats_tokens(model, "old"),
+            keys.stats_tokens(model, "copied"), keys.stats_tokens(model, "copied:old"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,11 @@
 """Supervised long-lived tasks: a task that dies is logged and restarted with backoff, never silent.
 
 Every long-lived task of a worker or gateway (readers, the scheduler's driver, keepalive, claims, the
-reply reader, the readiness refresher) runs under `Supervisor.run`. A task that raises is logged with
-its traceback and started again after a capped, jittered delay; while it is down `healthy` is False
-(a worker stops advertising the model). A task that keeps dying - `max_failures` within `window_s` -
-is given up on: `on_give_up` is called (a worker exits non-zero, so its own supervisor starts a fresh
-process). What never happens is a live process whose task has quietly stopped.
+statistics fold, the reply reader, the readiness refresher) runs under `Supervisor.run`. A task that
+raises is logged with its traceback and started again after a capped, jittered delay; while it is down
+`healthy` is False (a worker stops advertising the model). A task that keeps dying - `max_failures`
+within `window_s` - is given up on: `on_give_up` is called (a worker exits non-zero, so its own
+supervisor starts a fresh process). What never happens is a live process whose task has quietly stopped.
 """
 
 from __future__ import annotations

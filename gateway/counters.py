@@ -23,15 +23,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.keys import Keys
-from fleet.stats import FOLD_CHUNK, FOLD_MAX, LAST_INFERENCE, LOG_FIELD, field, fold_args
+from fleet.stats import FOLD_CHUNK, LAST_INFERENCE, LOG_FIELD, field, fold_args
 
 log = logging.getLogger(__name__)
 
 FOLD_EVERY_S = 1.0
-# Full folds in a row, a chunk each (fleet/stats.py FOLD_CHUNK: no fold holds Redis long), up to FOLD_MAX
-# ten times over: a longer backlog waits for this gateway's next fold (with a later write) or a reader's
-# (every read of the statistics folds first).
-FOLD_ROUNDS = 10 * FOLD_MAX // FOLD_CHUNK
+# The most a gateway folds in a row, a chunk a round trip (fleet/stats.py FOLD_CHUNK: no fold holds Redis
+# long; 156 round trips): a longer backlog waits for this gateway's next fold (with a later write) or a
+# reader's (every read of the statistics folds first).
+BACKLOG_MAX = 20_000
+FOLD_ROUNDS = BACKLOG_MAX // FOLD_CHUNK
 
 
 class Counters:

@@ -25,7 +25,18 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
-from fleet.stats import COPY_FIELD, DEAD_LETTERED, FOLD_CHUNK, LOG_FIELD, TOKEN_FIELD, LoggedBatch, fold_args
+from fleet.stats import (
+    COPY_FIELD,
+    DEAD_LETTERED,
+    FOLD_CHUNK,
+    FOLD_STATS,
+    FOLDED_ROTATE_S,
+    LOG_FIELD,
+    TOKEN_BYTES,
+    TOKEN_FIELD,
+    LoggedBatch,
+    fold_keys,
+)
 from fleet.trace_points import REPLY_WRITE
 from fleet.unlogged import JOB_REPLY_XADD, MAX_UNLOGGED_REPLIES
 
@@ -131,6 +142,8 @@ class StreamConsumer:
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
         self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)
+        # By its SHA (a fold many times a second: not its ~3 KB body each time); loaded again after a restart.
+        self._fold = client.register_script(FOLD_STATS)
 
     async def join(self) -> None:
         for stream in self.streams:
@@ -349,7 +362,8 @@ class StreamConsumer:
     async def fold_stats(self, most: int = FOLD_CHUNK) -> int:
         """Fold the oldest `most` entries of the model's stats log into its hash (what readers do before
         reading); how many it folded (custody paces the folds: fleet/stats.py fold_delay)."""
-        return int(await self._client.eval(*fold_args(self._keys, self.model, most)))
+        return int(await self._fold(keys=fold_keys(self._keys, self.model),
+                                    args=[most, FOLDED_ROTATE_S, TOKEN_BYTES]))
 
     async def count(self, deltas: dict[str, int]) -> None:
         """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request

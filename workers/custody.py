@@ -38,7 +38,7 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.claims import ClaimTimeout
 from fleet.envelope import ReplyEnvelope, decode_request
 from fleet.errors import InvalidInput
-from fleet.stats import CLAIMED, REDELIVERED, BatchSample, fold_delay, logged_batches
+from fleet.stats import CLAIMED, FOLD_CHUNK, REDELIVERED, BatchSample, fold_delay, logged_batches
 from workers.acks import Acks
 from workers.consumer import Letter, StreamConsumer
 
@@ -330,12 +330,12 @@ class Custody:
             await asyncio.sleep(delay)
             now = time.monotonic()
             try:
-                folded = await self.consumer.fold_stats()
+                folded = await self.consumer.fold_stats(FOLD_CHUNK)
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()
                 log.debug("%s: folding the statistics log failed: %s", self.model, exc)
                 folded = 0  # tried again after fleet/stats.py FOLD_IDLE_S
-            delay, last = fold_delay(folded, now - last), now
+            delay, last = fold_delay(folded, now - last, FOLD_CHUNK), now
 
     async def _claim(self, room: int) -> None:
         claimed = await self.consumer.claim(self.claim_timeout.idle_ms, self.holding.messages_to_read(0, room))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 import msgpack
@@ -198,23 +200,32 @@ def test_a_worker_folds_its_log_a_chunk_at_a_time_and_a_backlog_at_once(redis_se
         custody = Custody(consumer, Holding(1, 4, 16), CustodyConfig(), admit=lambda m, p: None,
                           lost=lambda ms: None, released=lambda: None)
         folds: list[int] = []
+        refused: list[BaseException] = []
         fold = consumer.fold_stats
 
-        async def recorded() -> int:
-            folds.append(await fold())
+        async def recorded(most: int) -> int:
+            try:
+                folds.append(await fold(most))
+            except Exception as exc:
+                refused.append(exc)
+                raise
             return folds[-1]
+
+        async def until(done: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not done():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.005)
 
         consumer.fold_stats = recorded  # type: ignore[method-assign]
         backlog(3 * FOLD_CHUNK + 5)
         task = asyncio.create_task(custody.fold_statistics())
         try:
-            for _ in range(200):
-                if len(folds) >= 4:
-                    break
-                await asyncio.sleep(0.005)
+            await until(lambda: len(folds) >= 4, "the backlog folded as soon as the task started")
             assert sync.xlen(keys.stats_log(MODEL)) == 0
             sync.delete(keys.stats_log(MODEL))
             sync.set(keys.stats_log(MODEL), "not a stream")  # every fold refused from here
+            await until(lambda: bool(refused), "a fold tried on the broken log")
             await asyncio.sleep(0.05)
             assert not task.done()
         finally:
