@@ -1,7 +1,7 @@
 """MLPerf's server scenario: Poisson arrivals, the highest rate whose p99 stays under a bound, fleet against native
 Triton, interleaved.
 
-    .venv/bin/python bench/poisson.py [--model mlp] [--p99-ms 20] [--range 250:5000:250] [--passes 2]
+    .venv/bin/python bench/poisson.py [--model mlp] [--p99-ms 20] [--range 250:8000:250] [--passes 2]
                                       [--systems "fleet triton-native"] [--port 18000] [--out DIR]
                                       [--base-root CHECKOUT]  # system "fleet-base": that checkout's fleet
 
@@ -68,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="Poisson arrivals: the highest rate with p99 under a bound")
     p.add_argument("--model", default="mlp")
     p.add_argument("--p99-ms", type=float, default=20.0)
-    p.add_argument("--range", default="250:5000:250", help="perf_analyzer --request-rate-range start:end:step")
+    p.add_argument("--range", default="250:8000:250", help="perf_analyzer --request-rate-range start:end:step")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--systems", default="fleet triton-native")
     p.add_argument("--port", type=int, default=18000)

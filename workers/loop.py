@@ -5,8 +5,8 @@ claimed and acknowledged is custody's.
 
 Tasks (each under fleet.supervision: logged and restarted with backoff if it dies, the model
 unadvertised meanwhile, the worker exits for its supervisor if one keeps dying): one reader per lane,
-the driver, keepalive, claims, the statistics fold, the watchdog. The driver itself never waits on Redis: replies are
-written by custody in the background, so a Redis error can never stop scheduling.
+the driver, keepalive, claims, the statistics fold, the watchdog. The driver itself never waits on
+Redis: replies are written by custody in the background, so a Redis error can never stop scheduling.
 
 The requests it holds, and how their times (in Redis's clock) become the scheduler's: workers/held.py.
 How the schedulers' actions reach the instances, and the instances' events the schedulers:
