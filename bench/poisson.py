@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import subprocess
 import time
@@ -35,21 +36,38 @@ KEPT_UP = 0.95
 
 
 def best_rate(path: Path, p99_ms: float) -> tuple[float, float, float] | None:
-    """(offered rate, achieved infer/s, p99 ms) of the highest offered rate that met the bound and was kept up."""
-    if not path.exists():
-        return None
-    ok = []
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            try:
-                offered = float(row.get("Request Rate") or next(iter(row.values())))
-                achieved = float(row["Inferences/Second"])
-                p99 = int(row["p99 latency"]) / 1000
-            except (KeyError, ValueError, StopIteration):
-                continue
-            if p99 <= p99_ms and achieved >= KEPT_UP * offered:
-                ok.append((offered, achieved, p99))
+    """(offered rate, achieved infer/s, p99 ms) of the highest offered rate that met the bound and was kept up:
+    from perf_analyzer's CSV, or, when it was killed before writing one (native Triton has hung at a high
+    rate), from the rates its log reported until then."""
+    ok = [(offered, achieved, p99) for offered, achieved, p99 in measured_rates(path)
+          if p99 <= p99_ms and achieved >= KEPT_UP * offered]
     return max(ok, default=None)
+
+
+def measured_rates(path: Path) -> list[tuple[float, float, float]]:
+    """(offered rate, achieved infer/s, p99 ms) of each rate measured: the CSV's rows, else the log's."""
+    rates = []
+    if path.exists():
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                try:
+                    offered = float(row.get("Request Rate") or next(iter(row.values())))
+                    rates.append((offered, float(row["Inferences/Second"]), int(row["p99 latency"]) / 1000))
+                except (KeyError, ValueError, StopIteration):
+                    continue
+        return rates
+    log = path.with_suffix(".txt")
+    if not log.exists():
+        return rates
+    # A block per rate: "Request Rate: R inference requests per seconds", then its client's Throughput and
+    # p99 (none when it failed); the summary at the end ("Request Rate: R, throughput: ...") is not one.
+    for block in re.split(r"^Request Rate: (?=\d+ inference)", log.read_text(), flags=re.M)[1:]:
+        offered = re.match(r"(\d+)", block)
+        achieved = re.search(r"Throughput: ([\d.]+) infer/sec", block)
+        p99 = re.search(r"p99 latency: (\d+) usec", block)
+        if offered and achieved and p99:
+            rates.append((float(offered.group(1)), float(achieved.group(1)), int(p99.group(1)) / 1000))
+    return rates
 
 
 def measure(pa: str, model: str, port: int, rate_range: str, p99_ms: float, out: Path, timeout: float) -> None:
