@@ -71,6 +71,15 @@ def expected(batches: list[BatchSample], before: dict[str, int]) -> dict[str, in
     return {k: v for k, v in sums.items() if v}
 
 
+def add_backlog(client: redis.Redis, keys: Keys, n: int) -> None:
+    """`n` entries of one success each on the model's stats log, as if nobody had folded it for a while."""
+    entry = msgpack.packb({field(1, "success:count"): 1})
+    pipe = client.pipeline(transaction=False)
+    for _ in range(n):
+        pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
+    pipe.execute()
+
+
 def stats(client: redis.Redis, keys: Keys) -> dict[str, int]:
     return {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in client.hgetall(keys.stats(MODEL)).items()}
 
@@ -186,13 +195,9 @@ def test_a_worker_folds_its_log_a_chunk_at_a_time_and_a_backlog_at_once(redis_se
 
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
-    entry = msgpack.packb({field(1, "success:count"): 1})
 
     def backlog(n: int) -> None:
-        pipe = sync.pipeline(transaction=False)
-        for _ in range(n):
-            pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
-        pipe.execute()
+        add_backlog(sync, keys, n)
 
     async def main() -> list[int]:
         client = aioredis.Redis.from_url(redis_server.url, protocol=2)
@@ -364,13 +369,9 @@ def test_the_gateway_folds_on_while_its_fold_comes_back_full(redis_server: Local
 
     keys = Keys(key_prefix)
     sync = redis.Redis.from_url(redis_server.url, protocol=2)
-    entry = msgpack.packb({field(1, "success:count"): 1})
 
     def backlog(n: int) -> None:
-        pipe = sync.pipeline(transaction=False)
-        for _ in range(n):
-            pipe.xadd(keys.stats_log(MODEL), {LOG_FIELD: entry})
-        pipe.execute()
+        add_backlog(sync, keys, n)
 
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_server.url, protocol=2)
