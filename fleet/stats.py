@@ -203,11 +203,16 @@ def fold_delay(folded: int, elapsed_s: float, chunk: int = FOLD_CHUNK) -> float:
 def fold_args(keys: Keys, model: str, most: int = FOLD_MAX,
               rotate_s: int = FOLDED_ROTATE_S) -> tuple[str, int, str, str, str, str, str, str, int, int, int]:
     """EVAL's arguments after the command name: fold `model`'s stats log into its hash."""
-    return (FOLD_STATS, 6, *fold_keys(keys, model), most, rotate_s, TOKEN_BYTES)
+    return (FOLD_STATS, 6, *fold_keys(keys, model), *fold_argv(most, rotate_s))
+
+
+def fold_argv(most: int = FOLD_MAX, rotate_s: int = FOLDED_ROTATE_S) -> tuple[int, int, int]:
+    """FOLD_STATS's ARGV: fold up to `most` entries."""
+    return (most, rotate_s, TOKEN_BYTES)
 
 
 def fold_keys(keys: Keys, model: str) -> tuple[str, str, str, str, str, str]:
-    """FOLD_STATS's KEYS for `model` (its ARGV: `most`, FOLDED_ROTATE_S, TOKEN_BYTES)."""
+    """FOLD_STATS's KEYS for `model`."""
     return (keys.stats_log(model), keys.stats(model), keys.stats_tokens(model), keys.stats_tokens(model, "old"),
             keys.stats_tokens(model, "copied"), keys.stats_tokens(model, "copied:old"))
 

@@ -30,11 +30,10 @@ from fleet.stats import (
     DEAD_LETTERED,
     FOLD_CHUNK,
     FOLD_STATS,
-    FOLDED_ROTATE_S,
     LOG_FIELD,
-    TOKEN_BYTES,
     TOKEN_FIELD,
     LoggedBatch,
+    fold_argv,
     fold_keys,
 )
 from fleet.trace_points import REPLY_WRITE
@@ -362,8 +361,7 @@ class StreamConsumer:
     async def fold_stats(self, most: int = FOLD_CHUNK) -> int:
         """Fold the oldest `most` entries of the model's stats log into its hash (what readers do before
         reading); how many it folded (custody paces the folds: fleet/stats.py fold_delay)."""
-        return int(await self._fold(keys=fold_keys(self._keys, self.model),
-                                    args=[most, FOLDED_ROTATE_S, TOKEN_BYTES]))
+        return int(await self._fold(keys=fold_keys(self._keys, self.model), args=fold_argv(most)))
 
     async def count(self, deltas: dict[str, int]) -> None:
         """Add to model-wide counters of the stats hash (fleet/stats.py CLAIMED, ...): off the request
