@@ -97,6 +97,8 @@ def main() -> None:
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("poisson-%Y%m%d-%H%M%S")).resolve()
     systems = a.systems.split()
+    if "fleet-base" in systems and a.base_root is None:
+        p.error("the system fleet-base needs --base-root")  # before any pass, not after the first system's
     found: dict[str, list[tuple[float, float, float] | None]] = {s: [] for s in systems}
     for n in range(a.passes):
         for system in systems[n % len(systems):] + systems[:n % len(systems)]:
@@ -106,8 +108,6 @@ def main() -> None:
             if system == "fleet":
                 server = Fleet(a.port, d, 180.0, [a.model])
             elif system == "fleet-base":
-                if a.base_root is None:
-                    raise SystemExit("fleet-base needs --base-root")
                 (d / system).mkdir(exist_ok=True)
                 server = Fleet(a.port, d / system, 180.0, [a.model], root=a.base_root)
             else:
