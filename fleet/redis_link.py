@@ -18,7 +18,8 @@ links.
   socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
   then writes the commands on its stream and reads the socket itself (a protocol of its own in place of
   redis-py's StreamReader), parsing the replies with a hiredis reader of its own.
-- One round trip at a time (callers that batch gather while one is in flight). A round trip has one
+- One round trip at a time (callers that batch gather while one is in flight; `LinkPool` keeps a few links
+  for a caller that lets a round trip go out while another is on its way). A round trip has one
   deadline, `timeout_s` plus the BLOCK of a blocking read, in place of redis-py's per-send and per-read
   socket timeout (`_Deadline`). Past it, on a connection error, or when the caller is cancelled, the
   connection is closed (its unread replies would otherwise answer the next commands) and the next round
@@ -36,7 +37,8 @@ links.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import hiredis
@@ -48,7 +50,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet.parts import LONG_BUFFER, Parts
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Command", "LinkPool", "RedisLink", "entry_field", "raise_first"]
 
 # A Redis that has not answered a round trip in this long is taken for gone (redis-py's own default
 # socket timeout, which the link's connection no longer has).
@@ -157,6 +159,37 @@ class RedisLink:
 
     async def aclose(self) -> None:
         await self._conn.disconnect()
+
+
+class LinkPool:
+    """`size` links, so that up to `size` round trips are in flight at once, each on its own connection: a
+    caller takes an idle one (the last freed first, so a light load keeps to one connection) and waits for
+    one only while all are busy. Round trips on different links reach Redis in any order."""
+
+    def __init__(self, client: aioredis.Redis, size: int) -> None:
+        self.links = [RedisLink(client) for _ in range(size)]
+        self._idle: asyncio.LifoQueue[RedisLink] = asyncio.LifoQueue()
+        for link in reversed(self.links):
+            self._idle.put_nowait(link)
+
+    @asynccontextmanager
+    async def idle(self) -> AsyncIterator[RedisLink]:
+        """An idle link, the caller's until the block ends (waits while every link has a round trip)."""
+        link = await self._idle.get()
+        try:
+            yield link
+        finally:
+            self._idle.put_nowait(link)
+
+    async def execute(self, commands: Sequence[Command],
+                      resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
+        """`RedisLink.execute` on an idle link."""
+        async with self.idle() as link:
+            return await link.execute(commands, resend=resend)
+
+    async def aclose(self) -> None:
+        for link in self.links:
+            await link.aclose()
 
 
 Buffer = bytes | memoryview

@@ -23,7 +23,7 @@ from fleet.envelope import ReplyEnvelope, reply_payload
 from fleet.keys import GROUP, Keys
 from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
-from fleet.redis_link import Command, RedisLink, entry_field, raise_first
+from fleet.redis_link import Command, LinkPool, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
 from fleet.stats import (
     COPY_FIELD,
@@ -48,6 +48,10 @@ ORPHAN_REPLY_TTL_S = 3600
 TTL_REFRESH_S = 60.0
 
 DEAD_LETTERS_MAXLEN = 10_000
+# Reply writes in flight at once: a finished batch's replies go out while the previous batch's write is
+# still on its way, instead of waiting for it (bench/RESULTS.md, stop 51). Ordered finishes
+# (preserve_ordering, sequences) wait for the write before theirs themselves (workers/custody.py).
+WRITE_LINKS = 2
 
 __all__ = ["Claimed", "Letter", "MessageId", "StreamConsumer", "Written"]
 
@@ -129,9 +133,9 @@ class StreamConsumer:
         this worker's sequence stream, fleet/keys.py)."""
         self._client = client
         # The request path's round trips on connections of their own (fleet/redis_link.py): each lane's
-        # blocking read, and the writes (replies, statistics, acknowledgements).
+        # blocking read, and the writes (replies, statistics, acknowledgements), WRITE_LINKS at once.
         self._readers = [RedisLink(client) for _ in range(lanes)]
-        self._writer = RedisLink(client)
+        self._writer = LinkPool(client, WRITE_LINKS)
         self._redis_clock = redis_clock or RedisClock()  # stamps traced replies (REPLY_WRITE)
         self._keys = keys
         self.model = model
@@ -373,8 +377,9 @@ class StreamConsumer:
         await pipe.execute()
 
     async def close(self) -> None:
-        for link in (*self._readers, self._writer):
+        for link in self._readers:
             await link.aclose()
+        await self._writer.aclose()
         await self._client.aclose()
 
 

@@ -1,5 +1,6 @@
 """fleet/redis_link.py against a real server: replies in order with error replies in place, a blocking read
-within its deadline, a cancelled round trip leaving nothing behind, a Redis restarted or frozen."""
+within its deadline, a cancelled round trip leaving nothing behind, a Redis restarted or frozen; a pool's
+round trip going out while another is in flight, and waiting only while every link has one."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fleet.envelope import RequestEnvelope, WireTensor, decode_request, request_payload
 from fleet.parts import Parts
 from fleet.redis_clients import async_client
-from fleet.redis_link import _BIG_ARG, RedisLink, entry_field, raise_first
+from fleet.redis_link import _BIG_ARG, LinkPool, RedisLink, entry_field, raise_first
 from fleet.redis_server import LocalServer, start_server
 
 
@@ -127,6 +128,43 @@ def test_a_blocking_read_waits_its_block_and_a_cancelled_one_leaves_nothing_behi
             assert await link.execute([("PING",)]) == [b"PONG"]  # its own reply, not the stale one
         finally:
             await link.aclose()
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_when_all_are(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    async def main() -> None:
+        client = async_client(redis_server.url)
+        pool = LinkPool(client, 2)
+        key = f"{key_prefix}:pool"
+        block = [("XREAD", "BLOCK", 5000, "STREAMS", key, "$")]
+
+        async def blocked() -> list[Any]:  # a round trip that stays in flight until `key` gets an entry
+            async with pool.idle() as link:
+                return await link.execute(block, block_ms=5000)
+
+        try:
+            first = asyncio.ensure_future(blocked())
+            await asyncio.sleep(0.1)
+            # One link has a round trip in flight: the other takes this one at once.
+            assert await asyncio.wait_for(pool.execute([("PING",)]), 1.0) == [b"PONG"]
+            second = asyncio.ensure_future(blocked())
+            await asyncio.sleep(0.1)
+            # Both in flight: this one waits for a link, and goes once an entry ends both reads.
+            ping = asyncio.ensure_future(pool.execute([("PING",)]))
+            await asyncio.sleep(0.2)
+            assert not ping.done()
+            await client.xadd(key, {b"d": b"x"})
+            assert await asyncio.wait_for(ping, 2.0) == [b"PONG"]
+            for read in (first, second):
+                [[[stream, [[_, fields]]]]] = await read
+                assert (stream, entry_field(fields, b"d")) == (key.encode(), b"x")
+            assert len({id(link._conn) for link in pool.links}) == 2  # a connection each
+        finally:
+            await pool.aclose()
             await client.delete(key)
             await client.aclose()
 
