@@ -189,6 +189,14 @@ class Broker:
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
 
+    def after_enqueue(self, request_id: str, call: Callable[[], None]) -> None:
+        """`call` once the request's XADD has come back: now if it has (or it asked for nothing), else
+        left to its flush, which calls what `submit` was given as `on_enqueued` (the same `call`). A
+        sequence's caller that goes away releases its next request so: flushes on other connections
+        would otherwise let that one reach Redis first."""
+        if request_id not in self._on_enqueued:
+            call()
+
     def later(self, request_id: str) -> asyncio.Queue[ReplyEnvelope]:
         """The replies after the first of a `streamed` request (call before its first reply is used)."""
         waiter = self._waiters.get(request_id)
@@ -228,18 +236,19 @@ class Broker:
 
     async def _flush(self) -> None:
         # The batch is taken once a link is idle: with all busy, what comes meanwhile goes in one.
-        async with self._enqueue.idle() as link:
+        link = await self._enqueue.take()
+        batch: list[_Outgoing] = []
+        try:
             batch, self._outbox = self._outbox, []
-            if not batch:
-                return
-            try:
+            if batch:
                 await self._flush_batch(link, batch)
-            finally:
-                if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
-                    for rid, *_ in batch:
-                        done = self._on_enqueued.pop(rid, None)
-                        if done is not None:
-                            done()
+        finally:
+            self._enqueue.give(link)
+            if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
+                for rid, *_ in batch:
+                    done = self._on_enqueued.pop(rid, None)
+                    if done is not None:
+                        done()
 
     async def _flush_batch(self, link: RedisLink, batch: list[_Outgoing]) -> None:
         try:

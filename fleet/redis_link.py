@@ -37,8 +37,8 @@ links.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -163,29 +163,46 @@ class RedisLink:
 
 class LinkPool:
     """`size` links, so that up to `size` round trips are in flight at once, each on its own connection: a
-    caller takes an idle one (the last freed first, so a light load keeps to one connection) and waits for
-    one only while all are busy. Round trips on different links reach Redis in any order."""
+    caller takes an idle one (the last given back first, so a light load keeps to one connection) and waits
+    only while every link has a round trip. Round trips on different links reach Redis in any order."""
 
     def __init__(self, client: aioredis.Redis, size: int) -> None:
         self.links = [RedisLink(client) for _ in range(size)]
-        self._idle: asyncio.LifoQueue[RedisLink] = asyncio.LifoQueue()
-        for link in reversed(self.links):
-            self._idle.put_nowait(link)
+        self._idle = self.links[::-1]  # taken from the end
+        self._waiting: deque[asyncio.Future[None]] = deque()
 
-    @asynccontextmanager
-    async def idle(self) -> AsyncIterator[RedisLink]:
-        """An idle link, the caller's until the block ends (waits while every link has a round trip)."""
-        link = await self._idle.get()
-        try:
-            yield link
-        finally:
-            self._idle.put_nowait(link)
+    async def take(self) -> RedisLink:
+        """An idle link, the caller's until it gives it back (`give`, in a `finally`)."""
+        while not self._idle:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the link it was woken for goes to the next
+                raise
+        return self._idle.pop()
+
+    def give(self, link: RedisLink) -> None:
+        self._idle.append(link)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def execute(self, commands: Sequence[Command],
                       resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
         """`RedisLink.execute` on an idle link."""
-        async with self.idle() as link:
+        link = await self.take()
+        try:
             return await link.execute(commands, resend=resend)
+        finally:
+            self.give(link)
 
     async def aclose(self) -> None:
         for link in self.links:

@@ -184,8 +184,8 @@ class DataPlane:
             raise
         finally:
             self.broker.forget(sub.env.id)
-            if route is not None:
-                route.release()
+            if route is not None:  # not before its XADD is back, if still on its way (cancelled)
+                self.broker.after_enqueue(sub.env.id, route.release)
         if trace is not None:
             trace.reply(reply)
         if not reply.ok:
@@ -224,8 +224,8 @@ class DataPlane:
             if not finished:
                 self.broker.cancel(sub.env.id)
             self.broker.forget(sub.env.id)
-            if route is not None:
-                route.release()
+            if route is not None:  # not before its XADD is back, if still on its way (cancelled)
+                self.broker.after_enqueue(sub.env.id, route.release)
 
     async def replies(self, model: str, v: int, spec: ModelSpec, req: ParsedInfer, gen: str = ""
                       ) -> AsyncGenerator[ReplyEnvelope, None]:

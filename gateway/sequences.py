@@ -48,8 +48,8 @@ class SequenceRouter:
         """Where this request of the sequence goes; raises InvalidInput (no START), ModelNotReady or
         SequenceLost. A sequence's requests that reach this gateway together (a gRPC stream sends them
         without waiting) enter the worker's stream in the order they came: each is routed only once the
-        one before it is enqueued (the caller calls `release` when its XADD has come back, and in any
-        case when it is done)."""
+        one before it is enqueued (`release` is called when its XADD has come back, and when the caller is
+        done, if that was later: fleet/broker.py's `after_enqueue`)."""
         key = (model, version, flags.id)
         before = self._tails.get(key)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()

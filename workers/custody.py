@@ -287,7 +287,7 @@ class Custody:
                 log.warning("%s: refreshing held messages failed: %s", self.model, exc)
                 await asyncio.sleep(backoff.next_delay())
                 continue
-            # Answered meanwhile: not lost. Their acknowledgement rides on the reply link (workers/acks.py)
+            # Answered meanwhile: not lost. Their acknowledgement rides on a reply write (workers/acks.py)
             # and may have deleted them before this round ran, while they stay held until its result is
             # read; a reply written is never lost anyway (whoever claims it computes a duplicate the
             # gateway drops).

@@ -368,6 +368,42 @@ def test_a_reply_written_the_moment_a_broker_starts_is_not_missed(redis_server: 
     asyncio.run(main())
 
 
+def test_a_sequence_caller_gone_while_its_xadd_is_on_its_way_releases_its_next_only_once_it_is_back(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    """fleet/broker.py: flushes go out on several connections and reach Redis in any order, so a sequence's
+    next request is routed only once the XADD of the one before it has come back (gateway/sequences.py).
+    One whose caller is gone (cancelled) while its XADD is still on its way releases it only then too."""
+
+    async def main() -> None:
+        keys = Keys(key_prefix)
+        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "seq",
+                        block_ms=50, request_timeout_s=10)
+        await broker.start()
+        admin = async_client(redis_server.url)
+        released: list[str] = []
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", 400, "WRITE")  # the XADD waits in Redis meanwhile
+            broker.submit("s1", keys.queue("m", version=1), b"x", model="m", version=1,
+                          on_enqueued=lambda: released.append("flush"))
+            await asyncio.sleep(0.1)
+            broker.forget("s1")  # the caller went away, as the data plane's `finally` does
+            broker.after_enqueue("s1", lambda: released.append("caller"))
+            assert released == []
+            deadline = time.monotonic() + 3
+            while not released and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert released == ["flush"]
+            assert await admin.xlen(keys.queue("m", version=1)) == 1
+            broker.after_enqueue("s1", lambda: released.append("now"))  # back already: at once
+            assert released == ["flush", "now"]
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+            await admin.aclose()
+            await broker.stop()
+
+    asyncio.run(main())
+
+
 def test_a_dead_letter_goes_ahead_of_its_reply_and_is_reported_on_its_own(redis_server: LocalServer,
                                                                           key_prefix: str) -> None:
     """StreamConsumer.write parks a poison message in the same round trip as its caller's reply, ahead of
@@ -474,7 +510,7 @@ def test_a_keepalive_round_reports_lost_only_what_was_not_answered(redis_server:
                                                                    key_prefix: str) -> None:
     """workers/custody.py: a held message gone from the group is reported lost (and dropped if not
     started) unless its reply is written. An answered one is gone because its acknowledgement, riding on
-    the reply link, landed before the round while its release had not run yet: not lost, and not worth
+    a reply write, landed before the round while its release had not run yet: not lost, and not worth
     the warning every benchmark logged. One deleted unanswered (its caller gone) is."""
     from batching.holding import Holding
     from workers.consumer import StreamConsumer

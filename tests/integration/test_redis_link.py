@@ -140,11 +140,15 @@ def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_w
         client = async_client(redis_server.url)
         pool = LinkPool(client, 2)
         key = f"{key_prefix}:pool"
-        block = [("XREAD", "BLOCK", 5000, "STREAMS", key, "$")]
+        # Blocks until `key` (empty) gets an entry, however late the read reaches Redis.
+        block = [("XREAD", "BLOCK", 5000, "STREAMS", key, "0-0")]
 
-        async def blocked() -> list[Any]:  # a round trip that stays in flight until `key` gets an entry
-            async with pool.idle() as link:
+        async def blocked() -> list[Any]:  # a round trip in flight until `key` gets an entry
+            link = await pool.take()
+            try:
                 return await link.execute(block, block_ms=5000)
+            finally:
+                pool.give(link)
 
         try:
             first = asyncio.ensure_future(blocked())
@@ -153,16 +157,47 @@ def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_w
             assert await asyncio.wait_for(pool.execute([("PING",)]), 1.0) == [b"PONG"]
             second = asyncio.ensure_future(blocked())
             await asyncio.sleep(0.1)
-            # Both in flight: this one waits for a link, and goes once an entry ends both reads.
+            # Both in flight: these wait for a link. One waiter gives up (cancelled); the other goes once an
+            # entry ends both reads.
+            gone = asyncio.ensure_future(pool.execute([("PING",)]))
             ping = asyncio.ensure_future(pool.execute([("PING",)]))
             await asyncio.sleep(0.2)
             assert not ping.done()
+            gone.cancel()
             await client.xadd(key, {b"d": b"x"})
             assert await asyncio.wait_for(ping, 2.0) == [b"PONG"]
+            assert gone.cancelled()
             for read in (first, second):
                 [[[stream, [[_, fields]]]]] = await read
                 assert (stream, entry_field(fields, b"d")) == (key.encode(), b"x")
-            assert len({id(link._conn) for link in pool.links}) == 2  # a connection each
+            assert all(link._conn.is_connected for link in pool.links)  # each had a connection of its own
+
+            # A waiter woken for a link that goes away before it runs passes the link on.
+            held = [await pool.take(), await pool.take()]
+            woken, next_one = asyncio.ensure_future(pool.take()), asyncio.ensure_future(pool.take())
+            await asyncio.sleep(0.05)  # both waiting
+            pool.give(held.pop())
+            woken.cancel()
+            pool.give(await asyncio.wait_for(next_one, 1.0))
+            pool.give(held.pop())
+            assert woken.cancelled()
+
+            # A round trip cancelled in flight closes its link's connection; the link given back opens
+            # another, and every link is still there to take.
+            link = await pool.take()
+            read = asyncio.ensure_future(link.execute([("XREAD", "BLOCK", 5000, "STREAMS", key, "$")],
+                                                      block_ms=5000))
+            await asyncio.sleep(0.1)
+            read.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await read
+            pool.give(link)
+            assert not link._conn.is_connected
+            both = [await pool.take(), await pool.take()]
+            assert {id(x) for x in both} == {id(x) for x in pool.links}
+            assert [await x.execute([("PING",)]) for x in both] == [[b"PONG"], [b"PONG"]]
+            for x in both:
+                pool.give(x)
         finally:
             await pool.aclose()
             await client.delete(key)
