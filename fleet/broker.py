@@ -236,7 +236,14 @@ class Broker:
 
     async def _flush(self) -> None:
         # The batch is taken once a link is idle: with all busy, what comes meanwhile goes in one.
-        link = await self._enqueue.take()
+        try:
+            link = await self._enqueue.take()
+        except asyncio.CancelledError:
+            # This flush was the outbox's: a request added meanwhile started none (`submit` starts one when
+            # the outbox was empty), so another takes them.
+            if self._outbox and not self._stopping:
+                asyncio.get_running_loop().call_soon(self._start_flush)
+            raise
         batch: list[_Outgoing] = []
         try:
             batch, self._outbox = self._outbox, []

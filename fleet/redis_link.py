@@ -169,31 +169,29 @@ class LinkPool:
     def __init__(self, client: aioredis.Redis, size: int) -> None:
         self.links = [RedisLink(client) for _ in range(size)]
         self._idle = self.links[::-1]  # taken from the end
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._waiting: deque[asyncio.Future[RedisLink]] = deque()  # handed a link as one is given back
 
     async def take(self) -> RedisLink:
-        """An idle link, the caller's until it gives it back (`give`, in a `finally`)."""
-        while not self._idle:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: the link it was woken for goes to the next
-                raise
-        return self._idle.pop()
+        """An idle link, the caller's until it gives it back (`give`, in a `finally`). Waiters are served in
+        the order they came: a link given back goes to the first, not to whoever asks next."""
+        if self._idle:
+            return self._idle.pop()
+        waiter: asyncio.Future[RedisLink] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.give(waiter.result())  # handed a link, then cancelled: it goes to the next
+            raise
 
     def give(self, link: RedisLink) -> None:
-        self._idle.append(link)
-        self._wake()
-
-    def _wake(self) -> None:
         while self._waiting:
             waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+            if not waiter.done():  # (a waiter cancelled meanwhile is skipped)
+                waiter.set_result(link)
                 return
+        self._idle.append(link)
 
     async def execute(self, commands: Sequence[Command],
                       resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:

@@ -209,10 +209,10 @@ class DataPlane:
         the response cache has kept them as they are)."""
         sub = self._submission(model, v, spec, req, None, caller_timeout_s)
         route = None if req.sequence is None else await self._sequence_route(sub, spec)
-        first = self._submit(sub, streamed=True, route=route)
-        later = self.broker.later(sub.env.id)
         finished = False
-        try:
+        try:  # (from the submit on: a route taken is released whatever fails)
+            first = self._submit(sub, streamed=True, route=route)
+            later = self.broker.later(sub.env.id)
             reply = await first
             while True:
                 finished = reply.final

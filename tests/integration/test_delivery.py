@@ -382,13 +382,14 @@ def test_a_sequence_caller_gone_while_its_xadd_is_on_its_way_releases_its_next_o
         admin = async_client(redis_server.url)
         released: list[str] = []
         try:
-            await admin.execute_command("CLIENT", "PAUSE", 400, "WRITE")  # the XADD waits in Redis meanwhile
+            await admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")  # the XADD waits in Redis meanwhile
             broker.submit("s1", keys.queue("m", version=1), b"x", model="m", version=1,
                           on_enqueued=lambda: released.append("flush"))
             await asyncio.sleep(0.1)
             broker.forget("s1")  # the caller went away, as the data plane's `finally` does
             broker.after_enqueue("s1", lambda: released.append("caller"))
             assert released == []
+            await admin.execute_command("CLIENT", "UNPAUSE")
             deadline = time.monotonic() + 3
             while not released and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -397,8 +398,44 @@ def test_a_sequence_caller_gone_while_its_xadd_is_on_its_way_releases_its_next_o
             broker.after_enqueue("s1", lambda: released.append("now"))  # back already: at once
             assert released == ["flush", "now"]
         finally:
-            await admin.execute_command("CLIENT", "UNPAUSE")
-            await admin.aclose()
+            try:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+            finally:
+                await admin.aclose()
+                await broker.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_whose_flush_was_cancelled_waiting_for_a_link_go_in_another(redis_server: LocalServer,
+                                                                            key_prefix: str) -> None:
+    """fleet/broker.py: a flush waits for an idle link while all have a round trip; cancelled meanwhile, the
+    requests it was to take (and those added after it, which start no flush of their own) go in another."""
+
+    async def main() -> None:
+        keys = Keys(key_prefix)
+        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "strand",
+                        block_ms=50, request_timeout_s=10)
+        await broker.start()
+        pool = broker._enqueue
+        held = [await pool.take() for _ in pool.links]  # every link busy
+        try:
+            broker.submit("a", keys.queue("m", version=1), b"x", model="m", version=1)
+            await asyncio.sleep(0.05)
+            (flush,) = broker._flushes
+            broker.submit("b", keys.queue("m", version=1), b"y", model="m", version=1)
+            flush.cancel()
+            await asyncio.sleep(0.05)
+            for link in held:
+                pool.give(link)
+            held = []
+            deadline = time.monotonic() + 5
+            while await broker._client.xlen(keys.queue("m", version=1)) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert await broker._client.xlen(keys.queue("m", version=1)) == 2
+        finally:
+            for link in held:
+                pool.give(link)
             await broker.stop()
 
     asyncio.run(main())

@@ -154,7 +154,7 @@ def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_w
             first = asyncio.ensure_future(blocked())
             await asyncio.sleep(0.1)
             # One link has a round trip in flight: the other takes this one at once.
-            assert await asyncio.wait_for(pool.execute([("PING",)]), 1.0) == [b"PONG"]
+            assert await asyncio.wait_for(pool.execute([("PING",)]), 5.0) == [b"PONG"]
             second = asyncio.ensure_future(blocked())
             await asyncio.sleep(0.1)
             # Both in flight: these wait for a link. One waiter gives up (cancelled); the other goes once an
@@ -171,6 +171,17 @@ def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_w
                 [[[stream, [[_, fields]]]]] = await read
                 assert (stream, entry_field(fields, b"d")) == (key.encode(), b"x")
             assert all(link._conn.is_connected for link in pool.links)  # each had a connection of its own
+
+            # A link given back goes to the first waiter, not to whoever asks next.
+            held = [await pool.take(), await pool.take()]
+            first_waiter = asyncio.ensure_future(pool.take())
+            await asyncio.sleep(0.05)
+            pool.give(held.pop())
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):  # (in this task: no task of its own, which would run later)
+                    await pool.take()
+            pool.give(await asyncio.wait_for(first_waiter, 1.0))
+            pool.give(held.pop())
 
             # A waiter woken for a link that goes away before it runs passes the link on.
             held = [await pool.take(), await pool.take()]
