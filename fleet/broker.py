@@ -6,12 +6,12 @@ Enqueues go out as one batch per round trip (many requests in one), on connectio
 (fleet/redis_link.py's LinkPool): up to ENQUEUE_LINKS round trips in flight, each on its own connection;
 with all of them busy, those issued meanwhile go in the next, in order. Round trips on different
 connections reach Redis in any order (a sequence's next request waits for its previous one's XADD,
-gateway/sequences.py). Each command's own result decides its request's fate, so one refused XADD fails only its own
-caller (the others were enqueued and will be answered). Replies come back on this gateway's own
-stream, read by one task (fleet/reply_reader.py). Request ids carry a nonce drawn at each start, so a
-gateway restarted with the same FLEET_GATEWAY_ID never takes an old reply for a new request. Redis
-errors become BrokerUnavailable here, once. The broker also keeps this process's estimate of Redis's
-clock (fleet/redis_time.py), the time base of every envelope.
+gateway/sequences.py). Each command's own result decides its request's fate, so one refused XADD fails
+only its own caller (the others were enqueued and will be answered). Replies come back on this gateway's
+own stream, read by one task (fleet/reply_reader.py). Request ids carry a nonce drawn at each start, so a
+gateway restarted with the same FLEET_GATEWAY_ID never takes an old reply for a new request. Redis errors
+become BrokerUnavailable here, once. The broker also keeps this process's estimate of Redis's clock
+(fleet/redis_time.py), the time base of every envelope.
 """
 
 from __future__ import annotations
