@@ -45,11 +45,18 @@ def running(pid: int) -> bool:
 
 def cpu_ticks(pid: int) -> int:
     """utime + stime of a process, in clock ticks (os.sysconf("SC_CLK_TCK") a second); 0 if it is gone."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int, tid: int | None = None) -> tuple[int, int]:
+    """(utime, stime) in clock ticks: of the process `pid`, or of its thread `tid` (the main thread's id is
+    the pid); (0, 0) if it is gone. A process's counts include its threads that have ended."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]), int(fields[12])
     except (OSError, IndexError, ValueError):
-        return 0
+        return 0, 0
 
 
 def rss_mib(pid: int) -> float:
