@@ -3,8 +3,7 @@
 A worker parks a message there when it cannot be answered: its envelope is unreadable, or it was
 delivered `max_deliveries` times without completing (it kept killing workers). Each entry has the
 original stream entry id, its version and lane, the reason and (since the payload is kept) the request itself, so
-an operator can replay it once the cause is fixed; its caller was already told it failed. A bulk job's letters
-are not logged (fleet/unlogged.py): they are here until Redis restarts.
+an operator can replay it once the cause is fixed; its caller was already told it failed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""A bulk job's requests and replies, written to their streams but not to Redis's AOF or replicas as they go
-(and so is the dead letter of a job's request parked as poison, workers/consumer.py).
+"""A bulk job's requests and replies, written to their streams but not to Redis's AOF or replicas as they go.
 
 Both are recomputable: a job's rows are in its input file, and a request whose entry and reply are gone
 is sent again, by the runner at its reply timeout or by the run that resumes the job (fleet/jobs/feed.py).

@@ -106,13 +106,11 @@ class Claimed:
 @dataclass(frozen=True, slots=True)
 class Letter:
     """A message to park in the model's dead letters: why, and its payload (for `fleet dead-letters
-    --replay`). `reply_to`: its caller's reply stream ("" if unreadable): a bulk job's letter is not logged
-    (fleet/unlogged.py), as its request and reply are not."""
+    --replay`)."""
 
     message: MessageId
     reason: str
     payload: bytes | None
-    reply_to: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,10 +360,6 @@ class StreamConsumer:
             b"id", entry_id, b"lane", lane, b"version", self.version, b"reason", letter.reason.encode()]
         if letter.payload is not None:
             entry += [b"d", letter.payload]
-        if self._keys.is_job_results(letter.reply_to):
-            # A job's rows are in its input file, and its record (logged) has the row's error: the letter
-            # stays in memory until a restart, listed and replayable meanwhile, out of the AOF and replicas.
-            entry[:2] = ["EVAL", JOB_REPLY_XADD, 1, self._keys.dead(self.model)]
         return [entry, ("HINCRBY", self._keys.stats(self.model), DEAD_LETTERED, 1)]
 
     async def fold_stats(self, most: int = FOLD_CHUNK) -> int:

@@ -190,7 +190,7 @@ class Custody:
             try:
                 w = await self.consumer.write([(a.reply_to, a.reply) for a in to_write], counts,
                                               [m for ms, _ in carried for m in ms],
-                                              [Letter(a.message, a.park or "", a.payload, a.reply_to) for a in to_park],
+                                              [Letter(a.message, a.park or "", a.payload) for a in to_park],
                                               copies=copies)
             except (RedisError, OSError) as exc:
                 # The connection failed: Redis may have run some or all of the write. Replies written

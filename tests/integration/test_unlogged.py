@@ -1,7 +1,6 @@
 """fleet/unlogged.py against a real Valkey with AOF, restarted: a bulk job's requests (the runner's XADD,
-fleet/jobs/feed.py), their replies and their dead letters (the worker's write, workers/consumer.py) are not
-logged, online replies and letters are, and a replayed lane keeps its last id, so the workers' group reads
-what comes after."""
+fleet/jobs/feed.py) and their replies (the worker's write, workers/consumer.py) are not logged, online
+replies are, and a replayed lane keeps its last id, so the workers' group reads what comes after."""
 
 from __future__ import annotations
 
@@ -10,24 +9,19 @@ from pathlib import Path
 
 import redis
 
-from batching.holding import Holding
 from fleet.envelope import ReplyEnvelope
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
 from fleet.redis_server import start_server
-from fleet.stats import DEAD_LETTERED
 from fleet.unlogged import JOB_REQUEST_XADD
 from workers.backends.base import InferenceItem
 from workers.consumer import StreamConsumer
-from workers.custody import Answer, Custody, CustodyConfig
 from workers.replies import ReplyWriter
 
 REQUEST = b"job-request-payload|" * 50
 JOB_REPLY = "job-reply-message|" * 50
 ONLINE_REPLY = "online-reply-message|" * 50
 STREAMED_JOB_REPLY = "streamed-job-reply|" * 50  # a decoupled model's response before its last
-JOB_LETTER = b"job-letter-payload|" * 50
-ONLINE_LETTER = b"online-letter-payload|" * 50
 
 
 def aof_bytes(data_dir: Path) -> bytes:
@@ -46,16 +40,14 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
     finally:
         server.stop()  # SIGTERM: the AOF is written out
     log = aof_bytes(data)
-    logged = [m for m in (REQUEST, JOB_REPLY.encode(), STREAMED_JOB_REPLY.encode(), JOB_LETTER) if m in log]
-    assert not logged, f"a job's request, reply or letter reached the AOF: {[m[:20] for m in logged]}"
-    assert ONLINE_REPLY.encode() in log and ONLINE_LETTER in log and b"XSETID" in log
+    logged = [m for m in (REQUEST, JOB_REPLY.encode(), STREAMED_JOB_REPLY.encode()) if m in log]
+    assert not logged, f"a job's request or reply reached the AOF: {[m[:20] for m in logged]}"
+    assert ONLINE_REPLY.encode() in log and b"XSETID" in log
 
     server = start_server(data, port)
     try:
         client = redis.Redis.from_url(server.url, protocol=2)
-        assert client.exists(results) == 0 and client.xlen(online) == 2
-        (_, letter), = client.xrange(keys.dead("m"))  # the online one; both counted
-        assert letter[b"d"] == ONLINE_LETTER and int(client.hget(keys.stats("m"), DEAD_LETTERED) or 0) == 2
+        assert client.exists(results) == 0 and client.xlen(online) == 1
         info = client.xinfo_stream(lane)
         assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
         (group,) = client.xinfo_groups(lane)
@@ -87,16 +79,6 @@ def written_before_restart(url: str, keys: Keys, lane: str, results: str, online
                        (online, ReplyEnvelope(id="r2", error_code="X", error_message=ONLINE_REPLY))]
             written = await consumer.write(replies, [], acks=[(0, first)])
             assert written.replies == {0, 1} and written.acked and written.error is None
-            # Two poison messages (ids not on the lane), parked by custody with their callers' errors.
-            holding = Holding(1, 4, 16)
-            custody = Custody(consumer, holding, CustodyConfig(finish_retry_s=0.5), admit=lambda m, p: None,
-                              lost=lambda ms: None, released=lambda: None)
-            poisoned = {(0, b"1-1"): (results, JOB_LETTER), (0, b"1-2"): (online, ONLINE_LETTER)}
-            for m in poisoned:
-                holding.hold(m, 1)
-            custody.finish([Answer(m, to, ReplyEnvelope(id=m[1].decode(), error_code="X", error_message="poison"),
-                                   park="poison", payload=letter) for m, (to, letter) in poisoned.items()])
-            await custody.drained()
         finally:
             await consumer.close()
             await r.aclose()
@@ -105,7 +87,6 @@ def written_before_restart(url: str, keys: Keys, lane: str, results: str, online
     writer = ReplyWriter(url, keys)  # the decoupled responses' writer (workers/replies.py)
     writer.emit(InferenceItem({}, key="r3", reply_to=results), {"e": ["X", STREAMED_JOB_REPLY]})
     writer.close()
-    assert client.xlen(results) == 3 and client.xlen(online) == 2 and client.xlen(lane) == 1  # all in memory
-    assert client.xlen(keys.dead("m")) == 2
+    assert client.xlen(results) == 2 and client.xlen(online) == 1 and client.xlen(lane) == 1  # all in memory
     client.close()
     return bytes(second)
