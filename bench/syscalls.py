@@ -86,6 +86,9 @@ def measure_level(find: Find, port: int, model: str, conc: int, seconds: float, 
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
     per_role: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)
     for pid, name in procs.items():
+        if after_cpu[pid][0] == (0, 0):
+            print(f"   {name} (pid {pid}) ended during the window: left out")
+            continue
         syscalls, switches = counts.get(pid, (0, 0))
         (user0, kernel0), main0 = before_cpu[pid]
         (user1, kernel1), main1 = after_cpu[pid]
@@ -99,7 +102,7 @@ def measure_level(find: Find, port: int, model: str, conc: int, seconds: float, 
         if threads:
             main = (sum(main1) - sum(main0)) * tick_us / requests
             per_role[f"{name}: main thread"][2] += main
-            per_role[f"{name}: other threads"][2] += user + kernel - main
+            per_role[f"{name}: other threads"][2] += max(0.0, user + kernel - main)  # (read apart: a tick's skew)
     return requests / (t1 - t0), dict(per_role)
 
 

@@ -353,7 +353,9 @@ class StreamConsumer:
 
     def _letter_commands(self, letter: Letter) -> list[Command]:
         """The message's entry in the dead letters (with the reason, and its payload so that `fleet
-        dead-letters --replay` can queue it again), and the count."""
+        dead-letters --replay` can queue it again), and the count. Logged, a bulk job's too (whose request
+        and reply are not, fleet/unlogged.py): letters are rare, they are what an operator reads after a
+        restart, and an unlogged XADD's MAXLEN would trim the logged letters before it in memory only."""
         lane, entry_id = letter.message
         entry: list[bytes | Parts | str | int] = [
             "XADD", self._keys.dead(self.model), "MAXLEN", "~", DEAD_LETTERS_MAXLEN, "*",
