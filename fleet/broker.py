@@ -3,7 +3,7 @@ A gateway's data plane uses it, and so does a worker whose Python models call ot
 workers/bls.py); "gateway" below stands for either caller, its id for the worker's id in a worker.
 
 Enqueues go out as one batch per round trip (many requests in one), on connections of the broker's own
-(fleet/redis_link.py's LinkPool): up to ENQUEUE_LINKS round trips in flight, each on its own connection;
+(fleet/link_pool.py): up to ENQUEUE_LINKS round trips in flight, each on its own connection;
 with all of them busy, those issued meanwhile go in the next, in order. Round trips on different
 connections reach Redis in any order (a sequence's next request waits for its previous one's XADD,
 gateway/sequences.py). Each command's own result decides its request's fate, so one refused XADD fails
@@ -31,9 +31,10 @@ from fleet.envelope import ReplyEnvelope
 from fleet.errors import BrokerUnavailable, QueueFull, RequestTimeout
 from fleet.keys import Keys
 from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
+from fleet.link_pool import LinkPool
 from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
-from fleet.redis_link import LinkPool, RedisLink
+from fleet.redis_link import RedisLink
 from fleet.redis_time import RedisClock
 from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter
 from fleet.stats import BatchSample, increments

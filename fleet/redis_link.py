@@ -18,8 +18,8 @@ links.
   socket; its handshake) but is not in the pool: it is the link's alone, opened on first use. The link
   then writes the commands on its stream and reads the socket itself (a protocol of its own in place of
   redis-py's StreamReader), parsing the replies with a hiredis reader of its own.
-- One round trip at a time (callers that batch gather while one is in flight; `LinkPool` keeps a few links
-  for a caller that lets a round trip go out while another is on its way). A round trip has one
+- One round trip at a time (callers that batch gather while one is in flight; fleet/link_pool.py keeps a
+  few links for a caller that lets a round trip go out while another is on its way). A round trip has one
   deadline, `timeout_s` plus the BLOCK of a blocking read, in place of redis-py's per-send and per-read
   socket timeout (`_Deadline`). Past it, on a connection error, or when the caller is cancelled, the
   connection is closed (its unread replies would otherwise answer the next commands) and the next round
@@ -37,7 +37,6 @@ links.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet.parts import LONG_BUFFER, Parts
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Command", "LinkPool", "RedisLink", "entry_field", "raise_first"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
 
 # A Redis that has not answered a round trip in this long is taken for gone (redis-py's own default
 # socket timeout, which the link's connection no longer has).
@@ -159,52 +158,6 @@ class RedisLink:
 
     async def aclose(self) -> None:
         await self._conn.disconnect()
-
-
-class LinkPool:
-    """`size` links, so that up to `size` round trips are in flight at once, each on its own connection: a
-    caller takes an idle one (the last given back first, so a light load keeps to one connection) and waits
-    only while every link has a round trip. Round trips on different links reach Redis in any order."""
-
-    def __init__(self, client: aioredis.Redis, size: int) -> None:
-        self.links = [RedisLink(client) for _ in range(size)]
-        self._idle = self.links[::-1]  # taken from the end
-        self._waiting: deque[asyncio.Future[RedisLink]] = deque()  # handed a link as one is given back
-
-    async def take(self) -> RedisLink:
-        """An idle link, the caller's until it gives it back (`give`, in a `finally`). Waiters are served in
-        the order they came: a link given back goes to the first, not to whoever asks next."""
-        if self._idle:
-            return self._idle.pop()
-        waiter: asyncio.Future[RedisLink] = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.give(waiter.result())  # handed a link, then cancelled: it goes to the next
-            raise
-
-    def give(self, link: RedisLink) -> None:
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():  # (a waiter cancelled meanwhile is skipped)
-                waiter.set_result(link)
-                return
-        self._idle.append(link)
-
-    async def execute(self, commands: Sequence[Command],
-                      resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
-        """`RedisLink.execute` on an idle link."""
-        link = await self.take()
-        try:
-            return await link.execute(commands, resend=resend)
-        finally:
-            self.give(link)
-
-    async def aclose(self) -> None:
-        for link in self.links:
-            await link.aclose()
 
 
 Buffer = bytes | memoryview

@@ -21,9 +21,10 @@ from batching.holding import MessageId
 from fleet.backoff import Backoff
 from fleet.envelope import ReplyEnvelope, reply_payload
 from fleet.keys import GROUP, Keys
+from fleet.link_pool import LinkPool
 from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
-from fleet.redis_link import Command, LinkPool, RedisLink, entry_field, raise_first
+from fleet.redis_link import Command, RedisLink, entry_field, raise_first
 from fleet.redis_time import RedisClock
 from fleet.stats import (
     COPY_FIELD,

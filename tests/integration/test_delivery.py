@@ -344,6 +344,13 @@ def test_consumers_of_dead_workers_are_removed_once_they_hold_nothing(redis_serv
     asyncio.run(main())
 
 
+async def started_broker(url: str, keys: Keys, gateway_id: str) -> Broker:
+    """A gateway's broker on the test's Valkey, started (the caller stops it)."""
+    broker = Broker(async_client(url), async_client(url), keys, gateway_id, block_ms=50, request_timeout_s=10)
+    await broker.start()
+    return broker
+
+
 def test_a_reply_written_the_moment_a_broker_starts_is_not_missed(redis_server: LocalServer,
                                                                     key_prefix: str) -> None:
     """A worker's BLS broker starts on its first call and submits at once: the callee's first reply may
@@ -351,9 +358,7 @@ def test_a_reply_written_the_moment_a_broker_starts_is_not_missed(redis_server: 
 
     async def main() -> None:
         keys = Keys(key_prefix)
-        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "early",
-                        block_ms=50, request_timeout_s=10)
-        await broker.start()
+        broker = await started_broker(redis_server.url, keys, "early")
         try:
             future = broker.submit("r1", keys.queue("m", version=1), b"x", model="m", version=1)
             # The reply, written before the reader task has run at all.
@@ -376,9 +381,7 @@ def test_a_sequence_caller_gone_while_its_xadd_is_on_its_way_releases_its_next_o
 
     async def main() -> None:
         keys = Keys(key_prefix)
-        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "seq",
-                        block_ms=50, request_timeout_s=10)
-        await broker.start()
+        broker = await started_broker(redis_server.url, keys, "seq")
         admin = async_client(redis_server.url)
         released: list[str] = []
         try:
@@ -414,9 +417,7 @@ def test_requests_whose_flush_was_cancelled_waiting_for_a_link_go_in_another(red
 
     async def main() -> None:
         keys = Keys(key_prefix)
-        broker = Broker(async_client(redis_server.url), async_client(redis_server.url), keys, "strand",
-                        block_ms=50, request_timeout_s=10)
-        await broker.start()
+        broker = await started_broker(redis_server.url, keys, "strand")
         pool = broker._enqueue
         held = [await pool.take() for _ in pool.links]  # every link busy
         try:

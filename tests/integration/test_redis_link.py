@@ -1,6 +1,7 @@
 """fleet/redis_link.py against a real server: replies in order with error replies in place, a blocking read
 within its deadline, a cancelled round trip leaving nothing behind, a Redis restarted or frozen; a pool's
-round trip going out while another is in flight, and waiting only while every link has one."""
+(fleet/link_pool.py) round trip going out while another is in flight, and waiting only while every link has
+one."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet.envelope import RequestEnvelope, WireTensor, decode_request, request_payload
+from fleet.link_pool import LinkPool
 from fleet.parts import Parts
 from fleet.redis_clients import async_client
-from fleet.redis_link import _BIG_ARG, LinkPool, RedisLink, entry_field, raise_first
+from fleet.redis_link import _BIG_ARG, RedisLink, entry_field, raise_first
 from fleet.redis_server import LocalServer, start_server
 
 
