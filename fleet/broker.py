@@ -52,6 +52,9 @@ REJECT_RETRY_S = 0.005  # the request's XADD has not come back yet: look again t
 # probe). Each connection more lets a flush go out while earlier ones are on their way (bench/RESULTS.md,
 # stop 51); with all busy, what comes meanwhile still goes in one.
 ENQUEUE_LINKS = 3
+# A stopping broker gives the round trips still on their way (enqueues, rejections, cancellations) this long
+# to come back before it cancels them and closes their links.
+STOP_FLUSHES_S = 1.0
 
 
 class Broker:
@@ -115,6 +118,20 @@ class Broker:
     async def stop(self) -> None:
         self._stopping = self._replies.stopping = True
         await cancel_and_wait(self._tasks, f"gateway {self.gateway_id} broker")
+        # What is still on its way ends before the links close: left running, a flush would take a link (and
+        # reconnect it) after aclose. On a graceful stop their callers are answered by now; any left, and any
+        # request no flush took, fail rather than wait for ever.
+        if self._flushes:
+            await asyncio.wait(set(self._flushes), timeout=STOP_FLUSHES_S)
+            await cancel_and_wait(set(self._flushes), f"gateway {self.gateway_id} broker's round trips")
+        stopping = BrokerUnavailable("cannot enqueue the request: the gateway is stopping")
+        outbox, self._outbox = self._outbox, []
+        for rid, *_, fut in outbox:
+            if not fut.done():
+                fut.set_exception(stopping)
+            done = self._on_enqueued.pop(rid, None)
+            if done is not None:
+                done()  # never enqueued: a sequence's next request waits for nothing
         try:
             await self._client.delete(self.reply_key)
         except RedisError:
@@ -145,6 +162,9 @@ class Broker:
         the ones after it until one is final; the timeout then counts from the last reply."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
+        if self._stopping:  # its links are closing or closed
+            fut.set_exception(BrokerUnavailable("cannot enqueue the request: the gateway is stopping"))
+            return fut
         self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
         if on_enqueued is not None:
@@ -230,6 +250,8 @@ class Broker:
             log.debug("cancelling %s failed: %s", request_id, exc)
 
     def _start_flush(self) -> None:
+        if self._stopping:
+            return  # `stop` fails what the outbox holds
         # Its own context: started by whichever request came first, it carries every request's writes.
         task = asyncio.get_running_loop().create_task(self._flush(), context=contextvars.Context())
         self._flushes.add(task)  # keep a reference until done (the loop holds tasks weakly)
@@ -265,11 +287,16 @@ class Broker:
             results = await link.execute([
                 ("EVAL", BOUNDED_XADD, 1, stream, bound, payload) if bound > 0 else ("XADD", stream, "*", "d", payload)
                 for _, stream, payload, bound, _ in batch])
-        except (RedisError, OSError) as exc:
-            err = BrokerUnavailable(f"cannot enqueue the request: Redis is not reachable ({exc})")
+        except (RedisError, OSError, asyncio.CancelledError) as exc:
+            # Cancelled: the broker is stopping (`stop`), and whether Redis took them is unknown.
+            err = BrokerUnavailable("cannot enqueue the request: the gateway is stopping"
+                                    if isinstance(exc, asyncio.CancelledError) else
+                                    f"cannot enqueue the request: Redis is not reachable ({exc})")
             for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
         self._replies.redis_back()  # Redis took these (the reply reader may still be backing off)
         for (rid, stream, _, bound, fut), result in zip(batch, results, strict=True):

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from batching.sequences import no_start
 from fleet.envelope import SequenceFlags
-from fleet.errors import InvalidInput, ModelNotReady, SequenceLost
+from fleet.errors import DeadlineExceeded, InvalidInput, ModelNotReady, SequenceLost
 from fleet.keys import Keys
 from fleet.model_spec import ModelSpec
 from gateway.catalog import Catalog
@@ -63,11 +63,21 @@ class SequenceRouter:
 
         try:
             if before is not None:
-                await asyncio.shield(before)  # a caller cancelled here must not cancel the one before
+                await self._after(before, model, flags)
             return Route(await self._route(model, version, spec, flags), release)
         except BaseException:
             release()
             raise
+
+    async def _after(self, before: asyncio.Future[None], model: str, flags: SequenceFlags) -> None:
+        """Until the request before this one is released. A caller cancelled here must not cancel that one
+        (shielded). Every path releases, but a request is never kept past the request timeout waiting for
+        one that does not: it fails as a request with no reply by then does."""
+        try:
+            await asyncio.wait_for(asyncio.shield(before), self._request_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"sequence {flags.id} of model '{model}': its previous request was not enqueued "
+                                   f"within {self._request_timeout_s:g}s") from None
 
     async def _route(self, model: str, version: int, spec: ModelSpec, flags: SequenceFlags) -> str:
         assert spec.sequence is not None

@@ -14,14 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from fleet.broker import Broker
-from fleet.envelope import ReplyEnvelope, encode_reply
+from fleet.envelope import ReplyEnvelope, SequenceFlags, encode_reply
+from fleet.errors import BrokerUnavailable, DeadlineExceeded
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
 from fleet.redis_server import LocalServer, start_server
+from fleet.repository import scan
+from gateway.catalog import Catalog
+from gateway.sequences import SequenceRouter
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
 from tests.support.timed_repo import timed_repository, timed_request
@@ -410,6 +415,33 @@ def test_a_sequence_caller_gone_while_its_xadd_is_on_its_way_releases_its_next_o
     asyncio.run(main())
 
 
+def test_a_sequence_request_waits_for_the_one_before_it_no_longer_than_the_request_timeout(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    """gateway/sequences.py: a sequence's next request is routed once the one before it is released. One that
+    never is (no path does that now; a defect could) fails it after the request timeout, as a request with no
+    reply does, and the sequence's requests after it are routed again."""
+
+    async def main() -> None:
+        repository = scan([Path(__file__).parents[1] / "composition_models"])
+        spec = repository.models["accumulate"].spec
+        catalog = Catalog.from_repository(repository)
+        catalog.serving[("accumulate", 1)] = ["w1"]
+        client = async_client(redis_server.url)
+        router = SequenceRouter(client, Keys(key_prefix), catalog, request_timeout_s=0.3)
+        try:
+            first = await router.route("accumulate", 1, spec, SequenceFlags(7, start=True))  # never released
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="previous request was not enqueued within 0.3s"):
+                await router.route("accumulate", 1, spec, SequenceFlags(7))
+            assert 0.25 < time.monotonic() - started < 2
+            third = await asyncio.wait_for(router.route("accumulate", 1, spec, SequenceFlags(7)), 1)
+            assert third.stream == first.stream
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_requests_whose_flush_was_cancelled_waiting_for_a_link_go_in_another(redis_server: LocalServer,
                                                                             key_prefix: str) -> None:
     """fleet/broker.py: a flush waits for an idle link while all have a round trip; cancelled meanwhile, the
@@ -438,6 +470,48 @@ def test_requests_whose_flush_was_cancelled_waiting_for_a_link_go_in_another(red
             for link in held:
                 pool.give(link)
             await broker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_broker_stopped_with_round_trips_on_their_way_leaves_nothing_running(redis_server: LocalServer,
+                                                                               key_prefix: str) -> None:
+    """fleet/broker.py `stop`: round trips still on their way (here held in Valkey by CLIENT PAUSE WRITE, one
+    on each enqueue link, and a flush waiting for a link) are given STOP_FLUSHES_S, then cancelled: their
+    requests fail instead of waiting for ever, no flush is left to take and reconnect a link once they are
+    closed, and a request submitted after the stop fails at once."""
+
+    async def main() -> None:
+        keys = Keys(key_prefix)
+        name = f"{key_prefix}-stopping"
+
+        def client() -> aioredis.Redis:
+            return aioredis.Redis.from_url(redis_server.url, protocol=2, client_name=name)
+
+        broker = Broker(client(), client(), keys, "stopping", block_ms=50, request_timeout_s=10)
+        await broker.start()
+        admin = async_client(redis_server.url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+            futures = []
+            for i in range(len(broker._enqueue.links) + 1):  # one flush per link, then one waiting for a link
+                futures.append(broker.submit(f"r{i}", keys.queue("m", version=1), b"x", model="m", version=1))
+                await asyncio.sleep(0.05)
+            assert len(broker._flushes) == len(futures) and not any(f.done() for f in futures)
+            await broker.stop()  # waits out the pause (its reply stream's DELETE is a write)
+            assert not broker._flushes
+            for future in futures:
+                assert future.done() and isinstance(future.exception(), BrokerUnavailable)
+            late = broker.submit("late", keys.queue("m", version=1), b"x", model="m", version=1)
+            assert late.done() and isinstance(late.exception(), BrokerUnavailable)
+            await asyncio.sleep(0.3)
+            clients = (await admin.execute_command("CLIENT", "LIST")).decode()
+            assert f"name={name} " not in clients
+        finally:
+            try:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+            finally:
+                await admin.aclose()
 
     asyncio.run(main())
 
