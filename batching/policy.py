@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TypeAlias
 
 __all__ = ["BatchPolicy", "Decision", "Dispatch", "Pending", "Reject", "Wait", "decide", "effective_lane",
@@ -144,10 +145,24 @@ def decide(policy: BatchPolicy, pending: Sequence[Pending], now_us: int) -> Deci
     """
     if not pending:
         return None
-    expired = tuple(p for p in pending if not p.delay_on_timeout and _expired(p, now_us))
+    # One pass (over every queued request, at every step): what expired under REJECT, and whether the queue
+    # needs ranking at all. It is in service order already unless its lanes differ, a DELAY request's
+    # deadline has passed (it goes behind the others) or its bulk requests may have aged.
+    expired: list[Pending] = []
+    lane = pending[0].lane
+    ranked = not (policy.aging_us and lane == policy.bulk_lane and lane != 0)
+    for p in pending:
+        deadline = p.deadline_us
+        if deadline is not None and deadline <= now_us:
+            if p.delay_on_timeout:
+                ranked = False
+            else:
+                expired.append(p)
+        if p.lane != lane:
+            ranked = False
     if expired:
-        return Reject(expired)
-    candidates = order(policy, pending, now_us)
+        return Reject(tuple(expired))
+    candidates = pending if ranked else order(policy, pending, now_us)
     if not policy.dynamic or policy.max_batch_size == 0:
         return Dispatch((candidates[0],))
     return _dynamic_batch(policy, candidates, now_us)
@@ -172,11 +187,14 @@ def _expired(item: Pending, now_us: int) -> bool:
     return item.deadline_us is not None and item.deadline_us <= now_us
 
 
+_ENQUEUED_AT = attrgetter("enqueued_at_us")  # (a C getter: min over a batch runs no Python frame per request)
+
+
 def _dynamic_batch(policy: BatchPolicy, candidates: Sequence[Pending], now_us: int) -> Decision:
     max_pref = max(policy.preferred_batch_sizes, default=policy.max_batch_size)
     walk = _walk(policy, candidates, max_pref)
     batch = candidates[: walk.taken]
-    oldest_us = min(p.enqueued_at_us for p in batch)
+    oldest_us = min(map(_ENQUEUED_AT, batch))
     delay_us = policy.max_queue_delay_us
     # Triton treats a zero delay as "never expires" here, so a preferred prefix still wins at delay 0.
     delay_exceeded = delay_us != 0 and now_us - oldest_us >= delay_us

@@ -326,8 +326,14 @@ class Scheduler:
         batch = Batch(self._next_batch, items)
         self._next_batch += 1
         chosen = {p.request_id for p in items}
-        self._orders.update((p.request_id, k) for k, p in self._queue if p.request_id in chosen)
-        self._queue = [(k, p) for k, p in self._queue if p.request_id not in chosen]
+        orders = self._orders
+        kept: list[tuple[Order, Pending]] = []
+        for k, p in self._queue:  # one pass over the queue (per batch; a generator frame per request else)
+            if p.request_id in chosen:
+                orders[p.request_id] = k
+            else:
+                kept.append((k, p))
+        self._queue = kept
         if replacing is None:
             self._dispatched.append(batch.id)
         else:

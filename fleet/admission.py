@@ -65,8 +65,14 @@ def admit(spec: ModelSpec, priority: int, timeout_us: int, now_us: int) -> Admis
     `default_timeout_microseconds`, or the request's `timeout` when the policy allows overrides and it
     is shorter. A request timeout is ignored when the default is 0: an override may only shorten.
     """
-    lane = level_lane(spec, priority)
-    policy = lane_policy(spec, lane)
+    # level_lane and lane_policy, inlined (per request): an online lane is always below the bulk lane.
+    db = spec.dynamic_batching
+    if db is None or spec.max_batch_size == 0:
+        lane, policy = 0, _NO_POLICY
+    else:
+        levels = db.priority_levels
+        lane = 0 if levels == 0 else (priority if 1 <= priority <= levels else db.default_priority_level) - 1
+        policy = db.queue_policy(lane + 1)
     timeout = policy.default_timeout_us
     if policy.allow_timeout_override and 0 < timeout_us < timeout:
         timeout = timeout_us

@@ -84,6 +84,9 @@ class Broker:
         # (gateway/sequences.py).
         self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
+        # The loop it serves, from `start` on: looked up per request otherwise, and on Python 3.11 each lookup
+        # is a getpid() system call.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._boot = uuid.uuid4().hex[:8]  # request ids are unique across restarts with a fixed gateway id
         self.supervisor = Supervisor(f"gateway {gateway_id}", on_give_up=on_give_up)
 
@@ -105,6 +108,7 @@ class Broker:
     async def start(self) -> None:
         """Start the reply reader and the sweeper. Redis need not be up: they wait for it with backoff
         (requests meanwhile fail fast with 503), so a gateway never fails to start for want of Redis."""
+        self._loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(self.redis_clock.calibrate(self._client), 2.0)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -160,7 +164,7 @@ class Broker:
         it is deleted and fails with RequestTimeout. The caller must `forget(request_id)` when done (also
         on cancellation). `streamed` (a decoupled model): the future gets the first reply, `later(id)`
         the ones after it until one is final; the timeout then counts from the last reply."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         if self._stopping:  # its links are closing or closed
             fut.set_exception(BrokerUnavailable("cannot enqueue the request: the gateway is stopping"))
@@ -253,7 +257,7 @@ class Broker:
         if self._stopping:
             return  # `stop` fails what the outbox holds
         # Its own context: started by whichever request came first, it carries every request's writes.
-        task = asyncio.get_running_loop().create_task(self._flush(), context=contextvars.Context())
+        task = (self._loop or asyncio.get_running_loop()).create_task(self._flush(), context=contextvars.Context())
         self._flushes.add(task)  # keep a reference until done (the loop holds tasks weakly)
         task.add_done_callback(self._flushes.discard)
 

@@ -173,6 +173,16 @@ class ModelSpec:
     # Per instance (groups expanded in order): its rate_limiter (workers/rate_limiter.py).
     instance_limits: tuple[InstanceLimit, ...] = ()
     sequence: SequenceSpec | None = None  # sequence_batching's strategy, controls and state (fleet/sequence_spec.py)
+    # Derived, looked up per request (workers/execute.py): built once here instead of by a scan each time.
+    _outputs_by_name: Mapping[str, TensorSpec] = field(init=False, repr=False, compare=False)
+    has_ragged_inputs: bool = field(init=False, repr=False, compare=False)  # an input allows ragged batches
+
+    def __post_init__(self) -> None:
+        by_name: dict[str, TensorSpec] = {}
+        for t in self.outputs:
+            by_name.setdefault(t.name, t)  # the first of a name, as a scan finds it
+        object.__setattr__(self, "_outputs_by_name", by_name)
+        object.__setattr__(self, "has_ragged_inputs", any(t.allow_ragged_batch for t in self.inputs))
 
     def model_facing(self) -> ModelSpec:
         """The spec a backend runs: a sequence model also takes its control tensors (one element per row)
@@ -189,7 +199,7 @@ class ModelSpec:
         return next((t for t in self.inputs if t.name == name), None)
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._outputs_by_name.get(name)
 
     @property
     def metadata_platform(self) -> str:
@@ -214,7 +224,7 @@ class ModelSpec:
         inputs: only requests supplying the same set batch together) and, for each input in
         `equal_shape_inputs`, its shape without the batch dim. Ragged inputs and fixed-shape inputs
         never split batches by shape."""
-        names = tuple(sorted(t.name for t in inputs))
+        names = (inputs[0].name,) if len(inputs) == 1 else tuple(sorted(t.name for t in inputs))
         if not self.equal_shape_inputs:
             return names, ()
         skip = 1 if self.max_batch_size > 0 else 0

@@ -58,6 +58,9 @@ class ModelView:
         )
 
 
+_NONE_READY: list[int] = []  # (never changed: ready_versions's callers only read it)
+
+
 @dataclass(frozen=True, slots=True)
 class UnitReport:
     """One model version at one generation on one worker, as its heartbeat says."""
@@ -74,8 +77,9 @@ class Catalog:
     repository: Repository
     targets: dict[str, Target] = field(default_factory=dict)
     views: dict[str, ModelView] = field(default_factory=dict)
-    # (model, version) pairs that at least one live worker serves.
-    ready: set[tuple[str, int]] = field(default_factory=set)
+    # (model, version) pairs that at least one live worker serves. Replaced, never changed in place: the
+    # versions of each model are indexed once per replacement (`ready_versions`, on every request).
+    ready: frozenset[tuple[str, int]] = frozenset()
     # model -> reason reported by a worker that does not serve it (failed load, device, ...).
     failures: dict[str, str] = field(default_factory=dict)
     failure_gens: dict[str, str] = field(default_factory=dict)
@@ -100,6 +104,8 @@ class Catalog:
     ensemble_problems: dict[str, str] = field(default_factory=dict)
     _ready_gens: set[tuple[str, str]] = field(default_factory=set)
     _stale: set[tuple[str, str]] = field(default_factory=set)  # configs to read again
+    _ready_index: dict[str, list[int]] = field(default_factory=dict)  # model -> its ready versions, ascending
+    _ready_indexed: frozenset[tuple[str, int]] | None = None  # the `ready` that _ready_index was built from
 
     @classmethod
     def from_repository(cls, repository: Repository, targets: dict[str, Target] | None = None) -> Catalog:
@@ -116,9 +122,16 @@ class Catalog:
         return view
 
     def ready_versions(self, name: str) -> list[int]:
+        """The ready versions of `name`, ascending (the caller must not change the list: it is the index's)."""
         if name not in self.views:
             return []
-        return sorted(v for m, v in self.ready if m == name)
+        if self._ready_indexed is not self.ready:
+            index: dict[str, list[int]] = {}
+            for model, version in self.ready:
+                index.setdefault(model, []).append(version)
+            self._ready_index = {model: sorted(versions) for model, versions in index.items()}
+            self._ready_indexed = self.ready
+        return self._ready_index.get(name, _NONE_READY)
 
     def resolve(self, name: str, version: str | None) -> tuple[ModelView, int]:
         """The model and the version a request goes to; raises the Triton-shaped lookup errors."""
@@ -214,7 +227,7 @@ class Catalog:
                     for lane, n in per_lane.items():
                         key = (model, int(version), int(lane))
                         queued_lanes[key] = queued_lanes.get(key, 0) + int(n)
-        self.ready = ready
+        self.ready = frozenset(ready)
         self.serving = serving
         self.failures = failures
         self.failure_gens = failure_gens
@@ -252,7 +265,7 @@ class Catalog:
         """Plan each ensemble against its steps' configs; it is ready (every version of it) when each
         step's model has the version the step names ready. Nested ensembles settle level by level."""
         names = [n for n, v in self.views.items() if v.entry.spec.ensemble]
-        self.ready = {p for p in self.ready if p[0] not in names}
+        self.ready = frozenset(p for p in self.ready if p[0] not in names)
         plans: dict[str, EnsemblePlan] = {}
         problems: dict[str, str] = {}
         for _ in range(MAX_ENSEMBLE_DEPTH):
@@ -272,7 +285,7 @@ class Catalog:
                     problems[name] = f"step model '{waiting[0]}' has no ready version"
                     continue
                 plans[name] = planned
-                self.ready |= {(name, v) for v in self.views[name].entry.versions}
+                self.ready = self.ready | {(name, v) for v in self.views[name].entry.versions}
             if len(plans) == settled:
                 break
         self.ensemble_plans = plans

@@ -106,7 +106,10 @@ class DataPlane:
         generation of the config it was validated with (a reload must not answer from the old one).
         Outputs requested as classes are answered as their top classes (fleet/classification.py)."""
         if self.cache is None or not spec.response_cache or req.sequence is not None:
-            reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
+            if spec.ensemble:
+                reply = await self._compute(model, v, spec, req, trace, caller_timeout_s)
+            else:  # `_compute`'s usual way, without its coroutine (per request)
+                reply = await self.queued(model, v, spec, req, trace, caller_timeout_s)
         else:
             reply = await self._cached(self.cache, model, v, spec, req, trace, caller_timeout_s, gen)
         return self._classified(model, spec, req, reply)

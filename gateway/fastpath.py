@@ -41,9 +41,9 @@ class _Waiting:
 
     __slots__ = ("receive", "task", "since", "watcher", "disconnected")
 
-    def __init__(self, receive: Receive, since: float) -> None:
+    def __init__(self, receive: Receive, since: float, loop: asyncio.AbstractEventLoop) -> None:
         self.receive = receive
-        self.task = asyncio.current_task()
+        self.task = asyncio.current_task(loop)  # (the loop given: looking it up is a getpid() on Python 3.11)
         self.since = since
         self.watcher: asyncio.Task[None] | None = None
         self.disconnected = False
@@ -67,13 +67,17 @@ class _DisconnectWatch:
     def __init__(self) -> None:
         self._waiting: dict[_Waiting, None] = {}  # insertion-ordered: oldest first
         self._timer: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the process's one loop, once known
 
     def add(self, receive: Receive) -> _Waiting:
-        loop = asyncio.get_running_loop()
-        if self._timer is None:
+        loop = self._loop
+        if loop is None or self._timer is None or self._timer.done():
+            # Looked up once per loop (each lookup is a getpid() on Python 3.11): a loop that ended (tests
+            # run several in turn) cancelled the timer it ran.
+            self._loop = loop = asyncio.get_running_loop()
             # Its own context: started from inside a request, it would log as that request for life.
             self._timer = loop.create_task(self._run(), context=contextvars.Context())
-        waiting = _Waiting(receive, loop.time())
+        waiting = _Waiting(receive, loop.time(), loop)
         self._waiting[waiting] = None
         return waiting
 

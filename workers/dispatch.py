@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from operator import attrgetter
 
 from batching.plan import Batch, Drop, Expire, Grow, Release, Run, Stage, Unstage
 from batching.policy import Pending
@@ -26,6 +27,8 @@ from workers.held import HeldRequests, stamp
 from workers.inline import SoloCost, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
+
+_LANE = attrgetter("lane")  # (a C getter: a batch's lanes looked at with no Python frame per request)
 
 # What the loop does with requests the scheduler is done with: expired in the queue (items, now µs),
 # dropped (items), released once computed (version, batch, outcome or error, started µs).
@@ -102,7 +105,7 @@ class Dispatch:
         if instance.loop_backend is not None:
             job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
         self._jobs[(version, batch.id)] = job
-        gil.batch_started(any(p.lane == self._bulk_lane for p in batch.items), self._clock.now_us())
+        gil.batch_started(self._bulk_lane in map(_LANE, batch.items), self._clock.now_us())
         return job
 
     def _start(self, version: int, index: int, batch: Batch) -> None:

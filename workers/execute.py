@@ -78,9 +78,9 @@ def _shape_error(spec: ModelSpec, ts: TensorSpec, env: RequestEnvelope, shape: t
     dims = ts.dims
     batched = spec.max_batch_size > 0
     rest = shape[1:] if batched else shape
-    if len(rest) == len(dims) and all(d == WILDCARD_DIM or d == r for d, r in zip(dims, rest, strict=True)):
-        rows = env.batch_rows(True) if batched else None
-        if rows is None or shape[0] == rows or any(t.allow_ragged_batch for t in spec.inputs):
+    if len(rest) == len(dims) and (rest == dims or all(d == WILDCARD_DIM or d == r
+                                                       for d, r in zip(dims, rest, strict=True))):
+        if not batched or shape[0] == env.batch_rows(True) or spec.has_ragged_inputs:
             return None
     expected = [env.batch_rows(True), *dims] if batched else list(dims)
     return (f"model '{spec.name}' returned output '{ts.name}' with shape {list(shape)}, but its config "

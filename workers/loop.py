@@ -189,11 +189,19 @@ class ModelLoop:
             if backoff.attempt:
                 backoff.reset()
                 self._on_health()  # reading again: advertised again
-            for message, payload in messages:
-                self.admit(message, payload)
+            if messages:  # one clock reading and one wake-up for all that one read brought
+                now = self.clock.now_us()
+                for message, payload in messages:
+                    self._admit(message, payload, now)
+                self._wake.set()
 
     def admit(self, message: MessageId, payload: bytes | None) -> None:
         """Take a message into custody and its request into its version's scheduler."""
+        self._admit(message, payload, self.clock.now_us())
+        self._wake.set()
+
+    def _admit(self, message: MessageId, payload: bytes | None, now: int) -> None:
+        """`admit` read at `now`; the driver is woken by the caller."""
         if message in self.holding:
             # Delivered again while held: Redis lost the first delivery (a restart from an AOF a moment
             # old) and gave it out anew. It is already here; answering it acknowledges the new delivery.
@@ -214,7 +222,6 @@ class ModelLoop:
                                                    f"model '{env.model}' version {env.version} is not loaded here"))
             self.custody.finish([Answer(message, env.reply_to, reply)])
             return
-        now = self.clock.now_us()
         pending = pending_for(message, env, rows, self.spec.batch_key(env.inputs), message[0] in self._delay_lanes,
                               self.redis_clock.to_local, now)
         if env.trace is not None:
@@ -225,7 +232,6 @@ class ModelLoop:
             self._sequence_verdicts(env.version, [verdict], now)
         else:
             scheduler.arrive(pending, arrival_order(message[1]), now)
-        self._wake.set()
 
     def _sequence_verdicts(self, version: int, verdicts: list[Verdict], now: int) -> None:
         """Carry out the gate's verdicts: schedule on the sequence's instance, or answer the error."""
@@ -302,7 +308,7 @@ class ModelLoop:
         if traced:
             stamp_replies(held, replies, None, self.redis_clock.now_ns())
         answers = [Answer(h.message, h.env.reply_to, reply) for h, reply in zip(held, replies, strict=True)]
-        samples = rejected_samples([h.env for h in held], enqueue_times(held, self.redis_clock.to_local), now)
+        samples = rejected_samples([h.env for h in held], enqueue_times(held, self.redis_clock), now)
         self.custody.finish(answers, samples, ordered=self._sequences.active)
         if self._sequences.active:
             self._sequences_done(held, None, now)
@@ -326,9 +332,8 @@ class ModelLoop:
             if self._sequences.active:
                 self._sequences_done(held, None, self.clock.now_us())
             return
-        envs = [h.env for h in held]
-        sample = batch_sample(version, self.spec.max_batch_size > 0, envs, result,
-                              enqueue_times(held, self.redis_clock.to_local), started_us, self.clock.now_us())
+        sample = batch_sample(version, held, result, enqueue_times(held, self.redis_clock), started_us,
+                              self.clock.now_us())
         if traced:
             stamp_replies(held, result.replies, result, self.redis_clock.now_ns())
         poisoned = set(result.poisoned)

@@ -7,24 +7,35 @@ import time
 from fleet.envelope import RequestEnvelope
 from fleet.stats import BatchSample
 from workers.execute import BatchOutcome
+from workers.held import HeldRequest
 
 
-def batch_sample(version: int, batched: bool, envs: list[RequestEnvelope], outcome: BatchOutcome,
-                 enqueued_us: list[int], started_us: int, now_us: int) -> BatchSample:
-    """`enqueued_us`: when each request was enqueued, on the same clock as `started_us` and `now_us`."""
-    ok = [(e, t) for e, t, r in zip(envs, enqueued_us, outcome.replies, strict=True) if r.ok]
-    bad = [t for t, r in zip(enqueued_us, outcome.replies, strict=True) if not r.ok]
-    request_us = tuple(max(0, now_us - t) for _, t in ok)
-    queue_us = tuple(max(0, started_us - t) for _, t in ok)
+def batch_sample(version: int, held: list[HeldRequest], outcome: BatchOutcome, enqueued_us: list[int],
+                 started_us: int, now_us: int) -> BatchSample:
+    """`enqueued_us`: when each request was enqueued, on the same clock as `started_us` and `now_us`. A
+    request's rows are its scheduler entry's (workers/held.py)."""
+    # One pass (per request of every batch): a request enqueued after `now_us` (clocks a little apart)
+    # counts 0, not a negative time.
+    request_us: list[int] = []
+    queue_us: list[int] = []
+    rows = failed = failed_us = 0
+    for h, t, reply in zip(held, enqueued_us, outcome.replies, strict=True):
+        if reply.error_code:
+            failed += 1
+            failed_us += now_us - t if now_us > t else 0
+            continue
+        request_us.append(now_us - t if now_us > t else 0)
+        queue_us.append(started_us - t if started_us > t else 0)
+        rows += h.pending.rows
     return BatchSample(
-        version=version, batch_size=sum(e.batch_rows(batched) for e, _ in ok), requests_ok=len(ok),
-        requests_failed=len(bad),
+        version=version, batch_size=rows, requests_ok=len(request_us),
+        requests_failed=failed,
         request_ns_ok=sum(request_us) * 1000,
-        request_ns_failed=sum(max(0, now_us - t) for t in bad) * 1000,
+        request_ns_failed=failed_us * 1000,
         queue_ns=sum(queue_us) * 1000,
         compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
         compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
-        request_us=request_us, queue_us=queue_us, resource_wait_ns=outcome.resource_wait_ns,
+        request_us=tuple(request_us), queue_us=tuple(queue_us), resource_wait_ns=outcome.resource_wait_ns,
     )
 
 

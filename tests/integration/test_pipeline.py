@@ -229,7 +229,7 @@ def test_redis_down_is_503_not_a_hang(tmp_path: Path, key_prefix: str) -> None:
 
     async def main() -> None:
         async with in_process_system(server.url, key_prefix, [MODELS], worker=False) as s:
-            s.state.catalog.ready.add(("doubler", 1))  # as if a worker had reported it
+            s.state.catalog.ready |= {("doubler", 1)}  # as if a worker had reported it
             server.stop()
             r = await asyncio.wait_for(
                 s.client.post("/v2/models/doubler/infer", json=fp32_request([[1.0] * 4])), 10)

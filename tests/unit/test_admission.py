@@ -60,3 +60,15 @@ def test_admission_is_always_an_online_lane_with_a_bounded_deadline(priority: in
     a = admit(LEVELS, priority, timeout, now)
     assert 0 <= a.lane < bulk_lane(LEVELS)
     assert a.deadline_us is not None and now < a.deadline_us <= now + 1000
+
+
+@pytest.mark.parametrize("model", [LEVELS, spec(""), spec(None), spec(None, max_batch_size=0),
+                                   spec("priority_levels: 2 default_priority_level: 1")])
+@given(priority=st.integers(-3, 6))
+def test_admit_takes_the_lane_and_policy_that_level_lane_and_lane_policy_name(model: ModelSpec, priority: int) -> None:
+    """admit inlines both (it runs per request): it must agree with them for every model and priority."""
+    lane = level_lane(model, priority)
+    policy = lane_policy(model, lane)
+    a = admit(model, priority, 0, 1_000)
+    assert (a.lane, a.max_queue_size, a.delay_on_timeout) == (lane, policy.max_queue_size, policy.delay_on_timeout)
+    assert a.deadline_us == (1_000 + policy.default_timeout_us if policy.default_timeout_us else None)
