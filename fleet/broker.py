@@ -123,8 +123,9 @@ class Broker:
         self._stopping = self._replies.stopping = True
         await cancel_and_wait(self._tasks, f"gateway {self.gateway_id} broker")
         # What is still on its way ends before the links close: left running, a flush would take a link (and
-        # reconnect it) after aclose. On a graceful stop their callers are answered by now; any left, and any
-        # request no flush took, fail rather than wait for ever.
+        # reconnect it) after aclose. On a graceful stop their callers are answered by now. Any left fail
+        # rather than wait for ever: those no flush took, those whose flush was cancelled, and those enqueued
+        # whose replies nothing reads any more (the reader has stopped).
         if self._flushes:
             await asyncio.wait(set(self._flushes), timeout=STOP_FLUSHES_S)
             await cancel_and_wait(set(self._flushes), f"gateway {self.gateway_id} broker's round trips")
@@ -136,6 +137,7 @@ class Broker:
             done = self._on_enqueued.pop(rid, None)
             if done is not None:
                 done()  # never enqueued: a sequence's next request waits for nothing
+        self._replies.fail_waiting("the gateway is stopping: no reply will be read")
         try:
             await self._client.delete(self.reply_key)
         except RedisError:

@@ -224,5 +224,16 @@ class ReplyReader:
                     self._abandoned(rid, waiter)  # not computed, if no worker has started it
                 waiter.future.set_exception(err)
 
+    def fail_waiting(self, message: str) -> None:
+        """Answer every request still waiting with UNAVAILABLE `message`: the reader has stopped, so nothing
+        else would (a stream past its first reply gets it as its last response)."""
+        for rid in list(self.waiters):
+            waiter = self.waiters.pop(rid)
+            if not waiter.future.done():
+                waiter.future.set_exception(BrokerUnavailable(message))
+            elif waiter.more is not None:
+                waiter.more.put_nowait(ReplyEnvelope(id=rid, model_version=waiter.version,
+                                                     error_code=BrokerUnavailable.code.value, error_message=message))
+
     async def aclose(self) -> None:
         await self._link.aclose()

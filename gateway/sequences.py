@@ -74,7 +74,10 @@ class SequenceRouter:
         (shielded). Every path releases, but a request is never kept past the request timeout waiting for
         one that does not: it fails as a request with no reply by then does."""
         try:
-            await asyncio.wait_for(asyncio.shield(before), self._request_timeout_s)
+            # (asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that lands as
+            # `before` completes, and a caller gone would be routed and computed all the same.)
+            async with asyncio.timeout(self._request_timeout_s):
+                await asyncio.shield(before)
         except TimeoutError:
             raise DeadlineExceeded(f"sequence {flags.id} of model '{model}': its previous request was not enqueued "
                                    f"within {self._request_timeout_s:g}s") from None

@@ -191,9 +191,11 @@ class ModelLoop:
                 self._on_health()  # reading again: advertised again
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
-                for message, payload in messages:
-                    self._admit(message, payload, now)
-                self._wake.set()
+                try:
+                    for message, payload in messages:
+                        self._admit(message, payload, now)
+                finally:  # (those admitted before one that raised are scheduled all the same)
+                    self._wake.set()
 
     def admit(self, message: MessageId, payload: bytes | None) -> None:
         """Take a message into custody and its request into its version's scheduler."""

@@ -478,8 +478,9 @@ def test_a_broker_stopped_with_round_trips_on_their_way_leaves_nothing_running(r
                                                                                key_prefix: str) -> None:
     """fleet/broker.py `stop`: round trips still on their way (here held in Valkey by CLIENT PAUSE WRITE, one
     on each enqueue link, and a flush waiting for a link) are given STOP_FLUSHES_S, then cancelled: their
-    requests fail instead of waiting for ever, no flush is left to take and reconnect a link once they are
-    closed, and a request submitted after the stop fails at once."""
+    requests fail instead of waiting for ever, as does one enqueued before whose reply nothing reads any
+    more; no flush is left to take and reconnect a link once they are closed, and a request submitted after
+    the stop fails at once."""
 
     async def main() -> None:
         keys = Keys(key_prefix)
@@ -492,7 +493,16 @@ def test_a_broker_stopped_with_round_trips_on_their_way_leaves_nothing_running(r
         await broker.start()
         admin = async_client(redis_server.url)
         try:
-            await admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+            enqueued = broker.submit("e", keys.queue("m", version=1), b"x", model="m", version=1)
+            streamed = broker.submit("s", keys.queue("m", version=1), b"x", model="m", version=1, streamed=True)
+            later = broker.later("s")
+            first = ReplyEnvelope(id="s", model_version=1, final=False)
+            await admin.xadd(broker.reply_key, {b"d": encode_reply(first)})
+            assert (await asyncio.wait_for(streamed, 5)).final is False  # a stream past its first response
+            deadline = time.monotonic() + 5
+            while await admin.xlen(keys.queue("m", version=1)) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
             futures = []
             for i in range(len(broker._enqueue.links) + 1):  # one flush per link, then one waiting for a link
                 futures.append(broker.submit(f"r{i}", keys.queue("m", version=1), b"x", model="m", version=1))
@@ -502,6 +512,10 @@ def test_a_broker_stopped_with_round_trips_on_their_way_leaves_nothing_running(r
             assert not broker._flushes
             for future in futures:
                 assert future.done() and isinstance(future.exception(), BrokerUnavailable)
+                assert "the gateway is stopping" in str(future.exception())
+            assert enqueued.done() and "no reply will be read" in str(enqueued.exception())
+            last = later.get_nowait()
+            assert last.error_code == "UNAVAILABLE" and "no reply will be read" in last.error_message
             late = broker.submit("late", keys.queue("m", version=1), b"x", model="m", version=1)
             assert late.done() and isinstance(late.exception(), BrokerUnavailable)
             await asyncio.sleep(0.3)
