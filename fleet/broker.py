@@ -55,6 +55,7 @@ ENQUEUE_LINKS = 3
 # A stopping broker gives the round trips still on their way (enqueues, rejections, cancellations) this long
 # to come back before it cancels them and closes their links.
 STOP_FLUSHES_S = 1.0
+_STOPPING = "cannot enqueue the request: the gateway is stopping"
 
 
 class Broker:
@@ -129,7 +130,7 @@ class Broker:
         if self._flushes:
             await asyncio.wait(set(self._flushes), timeout=STOP_FLUSHES_S)
             await cancel_and_wait(set(self._flushes), f"gateway {self.gateway_id} broker's round trips")
-        stopping = BrokerUnavailable("cannot enqueue the request: the gateway is stopping")
+        stopping = BrokerUnavailable(_STOPPING)
         outbox, self._outbox = self._outbox, []
         for rid, *_, fut in outbox:
             if not fut.done():
@@ -169,7 +170,7 @@ class Broker:
         loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEnvelope] = loop.create_future()
         if self._stopping:  # its links are closing or closed
-            fut.set_exception(BrokerUnavailable("cannot enqueue the request: the gateway is stopping"))
+            fut.set_exception(BrokerUnavailable(_STOPPING))
             return fut
         self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
@@ -295,8 +296,7 @@ class Broker:
                 for _, stream, payload, bound, _ in batch])
         except (RedisError, OSError, asyncio.CancelledError) as exc:
             # Cancelled: the broker is stopping (`stop`), and whether Redis took them is unknown.
-            err = BrokerUnavailable("cannot enqueue the request: the gateway is stopping"
-                                    if isinstance(exc, asyncio.CancelledError) else
+            err = BrokerUnavailable(_STOPPING if isinstance(exc, asyncio.CancelledError) else
                                     f"cannot enqueue the request: Redis is not reachable ({exc})")
             for *_, fut in batch:
                 if not fut.done():

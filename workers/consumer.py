@@ -39,6 +39,7 @@ from fleet.stats import (
 )
 from fleet.trace_points import REPLY_WRITE
 from fleet.unlogged import JOB_REPLY_XADD, MAX_UNLOGGED_REPLIES
+from workers.pending_scripts import CLAIM, KEEP
 
 log = logging.getLogger(__name__)
 
@@ -55,47 +56,6 @@ DEAD_LETTERS_MAXLEN = 10_000
 WRITE_LINKS = 2
 
 __all__ = ["Claimed", "Letter", "MessageId", "StreamConsumer", "Written"]
-
-# Keepalive: restart the idle time of the messages this consumer still owns (XCLAIM JUSTID to itself:
-# no delivery counted), and say which are no longer its own: pending for another consumer (it claimed
-# them after this one stalled past the claim timeout; a plain XCLAIM with min-idle 0 would take them
-# back), or pending for nobody with their entry gone (answered and deleted by another worker: fleet
-# deletes every message it acknowledges). A message pending for nobody whose entry is still there lost
-# its delivery in a Redis restart and will be given out again: it stays held, and is answered here.
-# KEYS[1] = stream; ARGV = group, consumer, then the ids held.
-_KEEP = """
-local keep, lost = {}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] then
-    if p[1][2] == ARGV[2] then keep[#keep + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
-  elseif redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])[1] == nil then
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-for i = 1, #keep, 1000 do
-  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
-  for j = i, math.min(i + 999, #keep) do args[#args + 1] = keep[j] end
-  args[#args + 1] = 'JUSTID'
-  redis.call('XCLAIM', unpack(args))
-end
-return lost
-"""
-
-# Claim: XAUTOCLAIM from the caller's cursor, with each claimed entry's exact delivery count (XAUTOCLAIM
-# itself does not report it; poison detection depends on it). Atomic: nobody refreshes or claims between.
-# KEYS[1] = stream; ARGV = group, consumer, min idle ms, cursor, count.
-# Returns {next cursor, entries, delivery counts, ids deleted from the stream while pending}.
-_CLAIM = """
-local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
-local counts = {}
-for i, e in ipairs(r[2]) do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
-  counts[i] = p[1] and p[1][4] or 1
-end
-return {r[1], r[2], counts, r[3] or {}}
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
@@ -284,7 +244,7 @@ class StreamConsumer:
         pipe = self._client.pipeline(transaction=False)
         lanes = sorted(held)
         for lane in lanes:
-            pipe.eval(_KEEP, 1, self.streams[lane], GROUP, self.consumer, *held[lane])
+            pipe.eval(KEEP, 1, self.streams[lane], GROUP, self.consumer, *held[lane])
         results = await pipe.execute()
         return [(lane, entry_id) for lane, lost in zip(lanes, results, strict=True) for entry_id in lost]
 
@@ -296,10 +256,10 @@ class StreamConsumer:
             if len(out) >= count:
                 break
             cursor, entries, counts, _deleted = await self._client.eval(
-                _CLAIM, 1, stream, GROUP, self.consumer, min_idle_ms, self._cursors[lane], count - len(out))
+                CLAIM, 1, stream, GROUP, self.consumer, min_idle_ms, self._cursors[lane], count - len(out))
             self._cursors[lane] = cursor
             for (entry_id, fields), deliveries in zip(entries, counts, strict=True):
-                payload = _field(fields, b"d")
+                payload = entry_field(fields, b"d")  # (a script returns an entry as XREADGROUP does)
                 out.append(Claimed((lane, entry_id), payload, int(deliveries)))
         return out
 
@@ -384,18 +344,3 @@ class StreamConsumer:
             await link.aclose()
         await self._writer.aclose()
         await self._client.aclose()
-
-
-def _field(fields: Any, name: bytes) -> bytes | None:
-    """A field of an entry as a script returns it: a flat [name, value, ...] list (or nil)."""
-    if not fields:
-        return None
-    if isinstance(fields, dict):
-        value = fields.get(name)
-        return value if isinstance(value, bytes) else None
-    for i in range(0, len(fields) - 1, 2):
-        if fields[i] == name:
-            value = fields[i + 1]
-            return value if isinstance(value, bytes) else None
-    return None
-

@@ -334,8 +334,7 @@ class ModelLoop:
             if self._sequences.active:
                 self._sequences_done(held, None, self.clock.now_us())
             return
-        sample = batch_sample(version, held, result, enqueue_times(held, self.redis_clock), started_us,
-                              self.clock.now_us())
+        sample = batch_sample(version, held, result, self.redis_clock.offset_us, started_us, self.clock.now_us())
         if traced:
             stamp_replies(held, result.replies, result, self.redis_clock.now_ns())
         poisoned = set(result.poisoned)

@@ -10,16 +10,17 @@ from workers.execute import BatchOutcome
 from workers.held import HeldRequest
 
 
-def batch_sample(version: int, held: list[HeldRequest], outcome: BatchOutcome, enqueued_us: list[int],
-                 started_us: int, now_us: int) -> BatchSample:
-    """`enqueued_us`: when each request was enqueued, on the same clock as `started_us` and `now_us`. A
-    request's rows are its scheduler entry's (workers/held.py)."""
+def batch_sample(version: int, held: list[HeldRequest], outcome: BatchOutcome, offset_us: int, started_us: int,
+                 now_us: int) -> BatchSample:
+    """`started_us` and `now_us` on this process's clock, `offset_us` Redis's from it (RedisClock.offset_us:
+    each request's enqueue time is on Redis's). A request's rows are its scheduler entry's (workers/held.py)."""
     # One pass (per request of every batch): a request enqueued after `now_us` (clocks a little apart)
     # counts 0, not a negative time.
     request_us: list[int] = []
     queue_us: list[int] = []
     rows = failed = failed_us = 0
-    for h, t, reply in zip(held, enqueued_us, outcome.replies, strict=True):
+    for h, reply in zip(held, outcome.replies, strict=True):
+        t = h.env.enqueued_at_us - offset_us  # enqueue_times's, in the same pass
         if reply.error_code:
             failed += 1
             failed_us += now_us - t if now_us > t else 0
