@@ -12,35 +12,35 @@ memory still reaches the disk and the replicas whole when an AOF rewrite or a re
 it: then a job's entries in flight go too, and their later deletions (logged) remove them again. A Redis
 restart (or a failover) may therefore lose a job's requests and replies in flight; the job loses nothing.
 
-A lane also carries online requests and its workers' consumer group, whose position (the last delivered
-id, logged when a worker reads) may be past an unlogged entry. So that a replayed lane never restarts its
-ids below that position (a new request could then be skipped by the group), the lane's own last id is
-logged with each request (XSETID), and a lane the request creates is created logged first. A job's results
-stream has one reader, the runner, which reads by id and sends again what it misses: its ids need no log
-(with a clock that went back across a restart, replies are lost until it catches up, and sent again).
+Each stream's own last id is logged with every entry (XSETID), and a stream the entry creates is created
+logged first, so a replayed or replicated stream never restarts its ids below what was read from it, even
+on a clock that went back (a restart, or a failover to a primary whose clock is behind): XADD gives a new
+entry an id past the stream's last one.
+- A lane also carries online requests and its workers' consumer group, whose position (the last delivered
+  id, logged when a worker reads) may be past an unlogged entry: a lane restarting below it would have a
+  new request skipped by the group.
+- A job's results stream has one reader, the runner, which reads by id from the last one it read: one
+  restarting below it would hide the job's replies until the clock caught up. (The runner also reads a
+  results stream from its start again when it finds it went back anyway, fleet/jobs/feed.py: a replica
+  that missed the last XSETIDs.)
 """
 
 from __future__ import annotations
 
-__all__ = ["JOB_REPLY_XADD", "JOB_REQUEST_XADD", "MAX_UNLOGGED_REPLIES"]
+__all__ = ["MAX_UNLOGGED_REPLIES", "UNLOGGED_XADD"]
 
-# KEYS[1] = the lane; ARGV[1] = the request's payload (field "d"). Returns the entry id, as XADD does.
-JOB_REQUEST_XADD = """
+# KEYS[1] = the stream (a lane, or a job's results); ARGV = XADD's arguments after the key. Returns the
+# entry id, as XADD does.
+UNLOGGED_XADD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- An empty stream, logged: the XSETID below then replays onto a stream that exists.
   redis.call('XADD', KEYS[1], 'MAXLEN', '0', '*', 'd', '')
 end
 redis.set_repl(redis.REPL_NONE)
-local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+local id = redis.call('XADD', KEYS[1], unpack(ARGV))
 redis.set_repl(redis.REPL_ALL)
 redis.call('XSETID', KEYS[1], id)
 return id
-"""
-
-# KEYS[1] = a job's results stream; ARGV = XADD's arguments after the key. Returns the entry id.
-JOB_REPLY_XADD = """
-redis.set_repl(redis.REPL_NONE)
-return redis.call('XADD', KEYS[1], unpack(ARGV))
 """
 
 # Lua's unpack takes fewer than 8,000 values (LUAI_MAXCSTACK), two a reply: well under it, an XADD of more

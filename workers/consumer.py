@@ -38,7 +38,7 @@ from fleet.stats import (
     fold_keys,
 )
 from fleet.trace_points import REPLY_WRITE
-from fleet.unlogged import JOB_REPLY_XADD, MAX_UNLOGGED_REPLIES
+from fleet.unlogged import MAX_UNLOGGED_REPLIES, UNLOGGED_XADD
 from workers.pending_scripts import CLAIM, KEEP
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class StreamConsumer:
         for reply_to, indices in by_stream.items():
             xadd: list[bytes | Parts | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
             if self._keys.is_job_results(reply_to) and len(indices) <= MAX_UNLOGGED_REPLIES:
-                xadd[:2] = ["EVAL", JOB_REPLY_XADD, 1, reply_to]  # not logged (AOF, replicas): fleet/unlogged.py
+                xadd[:2] = ["EVAL", UNLOGGED_XADD, 1, reply_to]  # not logged (AOF, replicas): fleet/unlogged.py
             for n, i in enumerate(indices):
                 reply = replies[i][1]
                 if reply.trace is not None:

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from fleet.envelope import ReplyEnvelope, WireTensor, encode_reply
 from fleet.keys import Keys
-from fleet.unlogged import JOB_REPLY_XADD
+from fleet.unlogged import UNLOGGED_XADD
 from workers.backends.base import InferenceItem
 from workers.consumer import ORPHAN_REPLY_TTL_S, REPLY_MAXLEN
 from workers.custom_metrics import CustomMetricsBook
@@ -89,7 +89,7 @@ class ReplyWriter:
             for item, frame in frames:
                 payload = encode_reply(reply_of(item, frame, final=False))
                 if self._keys.is_job_results(item.reply_to):  # not logged (AOF, replicas): fleet/unlogged.py
-                    pipe.eval(JOB_REPLY_XADD, 1, item.reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*", "d", payload)
+                    pipe.eval(UNLOGGED_XADD, 1, item.reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*", "d", payload)
                 else:
                     pipe.xadd(item.reply_to, {b"d": payload}, maxlen=REPLY_MAXLEN, approximate=True)
             for reply_to in {item.reply_to for item, _ in frames}:

@@ -11,7 +11,9 @@ timer restarts. If the entry is gone and no reply came, it is sent again with th
 Workers write a reply before they delete its request (one ordered pipeline), and the check reads
 the results stream after looking for the entry, in the same round trip; so "gone and unanswered" means
 the reply is lost: trimmed or deleted from the results stream, or lost in a Redis restart or failover (a
-job's requests and replies are not logged to the AOF or the replicas: fleet/unlogged.py).
+job's requests and replies are not logged to the AOF or the replicas: fleet/unlogged.py). A results
+stream found gone or gone back below the last reply read (Redis lost it, on a clock behind) is read from
+its start again at that check.
 
 Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
 the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
@@ -44,7 +46,7 @@ from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_it
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
 from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
-from fleet.unlogged import JOB_REQUEST_XADD
+from fleet.unlogged import UNLOGGED_XADD
 
 if TYPE_CHECKING:
     from fleet.jobs.runner import JobRunner
@@ -200,7 +202,7 @@ class Feed:
             except (ServingError, OverflowError, ValueError, TypeError) as exc:
                 group.errors = [_unencodable(first, exc)] * len(group.items)
                 continue
-            pipe.eval(JOB_REQUEST_XADD, 1, self.stream, payload)  # not logged (AOF, replicas): fleet/unlogged.py
+            pipe.eval(UNLOGGED_XADD, 1, self.stream, "*", "d", payload)  # not logged (AOF, replicas): fleet/unlogged.py
             self.by_id[group.request_id] = group
             sent.append(group)
         if not sent:
@@ -263,6 +265,7 @@ class Feed:
         (its timer restarts); one whose entry is gone without a reply is sent again, same request id."""
         overdue = [g for g in self.by_id.values() if now - g.sent_at >= self.reply_timeout_s]
         if overdue:
+            self._reread_if_rewound()
             pipe = self.runner.client.pipeline(transaction=False)
             for group in overdue:
                 entry = group.entry or b"0-0"
@@ -285,6 +288,26 @@ class Feed:
                             self.resent)
                 self._send(lost)
         self.next_check = min((g.sent_at for g in self.by_id.values()), default=math.inf) + self.reply_timeout_s
+
+    def _reread_if_rewound(self) -> None:
+        """A results stream gone, or whose last id is below the last reply read from it, went back: Redis lost
+        it (a restart, a failover) and, on a clock behind, gives new replies ids below the cursor, which
+        would hide them until the clock caught up. Read from its start again: replies match by request id,
+        so one read before is dropped again. (fleet/unlogged.py logs each stream's last id, so a replayed or
+        replicated stream does not go back; this is for one that does anyway: a replica that missed the
+        last of them, a Redis without persistence.)"""
+        if self.last_id == b"0-0":
+            return
+        try:
+            last: bytes | None = self.runner.client.xinfo_stream(self.runner.results)["last-generated-id"]
+        except redis.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            last = None
+        if last is None or _id_order(last) < _id_order(self.last_id):
+            log.warning("job %s: its results stream went back (to %s from %s; Redis restarted or failed over); "
+                        "reading it from the start", self.runner.job_id, last, self.last_id)
+            self.last_id = b"0-0"
 
     # -- writing, in input order
 
@@ -383,3 +406,9 @@ def _unencodable(item: InputItem, exc: Exception) -> str:
     if isinstance(exc, OverflowError):
         return "the request holds an integer outside the 64-bit range"
     return "the request cannot be encoded for the model's queue"
+
+
+def _id_order(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as what orders it."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)

@@ -188,6 +188,25 @@ def test_a_lost_reply_is_sent_again_and_the_job_completes(make_job: Callable[...
     assert record is not None and record["done"] == len(items) and record["failed"] == 0
 
 
+def test_a_results_stream_that_went_back_is_read_again_and_the_job_completes(make_job: Callable[..., Job]) -> None:
+    """Redis lost the job's results stream (a restart or failover that did not keep it) and its clock is an
+    hour behind: new replies get ids below the last one the runner read. At its reply timeout the runner
+    finds the stream went back and reads it from the start; before, the job waited for the clock (an hour)."""
+    items = inputs(40)
+    job = make_job(items, window_rows=16, reply_timeout_s=0.3)
+    worker = LaneWorker(job.client, job.lane)
+    results = job.runner.results
+    job.thread.start()
+    # Replies read (the runner trims what it has read) before the stream is lost.
+    serve_until(job, worker, answer_all, lambda: sum(worker.sent.values()) >= 4 and job.client.xlen(results) <= 1)
+    assert not job.outcome
+    job.client.delete(results)
+    worker.clock_behind_ms = 3_600_000
+    serve_until(job, worker, answer_all, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED], dict(worker.sent)
+    check_output(job, items)
+
+
 def test_a_reply_that_cannot_be_decoded_is_dropped_and_its_request_sent_again(make_job: Callable[..., Job]) -> None:
     items = inputs(12)
     job = make_job(items, window_rows=16, reply_timeout_s=0.3)

@@ -1,6 +1,8 @@
 """fleet/unlogged.py against a real Valkey with AOF, restarted: a bulk job's requests (the runner's XADD,
 fleet/jobs/feed.py) and their replies (the worker's write, workers/consumer.py) are not logged, online
-replies are, and a replayed lane keeps its last id, so the workers' group reads what comes after."""
+replies are, and a replayed lane keeps its last id, so the workers' group reads what comes after; a replayed
+job results stream keeps its last id too, so the runner, reading from the last reply it read, finds what
+comes after (XADD gives ids past a stream's last one, whatever the clock says)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from fleet.envelope import ReplyEnvelope
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
 from fleet.redis_server import start_server
-from fleet.unlogged import JOB_REQUEST_XADD
+from fleet.unlogged import UNLOGGED_XADD
 from workers.backends.base import InferenceItem
 from workers.consumer import StreamConsumer
 from workers.replies import ReplyWriter
@@ -24,18 +26,23 @@ ONLINE_REPLY = "online-reply-message|" * 50
 STREAMED_JOB_REPLY = "streamed-job-reply|" * 50  # a decoupled model's response before its last
 
 
+def order(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = entry_id.split(b"-")
+    return int(ms), int(seq)
+
+
 def aof_bytes(data_dir: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted((data_dir / "appendonlydir").iterdir()))
 
 
-def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_ids(tmp_path: Path) -> None:
+def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_its_streams_keep_their_ids(tmp_path: Path) -> None:
     data = tmp_path / "data"
     keys = Keys("unlogged")
     lane = keys.queue("m", 0, version=1)
     results, online = keys.job_results("j1"), keys.reply("gw")
     server = start_server(data)
     try:
-        second = written_before_restart(server.url, keys, lane, results, online)
+        second, last_reply = written_before_restart(server.url, keys, lane, results, online)
         port = server.port
     finally:
         server.stop()  # SIGTERM: the AOF is written out
@@ -47,7 +54,10 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
     server = start_server(data, port)
     try:
         client = redis.Redis.from_url(server.url, protocol=2)
-        assert client.exists(results) == 0 and client.xlen(online) == 1
+        assert client.xlen(online) == 1
+        replies = client.xinfo_stream(results)
+        assert replies["length"] == 0 and replies["last-generated-id"] == last_reply  # the replies are gone
+        assert order(client.eval(UNLOGGED_XADD, 1, results, "*", "d0", b"after")) > order(last_reply)
         info = client.xinfo_stream(lane)
         assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
         (group,) = client.xinfo_groups(lane)
@@ -59,13 +69,14 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_a_lane_keeps_its_id
         server.stop()
 
 
-def written_before_restart(url: str, keys: Keys, lane: str, results: str, online: str) -> bytes:
-    """Two job requests (the first creates the lane), both read by a worker, replies to the job and to a
-    gateway, the first request acknowledged. Returns the second's entry id."""
+def written_before_restart(url: str, keys: Keys, lane: str, results: str, online: str) -> tuple[bytes, bytes]:
+    """Two job requests (the first creates the lane), both read by a worker, replies to the job (the first
+    creates its results stream) and to a gateway, the first request acknowledged. Returns the second
+    request's entry id and the last reply's."""
     client = redis.Redis.from_url(url, protocol=2)
     pipe = client.pipeline(transaction=False)
     for _ in range(2):
-        pipe.eval(JOB_REQUEST_XADD, 1, lane, REQUEST)  # the first creates the lane (no worker joined yet)
+        pipe.eval(UNLOGGED_XADD, 1, lane, "*", "d", REQUEST)  # the first creates the lane (no worker joined yet)
     first, second = pipe.execute()
 
     async def worker() -> None:
@@ -88,5 +99,6 @@ def written_before_restart(url: str, keys: Keys, lane: str, results: str, online
     writer.emit(InferenceItem({}, key="r3", reply_to=results), {"e": ["X", STREAMED_JOB_REPLY]})
     writer.close()
     assert client.xlen(results) == 2 and client.xlen(online) == 1 and client.xlen(lane) == 1  # all in memory
+    last_reply = client.xinfo_stream(results)["last-generated-id"]
     client.close()
-    return bytes(second)
+    return bytes(second), bytes(last_reply)

@@ -5,6 +5,7 @@ A fake of our own seam (the model worker), never of Redis."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -49,6 +50,8 @@ class LaneWorker:
         self.rows = 0  # rows of every submission seen
         self.seen: set[bytes] = set()
         self.held: dict[str, tuple[bytes, RequestEnvelope]] = {}
+        # Replies get ids this far behind the host's clock, as from a Redis whose clock is behind (0: "*").
+        self.clock_behind_ms = 0
 
     def poll(self, decide: Callable[[RequestEnvelope, int], str] = answer_all) -> None:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = self.client.xrange(self.stream)  # type: ignore[assignment]
@@ -76,7 +79,8 @@ class LaneWorker:
     def answer(self, entry_id: bytes, env: RequestEnvelope) -> None:
         """As a worker finishes: the reply first, then the request leaves the lane (one ordered pipeline)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(env.reply_to, {b"d0": encode_reply(doubled(env))})
+        reply_id = f"{time.time_ns() // 1_000_000 - self.clock_behind_ms}-*" if self.clock_behind_ms else "*"
+        pipe.xadd(env.reply_to, {b"d0": encode_reply(doubled(env))}, id=reply_id)
         pipe.xdel(self.stream, entry_id)
         pipe.execute()
 
