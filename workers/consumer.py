@@ -172,7 +172,8 @@ class StreamConsumer:
         xadds: list[int] = []  # positions of the XADDs among the commands
         for reply_to, indices in by_stream.items():
             xadd: list[bytes | Parts | str | int] = ["XADD", reply_to, "MAXLEN", "~", REPLY_MAXLEN, "*"]
-            if self._keys.is_job_results(reply_to) and len(indices) <= MAX_UNLOGGED_REPLIES:
+            job = self._keys.is_job_results(reply_to)
+            if job and len(indices) <= MAX_UNLOGGED_REPLIES:
                 xadd[:2] = ["EVAL", UNLOGGED_XADD, 1, reply_to]  # not logged (AOF, replicas): fleet/unlogged.py
             for n, i in enumerate(indices):
                 reply = replies[i][1]
@@ -181,8 +182,10 @@ class StreamConsumer:
                 xadd += [b"d%d" % n, reply_payload(reply)]
             xadds.append(len(commands))
             commands.append(xadd)
-            if now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:
-                # Only a stream this XADD recreated (its reader gone) lacks a TTL: once a minute is plenty.
+            if job or now - self._ttl_set.get(reply_to, -TTL_REFRESH_S) >= TTL_REFRESH_S:
+                # Only a stream this XADD recreated (its reader gone) lacks a TTL: once a minute is plenty for
+                # a gateway's. A job's is deleted when its run ends, so a late reply recreates it any time (and
+                # logged: fleet/unlogged.py): each write sees to it.
                 commands.append(("EXPIRE", reply_to, ORPHAN_REPLY_TTL_S, "NX"))
                 self._ttl_set[reply_to] = now
         if len(self._ttl_set) > 1000:

@@ -133,6 +133,9 @@ class Feed:
         self.next_check = math.inf  # monotonic: the earliest time a request may be overdue
         self.errors: list[tuple[int, str]] = []  # samples not yet saved
         self.last_id = b"0-0"
+        # The entries read since the last collect, deleted by it: exactly those, not everything below the
+        # cursor, so that replies that landed below it (a stream that went back) are still there to read.
+        self.read_ids: list[bytes] = []
         # Envelope times are Redis's clock (fleet/redis_time.py); sampled again at every checkpoint.
         self.redis_clock = RedisClock()
         self._sample_clock()
@@ -219,8 +222,9 @@ class Feed:
 
     def _collect(self) -> None:
         pipe = self.runner.client.pipeline(transaction=False)
-        if self.last_id != b"0-0":
-            pipe.xtrim(self.runner.results, minid=self.last_id, approximate=False)
+        if self.read_ids:
+            pipe.xdel(self.runner.results, *self.read_ids)
+            self.read_ids = []
         # Block only when there is nothing else to do: the window is full or the input is done.
         idle = self.exhausted or self.held_rows >= self.window_rows
         pipe.xread({self.runner.results: self.last_id}, count=512, block=READ_BLOCK_MS if idle else None)
@@ -230,6 +234,7 @@ class Feed:
         for _, entries in result or []:
             for entry_id, fields in entries:
                 self.last_id = entry_id
+                self.read_ids.append(entry_id)
                 for name, payload in fields.items():
                     if name[:1] == b"d":
                         # A corrupt entry must not end the job: its request is sent again at its timeout.
@@ -293,9 +298,11 @@ class Feed:
         """A results stream gone, or whose last id is below the last reply read from it, went back: Redis lost
         it (a restart, a failover) and, on a clock behind, gives new replies ids below the cursor, which
         would hide them until the clock caught up. Read from its start again: replies match by request id,
-        so one read before is dropped again. (fleet/unlogged.py logs each stream's last id, so a replayed or
+        so one read before is dropped again, and `_collect` deletes only what it read, so those that landed
+        below the cursor are still there. (fleet/unlogged.py logs each stream's last id, so a replayed or
         replicated stream does not go back; this is for one that does anyway: a replica that missed the
-        last of them, a Redis without persistence.)"""
+        last of them, a Redis without persistence. A stream that expired, with nothing sent for
+        RESULTS_TTL_S, is read from its start too: nothing is in it.)"""
         if self.last_id == b"0-0":
             return
         try:
@@ -305,8 +312,8 @@ class Feed:
                 raise
             last = None
         if last is None or _id_order(last) < _id_order(self.last_id):
-            log.warning("job %s: its results stream went back (to %s from %s; Redis restarted or failed over); "
-                        "reading it from the start", self.runner.job_id, last, self.last_id)
+            log.warning("job %s: its results stream is gone or went back (to %s from %s: Redis lost it, or it "
+                        "expired); reading it from the start", self.runner.job_id, last, self.last_id)
             self.last_id = b"0-0"
 
     # -- writing, in input order

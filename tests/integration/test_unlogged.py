@@ -14,7 +14,7 @@ import redis
 from fleet.envelope import ReplyEnvelope
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
-from fleet.redis_server import start_server
+from fleet.redis_server import LocalServer, start_server
 from fleet.unlogged import UNLOGGED_XADD
 from workers.backends.base import InferenceItem
 from workers.consumer import StreamConsumer
@@ -102,3 +102,29 @@ def written_before_restart(url: str, keys: Keys, lane: str, results: str, online
     last_reply = client.xinfo_stream(results)["last-generated-id"]
     client.close()
     return bytes(second), bytes(last_reply)
+
+
+def test_a_jobs_results_stream_recreated_by_a_late_reply_expires(redis_server: LocalServer, key_prefix: str) -> None:
+    """A job's run deletes its results stream when it ends; a reply that comes after (a duplicate) creates it
+    again, logged (UNLOGGED_XADD), so it must get a TTL however recently the worker wrote to that stream:
+    each write to a job's stream asks for one (EXPIRE NX), not once a minute as for a gateway's."""
+    keys = Keys(key_prefix)
+    results = keys.job_results("late")
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+
+    async def main() -> None:
+        r = async_client(redis_server.url)
+        consumer = StreamConsumer(r, keys, "m", 1, "c")
+        try:
+            for n in range(2):
+                reply = ReplyEnvelope(id=f"r{n}", error_code="X", error_message="late")
+                written = await consumer.write([(results, reply)], [], acks=[])
+                assert written.replies == {0} and written.error is None
+                assert client.pttl(results) > 0, f"write {n}: the results stream has no TTL"
+                client.delete(results)  # the run ends
+        finally:
+            await consumer.close()
+            await r.aclose()
+
+    asyncio.run(main())
+    client.close()
