@@ -49,7 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fleet.parts import LONG_BUFFER, Parts
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "raise_first"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Command", "RedisLink", "entry_field", "entry_order", "raise_first"]
 
 # A Redis that has not answered a round trip in this long is taken for gone (redis-py's own default
 # socket timeout, which the link's connection no longer has).
@@ -362,6 +362,12 @@ def raise_first(replies: list[Any]) -> list[Any]:
         if isinstance(reply, ResponseError):
             raise reply
     return replies
+
+
+def entry_order(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry's place in its stream (its id's two numbers)."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 def entry_field(fields: list[bytes] | None, name: bytes) -> bytes | None:

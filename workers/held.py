@@ -25,12 +25,6 @@ class HeldRequest:
     lost: bool = False  # claimed by another worker (this one stalled): never acknowledged by this one
 
 
-def arrival_order(entry_id: bytes) -> tuple[int, int]:
-    """A stream entry's place in its stream (its id's two numbers)."""
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
-
-
 def pending_for(message: MessageId, env: RequestEnvelope, rows: int, shape_key: Hashable, delay_on_timeout: bool,
                 to_local: Callable[[int], int], now: int) -> Pending:
     """The scheduler's entry for a request read `now`. Its times are in Redis's clock: `to_local` converts

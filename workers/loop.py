@@ -36,6 +36,7 @@ from fleet.envelope import decode_request, encode_request, error_reply
 from fleet.errors import InvalidInput, ModelNotReady, RequestTimeout
 from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
+from fleet.redis_link import entry_order
 from fleet.redis_time import RedisClock
 from fleet.supervision import Supervisor
 from fleet.trace_points import WORKER_READ
@@ -46,7 +47,6 @@ from workers.execute import BatchOutcome
 from workers.held import (
     HeldRequest,
     HeldRequests,
-    arrival_order,
     enqueue_times,
     pending_for,
     stamp_replies,
@@ -233,7 +233,7 @@ class ModelLoop:
         if verdict is not None:
             self._sequence_verdicts(env.version, [verdict], now)
         else:
-            scheduler.arrive(pending, arrival_order(message[1]), now)
+            scheduler.arrive(pending, entry_order(message[1]), now)
 
     def _sequence_verdicts(self, version: int, verdicts: list[Verdict], now: int) -> None:
         """Carry out the gate's verdicts: schedule on the sequence's instance, or answer the error."""
@@ -241,7 +241,7 @@ class ModelLoop:
             held = self._held[verdict.request_id]
             if isinstance(verdict, Admit):
                 held.pending = replace(held.pending, instance=verdict.instance)
-                self.schedulers[version].arrive(held.pending, arrival_order(held.message[1]), now)
+                self.schedulers[version].arrive(held.pending, entry_order(held.message[1]), now)
             elif isinstance(verdict, Refuse):
                 self._held.forget((held.pending,))
                 reply = error_reply(held.env, InvalidInput(verdict.message))

@@ -13,7 +13,7 @@ the results stream after looking for the entry, in the same round trip; so "gone
 the reply is lost: trimmed or deleted from the results stream, or lost in a Redis restart or failover (a
 job's requests and replies are not logged to the AOF or the replicas: fleet/unlogged.py). A results
 stream found gone or gone back below the last reply read (Redis lost it, on a clock behind) is read from
-its start again at that check.
+its start again at that check (fleet/jobs/results.py).
 
 Delivery: computing is at-least-once (a lost reply is computed again; a resumed run sends again what
 the dead run had in flight), output is exactly-once per item: replies are matched by request id, the
@@ -44,6 +44,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_re
 from fleet.errors import InvalidInput, ServingError
 from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
+from fleet.jobs.results import RESULTS_TTL_S, ResultsReader
 from fleet.model_spec import ModelSpec
 from fleet.redis_time import RedisClock
 from fleet.unlogged import UNLOGGED_XADD
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAVE_INTERVAL_S = 0.25
-READ_BLOCK_MS = 50
-RESULTS_TTL_S = 3600  # refreshed while the job runs; a dead job's results stream disappears
 INTERRUPTED = "interrupted"
 # Without max_failures, a job whose first this many items (or all, if fewer) all failed fails at once.
 FAIL_FAST_ITEMS = 100
@@ -132,10 +131,7 @@ class Feed:
         self.resent = 0  # requests sent again after their reply was lost
         self.next_check = math.inf  # monotonic: the earliest time a request may be overdue
         self.errors: list[tuple[int, str]] = []  # samples not yet saved
-        self.last_id = b"0-0"
-        # The entries read since the last collect, deleted by it: exactly those, not everything below the
-        # cursor, so that replies that landed below it (a stream that went back) are still there to read.
-        self.read_ids: list[bytes] = []
+        self.results = ResultsReader(runner.client, runner.results, runner.job_id)
         # Envelope times are Redis's clock (fleet/redis_time.py); sampled again at every checkpoint.
         self.redis_clock = RedisClock()
         self._sample_clock()
@@ -222,25 +218,16 @@ class Feed:
 
     def _collect(self) -> None:
         pipe = self.runner.client.pipeline(transaction=False)
-        if self.read_ids:
-            pipe.xdel(self.runner.results, *self.read_ids)
-            self.read_ids = []
         # Block only when there is nothing else to do: the window is full or the input is done.
-        idle = self.exhausted or self.held_rows >= self.window_rows
-        pipe.xread({self.runner.results: self.last_id}, count=512, block=READ_BLOCK_MS if idle else None)
+        self.results.queue_read(pipe, block=self.exhausted or self.held_rows >= self.window_rows)
         self._on_replies(pipe.execute()[-1])
 
     def _on_replies(self, result: Any) -> None:
-        for _, entries in result or []:
-            for entry_id, fields in entries:
-                self.last_id = entry_id
-                self.read_ids.append(entry_id)
-                for name, payload in fields.items():
-                    if name[:1] == b"d":
-                        # A corrupt entry must not end the job: its request is sent again at its timeout.
-                        reply = readable_reply(payload, "a job's reply")
-                        if reply is not None:
-                            self._on_reply(reply)
+        for payload in self.results.payloads(result):
+            # A corrupt entry must not end the job: its request is sent again at its timeout.
+            reply = readable_reply(payload, "a job's reply")
+            if reply is not None:
+                self._on_reply(reply)
 
     def _on_reply(self, reply: ReplyEnvelope) -> None:
         group = self.by_id.pop(reply.id, None)
@@ -270,14 +257,14 @@ class Feed:
         (its timer restarts); one whose entry is gone without a reply is sent again, same request id."""
         overdue = [g for g in self.by_id.values() if now - g.sent_at >= self.reply_timeout_s]
         if overdue:
-            self._reread_if_rewound()
+            self.results.reread_if_rewound()
             pipe = self.runner.client.pipeline(transaction=False)
             for group in overdue:
                 entry = group.entry or b"0-0"
                 pipe.xrange(self.stream, min=entry, max=entry, count=1)
             # After the lookups, in the same round trip: a reply written before its entry was deleted is
             # read here, never mistaken for a lost one.
-            pipe.xread({self.runner.results: self.last_id})
+            self.results.queue_read_all(pipe)
             *found, replies = pipe.execute()
             self._on_replies(replies)
             lost = []
@@ -293,28 +280,6 @@ class Feed:
                             self.resent)
                 self._send(lost)
         self.next_check = min((g.sent_at for g in self.by_id.values()), default=math.inf) + self.reply_timeout_s
-
-    def _reread_if_rewound(self) -> None:
-        """A results stream gone, or whose last id is below the last reply read from it, went back: Redis lost
-        it (a restart, a failover) and, on a clock behind, gives new replies ids below the cursor, which
-        would hide them until the clock caught up. Read from its start again: replies match by request id,
-        so one read before is dropped again, and `_collect` deletes only what it read, so those that landed
-        below the cursor are still there. (fleet/unlogged.py logs each stream's last id, so a replayed or
-        replicated stream does not go back; this is for one that does anyway: a replica that missed the
-        last of them, a Redis without persistence. A stream that expired, with nothing sent for
-        RESULTS_TTL_S, is read from its start too: nothing is in it.)"""
-        if self.last_id == b"0-0":
-            return
-        try:
-            last: bytes | None = self.runner.client.xinfo_stream(self.runner.results)["last-generated-id"]
-        except redis.ResponseError as exc:
-            if "no such key" not in str(exc).lower():
-                raise
-            last = None
-        if last is None or _id_order(last) < _id_order(self.last_id):
-            log.warning("job %s: its results stream is gone or went back (to %s from %s: Redis lost it, or it "
-                        "expired); reading it from the start", self.runner.job_id, last, self.last_id)
-            self.last_id = b"0-0"
 
     # -- writing, in input order
 
@@ -414,8 +379,3 @@ def _unencodable(item: InputItem, exc: Exception) -> str:
         return "the request holds an integer outside the 64-bit range"
     return "the request cannot be encoded for the model's queue"
 
-
-def _id_order(entry_id: bytes) -> tuple[int, int]:
-    """A stream entry id ("ms-seq") as what orders it."""
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)

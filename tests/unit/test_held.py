@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fleet.envelope import RequestEnvelope, error_reply
 from fleet.errors import RequestTimeout
+from fleet.redis_link import entry_order
 from fleet.trace_points import BATCH_FORMED, COMPUTE_END, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_START
 from workers.execute import BatchOutcome
 from workers.held import (
     HeldRequest,
     HeldRequests,
-    arrival_order,
     pending_for,
     stamp,
     stamp_replies,
@@ -29,9 +29,9 @@ def env(rid: str = "r1", *, deadline: int | None = None, expires: int | None = N
 
 
 def test_entry_ids_order_by_time_then_sequence() -> None:
-    assert arrival_order(b"1700-3") == (1700, 3)
-    assert arrival_order(b"1700") == (1700, 0)
-    assert sorted([b"1701-0", b"1700-10", b"1700-9"], key=arrival_order) == [b"1700-9", b"1700-10", b"1701-0"]
+    assert entry_order(b"1700-3") == (1700, 3)
+    assert entry_order(b"1700") == (1700, 0)
+    assert sorted([b"1701-0", b"1700-10", b"1700-9"], key=entry_order) == [b"1700-9", b"1700-10", b"1701-0"]
 
 
 def test_a_pending_entry_is_in_this_process_clock_and_named_by_lane_and_entry() -> None:
