@@ -21,7 +21,7 @@ entry an id past the stream's last one.
   new request skipped by the group.
 - A job's results stream has one reader, the runner, which reads by id from the last one it read: one
   restarting below it would hide the job's replies until the clock caught up. (The runner also reads a
-  results stream from its start again when it finds it went back anyway, fleet/jobs/feed.py: a replica
+  results stream from its start again when it finds it went back anyway, fleet/jobs/results.py: a replica
   that missed the last XSETIDs.)
 """
 
