@@ -132,12 +132,14 @@ class StreamConsumer:
                 log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.model, exc, delay)
                 await asyncio.sleep(delay)
 
-    async def read(self, lane: int, count: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
-        """Up to `count` new messages of `lane` as ((lane, entry id), payload)."""
+    async def read(self, lane: int, count: int, block_ms: int | None) -> list[tuple[MessageId, bytes | None]]:
+        """Up to `count` new messages of `lane` as ((lane, entry id), payload); waiting up to `block_ms` for
+        the first, or (None) answered at once with what there is."""
+        blocking: tuple[str | int, ...] = () if block_ms is None else ("BLOCK", block_ms)
         try:
             (result,) = raise_first(await self._readers[lane].execute(
-                [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, "BLOCK", block_ms,
-                  "STREAMS", self.streams[lane], ">")], block_ms=block_ms))
+                [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *blocking,
+                  "STREAMS", self.streams[lane], ">")], block_ms=block_ms or 0))
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise

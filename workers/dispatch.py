@@ -24,7 +24,7 @@ from workers import gil
 from workers.custody import Custody
 from workers.execute import BatchOutcome, LoopRun, run_batch
 from workers.held import HeldRequests, stamp
-from workers.inline import SoloCost, may_inline
+from workers.inline import LONE_BATCHES, SoloCost, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
 
@@ -61,6 +61,12 @@ class Dispatch:
         self.inline_max_ns = 0
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """The model's last batches were lone requests (workers/inline.py's LONE_BATCHES): its clients
+        send one at a time."""
+        return self._lone_batches >= LONE_BATCHES
 
     def apply(self, version: int, scheduler: Scheduler, action: object, now: int) -> None:
         if isinstance(action, Run):

@@ -191,11 +191,37 @@ class ModelLoop:
                 self._on_health()  # reading again: advertised again
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
+                busy = self.holding.rows() > 0 or not self._dispatch.one_at_a_time  # (before these count)
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)
+                    if busy and not self._stopping:
+                        await self._top_up(lane)
                 finally:  # (those admitted before one that raised are scheduled all the same)
                     self._wake.set()
+
+    async def _top_up(self, lane: int) -> None:
+        """Under load, what came after a blocking read's first message, read before the driver batches.
+
+        A blocking XREADGROUP is answered as soon as one message is there: under load, the first of a
+        gateway's flush (Redis serves the blocked read after that flush's first XADD). Its answer then waits
+        in the socket while the loop is busy, and more requests arrive in the stream meanwhile. Batched at
+        once, the driver would start an idle instance on that first message alone and the rest would wait
+        for the next batch: at `mlp` C=32 45 % of the batches were one request (bench/RESULTS.md, stop 52).
+        So unless the model's clients send one at a time (its last batches were lone requests, and it holds
+        nothing else: at C=1 this read would find nothing and cost a round trip), one read more, answered at
+        once with what the stream has, comes into the same step of the driver. A failure here is left to
+        the next blocking read."""
+        room = self.holding.room(lane)
+        if room <= 0:
+            return
+        try:
+            more = await self.custody.read(lane, room, None)
+        except (RedisError, OSError):
+            return
+        now = self.clock.now_us()
+        for message, payload in more:
+            self._admit(message, payload, now)
 
     def admit(self, message: MessageId, payload: bytes | None) -> None:
         """Take a message into custody and its request into its version's scheduler."""
