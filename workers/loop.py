@@ -61,6 +61,10 @@ from workers.watchdog import HungHandler, Watchdog
 
 log = logging.getLogger(__name__)
 
+# The longest admitted requests wait for `_top_up`'s read before the driver starts them anyway (its round
+# trip takes ~0.1 ms; this only bounds a Redis that stalls).
+TOP_UP_WAIT_S = 0.005
+
 
 class ModelLoop:
     """One model's driver on this worker; `instances` maps each loaded version to its instances."""
@@ -85,6 +89,9 @@ class ModelLoop:
         n_instances = sum(len(i) for i in instances.values())
         per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
         self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
+        # Where reading a flush whole can make one batch of what would be two on one instance (`_top_up`): with
+        # several instances the first request's lone batch leaves the others free for the rest.
+        self._tops_up = per_batch > 1 and all(len(insts) == 1 for insts in instances.values())
         self.custody = Custody(consumer, self.holding, config.custody, admit=self.admit, lost=self._lost,
                                released=self._freed, verified=self.wake, live_workers=live_workers)
         self.watchdog = Watchdog(spec.name, [i for insts in instances.values() for i in insts], config.watchdog_s,
@@ -169,6 +176,7 @@ class ModelLoop:
 
     async def _read(self, lane: int) -> None:
         room_event = self._room[lane]
+        loop = asyncio.get_running_loop()
         backoff = Backoff()
         while not self._stopping:
             room = self.holding.room(lane)
@@ -191,34 +199,42 @@ class ModelLoop:
                 self._on_health()  # reading again: advertised again
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
-                busy = self.holding.rows() > 0 or not self._dispatch.one_at_a_time  # (before these count)
+                busy = self._tops_up and (self.holding.rows() > 0 or not self._dispatch.one_at_a_time)
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)
                     if busy and not self._stopping:
-                        await self._top_up(lane)
+                        await self._top_up(lane, loop)
                 finally:  # (those admitted before one that raised are scheduled all the same)
                     self._wake.set()
 
-    async def _top_up(self, lane: int) -> None:
+    async def _top_up(self, lane: int, loop: asyncio.AbstractEventLoop) -> None:
         """Under load, what came after a blocking read's first message, read before the driver batches.
 
         A blocking XREADGROUP is answered as soon as one message is there: under load, the first of a
         gateway's flush (Redis serves the blocked read after that flush's first XADD). Its answer then waits
         in the socket while the loop is busy, and more requests arrive in the stream meanwhile. Batched at
-        once, the driver would start an idle instance on that first message alone and the rest would wait
+        once, the driver would start the idle instance on that first message alone and the rest would wait
         for the next batch: at `mlp` C=32 45 % of the batches were one request (bench/RESULTS.md, stop 52).
         So unless the model's clients send one at a time (its last batches were lone requests, and it holds
         nothing else: at C=1 this read would find nothing and cost a round trip), one read more, answered at
-        once with what the stream has, comes into the same step of the driver. A failure here is left to
-        the next blocking read."""
+        once with what the stream has, comes into the same step of the driver (a model that batches, on one
+        instance: `_tops_up`). Should Redis stall, the driver starts what is admitted after TOP_UP_WAIT_S.
+        A read that fails leaves what Redis may have delivered to it pending: claimed after the claim
+        timeout, as for a blocking read whose answer is lost. Not counted as a failed read (`reading`): the
+        next blocking read says whether reading works."""
         room = self.holding.room(lane)
         if room <= 0:
             return
+        later = loop.call_later(TOP_UP_WAIT_S, self._wake.set)
         try:
-            more = await self.custody.read(lane, room, None)
-        except (RedisError, OSError):
+            more = await self.consumer.read(lane, self.holding.messages_to_read(lane, room), None)
+        except (RedisError, OSError) as exc:
+            raise_if_cancelled()
+            log.debug("%s: reading more of lane %d failed: %s", self.spec.name, lane, exc)
             return
+        finally:
+            later.cancel()
         now = self.clock.now_us()
         for message, payload in more:
             self._admit(message, payload, now)

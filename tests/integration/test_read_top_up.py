@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from fleet.keys import Keys
@@ -15,7 +16,23 @@ from fleet.settings import Settings
 from fleet.stats import fold_args, render_model_stats
 from tests.integration.test_lanes import envelope, wait_for_replies
 from tests.support.queue_models import sleeper_repository
+from workers.consumer import StreamConsumer
 from workers.main import run_worker
+
+
+def reads_without_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many messages each of the worker's non-blocking reads (`_top_up`'s) returned."""
+    got: list[int] = []
+    read = StreamConsumer.read
+
+    async def recorded(self: StreamConsumer, lane: int, count: int, block_ms: int | None) -> Any:
+        messages = await read(self, lane, count, block_ms)
+        if block_ms is None:
+            got.append(len(messages))
+        return messages
+
+    monkeypatch.setattr(StreamConsumer, "read", recorded)
+    return got
 
 
 def batch_sizes(client: redis.Redis, keys: Keys, model: str) -> dict[int, int]:
@@ -27,7 +44,8 @@ def batch_sizes(client: redis.Redis, keys: Keys, model: str) -> dict[int, int]:
 
 
 def test_a_flush_of_requests_is_one_batch_though_the_blocking_read_returned_its_first(
-        redis_server: LocalServer, key_prefix: str, tmp_path: Path) -> None:
+        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    topped_up = reads_without_block(monkeypatch)
     # No queue delay: the scheduler batches what it has the moment the instance is free.
     repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8)
     keys = Keys(key_prefix)
@@ -51,6 +69,7 @@ def test_a_flush_of_requests_is_one_batch_though_the_blocking_read_returned_its_
             assert sorted(done) == sorted(["first"] + [f"r{i}" for i in range(6)])
             # One batch of six after the first request's own (without the top-up: one of one, then five).
             assert batch_sizes(client, keys, "slow") == {1: 1, 6: 1}
+            assert 5 in topped_up
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
@@ -58,13 +77,10 @@ def test_a_flush_of_requests_is_one_batch_though_the_blocking_read_returned_its_
     asyncio.run(main())
 
 
-def xreadgroup_calls(client: redis.Redis) -> int:
-    stats: Any = client.info("commandstats")
-    return int(stats.get("cmdstat_xreadgroup", {}).get("calls", 0))
-
 
 def test_requests_sent_one_at_a_time_cost_no_read_more(redis_server: LocalServer, key_prefix: str,
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    topped_up = reads_without_block(monkeypatch)
     # At C=1 nothing else is in the stream when a read returns: a second read would only add a round trip.
     repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8)
     keys = Keys(key_prefix)
@@ -81,11 +97,36 @@ def test_requests_sent_one_at_a_time_cost_no_read_more(redis_server: LocalServer
         task = asyncio.create_task(run_worker(settings, "cpu", stop))
         try:
             await one_at_a_time(0, 4)  # (the first batches, before one at a time is a pattern)
-            before = xreadgroup_calls(client)
+            before = len(topped_up)
             await one_at_a_time(4, 10)
-            # One blocking read a request (and a timed-out one, should the host stall past block_ms).
-            assert xreadgroup_calls(client) - before <= 12
+            assert len(topped_up) == before  # one blocking read a request, nothing more
             assert batch_sizes(client, keys, "slow") == {1: 14}
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+    asyncio.run(main())
+
+
+def test_a_model_on_two_instances_reads_no_more(redis_server: LocalServer, key_prefix: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first request's lone batch leaves the other instance free for the rest: nothing to gain.
+    topped_up = reads_without_block(monkeypatch)
+    repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8, instances=2)
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_server.url, protocol=2)
+    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,), block_ms=2000)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_worker(settings, "cpu", stop))
+        try:
+            pipe = client.pipeline(transaction=False)
+            for i in range(6):
+                pipe.xadd(keys.queue("slow", 0, version=1), {b"d": envelope(f"r{i}", keys, i)})
+            pipe.execute()
+            assert len(await wait_for_replies(client, keys, 6)) == 6
+            assert topped_up == []
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
