@@ -121,9 +121,9 @@ class Custody:
         since = self._read_failing_since
         return since is None or time.monotonic() - since < self.config.read_failure_s
 
-    async def read(self, lane: int, room: int, block_ms: int | None) -> list[tuple[MessageId, bytes | None]]:
-        """New messages of `lane`, as many as `room` rows allow (`block_ms`: StreamConsumer.read's); Redis
-        errors propagate (the reader backs off), and are remembered for `reading`."""
+    async def read(self, lane: int, room: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
+        """New messages of `lane`, as many as `room` rows allow; Redis errors propagate (the reader backs
+        off), and are remembered for `reading`."""
         try:
             messages = await self.consumer.read(lane, self.holding.messages_to_read(lane, room), block_ms)
         except (RedisError, OSError):

@@ -38,19 +38,27 @@ def reads_without_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def batch_sizes(client: redis.Redis, keys: Keys, model: str) -> dict[int, int]:
     """How many batches of each size the model computed (the statistics extension's batch_stats)."""
     client.eval(*fold_args(keys, model))
-    raw = {k.decode(): int(v) for k, v in client.hgetall(keys.stats(model)).items()}
+    fields: Any = client.hgetall(keys.stats(model))
+    raw = {k.decode(): int(v) for k, v in fields.items()}
     stats: Any = render_model_stats(model, 1, raw)
     return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
+
+
+def slow_model(redis_server: LocalServer, key_prefix: str, tmp_path: Path, *, instances: int = 1,
+               block_ms: int = 2000) -> tuple[Keys, redis.Redis, Settings]:
+    """A worker's settings serving `slow` (the sleeper, 1 ms a batch of up to 8, no queue delay: the scheduler
+    batches what it has the moment an instance is free), the test's keys and client."""
+    repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8,
+                              instances=instances)
+    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,),
+                        block_ms=block_ms)
+    return Keys(key_prefix), redis.Redis.from_url(redis_server.url, protocol=2), settings
 
 
 def test_a_flush_of_requests_is_one_batch_though_the_blocking_read_returned_its_first(
         redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     topped_up = reads_without_block(monkeypatch)
-    # No queue delay: the scheduler batches what it has the moment the instance is free.
-    repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8)
-    keys = Keys(key_prefix)
-    client = redis.Redis.from_url(redis_server.url, protocol=2)
-    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,), block_ms=2000)
+    keys, client, settings = slow_model(redis_server, key_prefix, tmp_path)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -77,15 +85,11 @@ def test_a_flush_of_requests_is_one_batch_though_the_blocking_read_returned_its_
     asyncio.run(main())
 
 
-
 def test_requests_sent_one_at_a_time_cost_no_read_more(redis_server: LocalServer, key_prefix: str,
                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     topped_up = reads_without_block(monkeypatch)
     # At C=1 nothing else is in the stream when a read returns: a second read would only add a round trip.
-    repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8)
-    keys = Keys(key_prefix)
-    client = redis.Redis.from_url(redis_server.url, protocol=2)
-    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,), block_ms=5000)
+    keys, client, settings = slow_model(redis_server, key_prefix, tmp_path, block_ms=5000)
 
     async def one_at_a_time(first: int, n: int) -> None:
         for i in range(first, first + n):
@@ -112,10 +116,7 @@ def test_a_model_on_two_instances_reads_no_more(redis_server: LocalServer, key_p
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # The first request's lone batch leaves the other instance free for the rest: nothing to gain.
     topped_up = reads_without_block(monkeypatch)
-    repo = sleeper_repository(tmp_path, "slow", sleep_ms=1, dynamic_batching="", max_batch_size=8, instances=2)
-    keys = Keys(key_prefix)
-    client = redis.Redis.from_url(redis_server.url, protocol=2)
-    settings = Settings(redis_url=redis_server.url, key_prefix=key_prefix, model_repositories=(repo,), block_ms=2000)
+    keys, client, settings = slow_model(redis_server, key_prefix, tmp_path, instances=2)
 
     async def main() -> None:
         stop = asyncio.Event()
