@@ -378,4 +378,3 @@ def _unencodable(item: InputItem, exc: Exception) -> str:
     if isinstance(exc, OverflowError):
         return "the request holds an integer outside the 64-bit range"
     return "the request cannot be encoded for the model's queue"
-

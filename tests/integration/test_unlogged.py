@@ -14,6 +14,7 @@ import redis
 from fleet.envelope import ReplyEnvelope
 from fleet.keys import GROUP, Keys
 from fleet.redis_clients import async_client
+from fleet.redis_link import entry_order
 from fleet.redis_server import LocalServer, start_server
 from fleet.unlogged import UNLOGGED_XADD
 from workers.backends.base import InferenceItem
@@ -24,11 +25,6 @@ REQUEST = b"job-request-payload|" * 50
 JOB_REPLY = "job-reply-message|" * 50
 ONLINE_REPLY = "online-reply-message|" * 50
 STREAMED_JOB_REPLY = "streamed-job-reply|" * 50  # a decoupled model's response before its last
-
-
-def order(entry_id: bytes) -> tuple[int, int]:
-    ms, seq = entry_id.split(b"-")
-    return int(ms), int(seq)
 
 
 def aof_bytes(data_dir: Path) -> bytes:
@@ -57,7 +53,7 @@ def test_a_jobs_requests_and_replies_stay_out_of_the_aof_and_its_streams_keep_th
         assert client.xlen(online) == 1
         replies = client.xinfo_stream(results)
         assert replies["length"] == 0 and replies["last-generated-id"] == last_reply  # the replies are gone
-        assert order(client.eval(UNLOGGED_XADD, 1, results, "*", "d0", b"after")) > order(last_reply)
+        assert entry_order(client.eval(UNLOGGED_XADD, 1, results, "*", "d0", b"after")) > entry_order(last_reply)
         info = client.xinfo_stream(lane)
         assert info["length"] == 0 and info["last-generated-id"] == second  # the unread request is gone
         (group,) = client.xinfo_groups(lane)
