@@ -102,11 +102,12 @@ class Settings(BaseSettings):
     # An instance executing one batch longer than this is hung: the worker stops advertising the model
     # and restarts the instance (Python backend: its stub process) or exits for its supervisor.
     watchdog_s: float = 120.0
-    # A lone request of an in-process CPU model (TorchScript, ONNX) is computed by the worker's event loop
-    # itself (no hand-off to and from the instance's thread) when its clients send one at a time, nothing
-    # else of the model waits, and the last lone request at least as large succeeded within this long
-    # (workers/inline.py has every condition). 0 = always on the thread.
-    inline_max_us: int = Field(default=1000, ge=0)
+    # A batch of an in-process CPU model (TorchScript, ONNX) is computed by the worker's event loop itself
+    # (no hand-off to and from the instance's thread) when the batches it computed before say it takes at
+    # most this long, it has no bulk-lane request, and the model has one instance or its clients send one
+    # at a time (workers/inline.py has every condition). About the longest the loop, and so the worker's
+    # other models, wait for it. 0 = always on the thread.
+    inline_max_us: int = Field(default=2000, ge=0)
     # The gateway fails requests waiting for a reply with 503 once Redis has been unreachable this long
     # (a restart shorter than this loses nothing: with AOF, queued requests are answered after it).
     redis_outage_s: float = 5.0

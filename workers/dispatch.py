@@ -24,7 +24,7 @@ from workers import gil
 from workers.custody import Custody
 from workers.execute import BatchOutcome, LoopRun, run_batch
 from workers.held import HeldRequests, stamp
-from workers.inline import LONE_BATCHES, SoloCost, may_inline
+from workers.inline import LONE_BATCHES, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
 
@@ -56,9 +56,10 @@ class Dispatch:
         self._expired, self._dropped, self._released = expired, dropped, released
         self._jobs: dict[tuple[int, int], Job] = {}  # (version, batch id) -> dispatched job
         self._outcomes: dict[tuple[int, int], tuple[BatchOutcome | BaseException, int]] = {}
-        # The longest one-request batch the loop computes itself (workers/inline.py); 0: none. Set by the
-        # model's loop once its watchdog guards such batches.
+        # The longest batch the loop computes itself (workers/inline.py); 0: none. Set by the model's loop
+        # once its watchdog guards such batches.
         self.inline_max_ns = 0
+        self._sole = sum(len(insts) for insts in instances.values()) == 1  # (workers/inline.py's `sole`)
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
 
@@ -110,8 +111,14 @@ class Dispatch:
         job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes))
         if instance.loop_backend is not None:
             job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
+        job.bulk = self._bulk_lane in map(_LANE, batch.items)
+        if job.on_loop is None and self.inline_max_ns and instance.inline_capable:
+            job.nbytes = sum(env.input_bytes for env in envs)  # its cost measured, by the thread or the loop
+            # Run, or staged: the loop computes it where it starts it, if that still holds then.
+            if self._may_inline(instance, job):
+                job.inline = functools.partial(self._may_inline, instance, job)
         self._jobs[(version, batch.id)] = job
-        gil.batch_started(self._bulk_lane in map(_LANE, batch.items), self._clock.now_us())
+        gil.batch_started(job.bulk, self._clock.now_us())
         return job
 
     def _start(self, version: int, index: int, batch: Batch) -> None:
@@ -120,18 +127,18 @@ class Dispatch:
                               idle=functools.partial(self._on_idle, version, index),
                               refused=functools.partial(self._on_refused, version, index),
                               custody_fresh=self._custody.fresh)
-        job = self._job(version, index, batch)
-        if self.inline_max_ns and instance.inline_capable and len(batch.items) == 1:  # measured, if not inline
-            job.solo_bytes = self._held[batch.items[0].request_id].env.input_bytes
-            if self._may_inline(instance, job.solo_bytes):
-                job.inline = functools.partial(self._may_inline, instance, job.solo_bytes)
-        instance.start(job, asyncio.get_running_loop(), callbacks)
+        instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
 
-    def _may_inline(self, instance: Instance, nbytes: int) -> bool:
-        """Whether the loop computes a lone request of `nbytes` on `instance` (asked again when it gets to it)."""
+    def _may_inline(self, instance: Instance, job: Job) -> bool:
+        """Whether the loop computes `job` on `instance` (asked again when it gets to it)."""
+        predicted = instance.costs.predict(job.nbytes)
+        if self._sole:
+            return may_inline(predicted, self.inline_max_ns, bulk=job.bulk, sole=True, others_running=False,
+                              lone_batches=0, queued=0)
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
         queued = sum(s.queued() for s in self.schedulers.values())
-        return may_inline(self._lone_batches, nbytes, instance.solo, queued, others, self.inline_max_ns)
+        return may_inline(predicted, self.inline_max_ns, bulk=job.bulk, sole=False, others_running=others,
+                          lone_batches=self._lone_batches, queued=queued)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:
@@ -140,10 +147,10 @@ class Dispatch:
         self._custody.claim_timeout.observe((now - started_us) / 1000)
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
-        if job.solo_bytes >= 0 and isinstance(result, BatchOutcome) and result.replies[0].ok:
-            # What a lone request this large costs (a failed one says nothing: it may have failed early).
-            self.instances[version][index].solo = SoloCost(job.solo_bytes, result.compute_input_ns
-                                                           + result.compute_infer_ns + result.compute_output_ns)
+        if job.nbytes >= 0 and isinstance(result, BatchOutcome) and all(r.ok for r in result.replies):
+            # What a batch this large costs (a failed one says nothing: it may have failed early).
+            self.instances[version][index].costs.measured(
+                job.nbytes, result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns)
         self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake()
 

@@ -2,53 +2,79 @@
 
 An in-process CPU model (TorchScript, ONNX) computes on its instance's thread: the loop hands each batch
 over and the thread hands the outcome back, a wake-up each way (~35 and ~140 µs of a C=1 request on this
-project's 2-core host, bench/RESULTS.md stop 41). Under load that thread is what lets the loop read, batch
-and answer while a forward runs. With nothing else to do, the loop may as well compute the batch itself:
-at `mlp` C=1 the worker's context switches fell from 5.3 to 2.0 a request (stop 43). So the loop computes
-a batch (workers/instance.py's `Instance._inline`) only when all of these hold:
+project's 2-core host, bench/RESULTS.md stop 41), and the two take turns at the GIL. Computed by the loop,
+a batch costs neither: at `mlp` C=1 the worker's context switches fell from 5.3 to 2.0 a request (stop 43).
+Under load the worker then goes round the cycle of bench/floor.py: read what the streams have (the whole
+flush: workers/loop.py's `_top_up`), compute it as one batch, write the replies, read again. At `mlp`
+C=32 that served ~1.2x what handing every batch to the thread did (stop 55). So the loop computes a batch
+(workers/instance.py's `Instance._inline`) when all of these hold:
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
   the instance has no rate limiter to wait for;
-- the batch is one request, with no more input bytes than the last one-request batch this instance
-  answered without an error, and that one took at most `max_ns` (LoopConfig.inline_max_us): about the
-  longest the loop is held (bytes, not rows: a model with variable dims takes larger inputs in a row);
-- the model's last batches (LONE_BATCHES) were lone requests too: its clients send one at a time (for a
-  model without dynamic batching every batch is one request, and this says nothing more than the next);
-- nothing else of the model is queued or staged, and no other instance of it is running, both when the
-  batch is started and when the loop gets to computing it (after the driver's step);
+- the batch should take at most `max_ns` (LoopConfig.inline_max_us), about the longest the loop is held:
+  `Costs.predict` says so from the batches the instance computed before (by input bytes, not rows: a
+  model with variable dims takes larger inputs in a row). Nothing measured yet: the thread computes it;
+- the batch has no bulk-lane request: a bulk job wants throughput, and the loop's work on its requests
+  (reading, decoding, writing the replies) then goes on beside the thread's compute on the other core.
+  Computed by the loop, `bench/bulk.py`'s offline job ran at 0.80-0.83x direct against 0.91-0.92x (stop 55);
+- no other instance of the model is running, both when the batch is started and when the loop gets to
+  computing it (after the driver's step): the loop would hold back its report and its next batch;
+- where the model has other instances (`sole` false), also: nothing else of the model is queued or staged,
+  and its last batches (LONE_BATCHES) were lone requests too, i.e. its clients send one at a time. Under
+  load the other instances can take what arrives while one computes, which they cannot while the loop does
+  (`fleet analyze`'s instance sweep, tests/e2e/test_analyze.py, measures two instances against one);
 - a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
   (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
 
 The loop is the worker's, shared by its models: while it computes, the other models' requests wait too
-(for `max_ns` at most), though only this model's queue is looked at.
+(for `max_ns` at most), though only this model's queue and instances are looked at. A model whose batches
+take longer (or one on several threads, or a GPU) computes on its instance's thread, and the loop serves
+the others meanwhile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The model's last batches were all lone requests (this one, and the two before): its clients send one at
-# a time. Under load a lone request is often the first of many on their way (after a large batch, its
-# clients' next requests arrive one by one); computed by the loop, it would keep the rest from being read
-# until it is done. Counted at `mlp` C=32: without this rule the loop computed 667 of 2,000 batches
-# started, with it 6; at C=1, 14,823 of 16,000 (bench/RESULTS.md, stop 43).
+# a time. Under load a lone request is often the first of many on their way; computed by the loop, it
+# would keep the rest from being read, and from the other instances, until it is done. Counted at `mlp`
+# C=32 on one instance, before the top-up read: without this rule the loop computed 667 of 2,000 batches
+# started, with it 6 (bench/RESULTS.md, stop 43). Only asked where the model has other instances.
 LONE_BATCHES = 3
 
 
-@dataclass(frozen=True, slots=True)
-class SoloCost:
-    """An instance's last one-request batch answered without an error: its input bytes, and how long it
-    took to compute (ns)."""
+@dataclass(slots=True)
+class Costs:
+    """What an instance's batches took to compute (ns), by input bytes: the last batch answered without an
+    error in each power-of-two band of sizes, so a lone request now and then does not make the next batch
+    look dear (nor a batch the next lone request)."""
 
-    nbytes: int
-    ns: int
+    _by_band: dict[int, tuple[int, int]] = field(default_factory=dict)  # bit_length(nbytes) -> (nbytes, ns)
+
+    def measured(self, nbytes: int, ns: int) -> None:
+        self._by_band[nbytes.bit_length()] = (nbytes, ns)
+
+    def predict(self, nbytes: int) -> int | None:
+        """The most a batch of `nbytes` input bytes should take (ns); None: nothing measured yet. Each batch
+        measured bounds it, where a larger batch costs no less and twice the bytes no more than twice the
+        time (a fixed part and a part in proportion): its own time if it was at least as large, else its time
+        scaled up by the bytes. The smallest bound counts."""
+        best: int | None = None
+        for measured_bytes, ns in self._by_band.values():
+            bound = ns if measured_bytes >= nbytes else -(-ns * nbytes // max(1, measured_bytes))
+            if best is None or bound < best:
+                best = bound
+        return best
 
 
-def may_inline(lone_batches: int, nbytes: int, last: SoloCost | None, queued: int, others_running: bool,
-               max_ns: int) -> bool:
-    """Whether the loop computes a batch of one request of `nbytes` itself (the instance can, and the
-    watchdog guards it). `lone_batches`: how many of the model's batches in a row, this one included, were
-    one request each; `queued`: the model's requests waiting besides this one (every version's);
-    `others_running`: another instance of the model is computing."""
-    return (max_ns > 0 and lone_batches >= LONE_BATCHES and queued == 0 and not others_running
-            and last is not None and nbytes <= last.nbytes and last.ns <= max_ns)
+def may_inline(predicted_ns: int | None, max_ns: int, *, bulk: bool, sole: bool, others_running: bool,
+               lone_batches: int, queued: int) -> bool:
+    """Whether the loop computes a batch predicted to take `predicted_ns` itself (the instance can, and the
+    watchdog guards it). `bulk`: the batch has a bulk-lane request; `sole`: the instance is the model's only
+    one (every version's); `others_running`: another instance of the model is computing; `lone_batches`: how
+    many of the model's batches in a row, this one included, were one request each; `queued`: the model's
+    requests waiting besides this batch."""
+    if max_ns <= 0 or bulk or predicted_ns is None or predicted_ns > max_ns or others_running:
+        return False
+    return sole or (lone_batches >= LONE_BATCHES and queued == 0)

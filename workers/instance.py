@@ -15,7 +15,7 @@ saves (loop to thread, thread to loop) were a wake-up each, ~35 and ~140 µs of 
 (bench/RESULTS.md, stop 41). What needs a thread (a restart, a BLS call on the way, a rate limiter's
 wait) runs on the instance's thread as before.
 
-An in-process CPU model's lone request is computed by the loop itself when nothing else waits for it
+An in-process CPU model's batch is computed by the loop itself where that holds the loop briefly
 (`Job.inline`; workers/inline.py says when), which saves the two hand-offs.
 
 A batch handed to the thread gets the GIL at once: the loop waits until the thread has begun it
@@ -51,7 +51,7 @@ from batching.plan import Batch
 from fleet.model_spec import InstanceLimit
 from workers.backends.base import Backend, LoopBackend
 from workers.execute import BatchOutcome, LoopOutcome, LoopRun
-from workers.inline import SoloCost
+from workers.inline import Costs
 from workers.rate_limiter import RateLimiter
 
 # The longest the loop waits for an instance's thread to begin a batch handed to it (see above): a thread
@@ -69,7 +69,8 @@ class Job:
     on_loop: LoopRun | None = None  # the same batch run from the event loop, where the backend allows
     # Set where the event loop may call `run` itself (workers/inline.py): asked again when the loop gets to it.
     inline: Callable[[], bool] | None = None
-    solo_bytes: int = -1  # a lone request's input bytes, where its cost is measured for `inline`
+    nbytes: int = -1  # its input bytes, where its cost is measured for `inline`
+    bulk: bool = False  # it has a bulk-lane request
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
@@ -101,9 +102,9 @@ class Instance:
     running_since: float | None = None  # time.monotonic() the current batch started (the watchdog reads it)
     # The backend, if the event loop may drive its calls (and no rate limiter makes them wait).
     loop_backend: LoopBackend | None = field(init=False)
-    # Whether the loop may compute a batch itself (workers/inline.py), and the last one-request batch's cost.
+    # Whether the loop may compute a batch itself (workers/inline.py), and what its batches cost.
     inline_capable: bool = field(init=False)
-    solo: SoloCost | None = None
+    costs: Costs = field(default_factory=Costs)
     running_inline: bool = False  # the loop is computing a batch of this instance (its watchdog's thread reads it)
     _staged: Job | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -1,17 +1,25 @@
-"""An in-process CPU model's lone requests computed by the worker's event loop itself (workers/inline.py),
-its batches under load by the instance's thread. Real Redis, the gateway app and a real worker in
-process (one event loop for both, on this test's thread), a TorchScript model that computes."""
+"""An in-process CPU model's batches computed by the worker's event loop itself (workers/inline.py): every
+batch where the model has one instance, only lone requests of clients sending one at a time where it has
+more, never a bulk job's. Real Redis, the gateway app and a real worker in process (one event loop for
+both, on this test's thread), a TorchScript model that computes."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
+from fleet.admission import bulk_lane
+from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
+from fleet.keys import Keys
+from fleet.model_config import load_config
 from fleet.redis_server import LocalServer
 from tests.support.system import InProcessSystem, in_process_system
 from workers.backends.base import InferenceItem, ItemResult
@@ -23,10 +31,14 @@ max_batch_size: 8
 input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
 output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 20000 }
+instance_group [ { count: %d, kind: KIND_CPU } ]
 """
+# No limit a stall of this host could pass: which batches the loop computes must not depend on how long
+# they took here (the limit itself is tests/unit/test_inline.py's).
+GENEROUS_US = 60_000_000
 
 
-def _repository(root: Path) -> Path:
+def _repository(root: Path, instances: int = 1) -> Path:
     import torch
 
     class Triple(torch.nn.Module):
@@ -37,7 +49,7 @@ def _repository(root: Path) -> Path:
     with warnings.catch_warnings():  # TorchScript is what Triton's pytorch backend loads (workers/generate_models.py)
         warnings.filterwarnings("ignore", _JIT_DEPRECATED, DeprecationWarning)
         torch.jit.save(torch.jit.script(Triple()), str(root / "triple" / "1" / "model.pt"))
-    (root / "triple" / "config.pbtxt").write_text(CONFIG)
+    (root / "triple" / "config.pbtxt").write_text(CONFIG % instances)
     return root
 
 
@@ -64,29 +76,88 @@ def _check(value: float, r: httpx.Response, rows: int = 1) -> None:
     assert r.json()["outputs"][0]["data"] == [3 * value] * 4 * rows
 
 
-def test_lone_requests_are_computed_by_the_loop_and_batches_by_the_thread(
+async def _bulk_infer(s: InProcessSystem, root: Path, value: float) -> None:
+    """One request on the model's bulk lane, as a bulk job enqueues it; checked once answered."""
+    keys = Keys(s.settings.key_prefix)
+    spec = load_config(root / "triple")
+    client = redis.Redis.from_url(s.settings.redis_url, protocol=2)
+    try:
+        tensor = WireTensor("INPUT__0", "FP32", (1, 4), struct.pack("<4f", *[value] * 4))
+        client.xadd(keys.queue("triple", bulk_lane(spec), version=1), {b"d": encode_request(RequestEnvelope(
+            id="bulk", model="triple", version=1, inputs=[tensor], reply_to=keys.reply("bulk-test"),
+            enqueued_at_us=time.time_ns() // 1000))})
+        for _ in range(1500):
+            entries = client.xrange(keys.reply("bulk-test"))
+            if entries:
+                [(_, fields)] = entries
+                [reply] = [decode_reply(v) for k, v in fields.items() if k.startswith(b"d")]
+                assert reply.outputs is not None and not reply.error_code
+                assert struct.unpack("<4f", reply.outputs[0].data) == (3 * value,) * 4
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError("the bulk request was not answered")
+    finally:
+        client.close()
+
+
+def test_a_sole_instance_has_its_batches_computed_by_the_loop_but_a_bulk_job_s(
         redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _calls(monkeypatch)
     loop_thread = threading.current_thread().name
+    root = _repository(tmp_path)
 
     async def main() -> None:
-        # A generous limit: a stall of this host must not send a lone request to the thread here (the limit
-        # itself is tests/unit/test_inline.py's).
-        async with in_process_system(redis_server.url, key_prefix, [_repository(tmp_path)], inline_max_us=200_000) as s:
-            for v in range(8):  # one at a time
+        async with in_process_system(redis_server.url, key_prefix, [root], inline_max_us=GENEROUS_US) as s:
+            for v in range(4):  # one at a time
                 _check(float(v), await _infer(s, float(v)))
-            # The instance's thread computes the first two (one at a time is not yet a pattern; the first is
-            # measured); the loop computes every one after.
-            assert calls == [("triple_0_0", 1)] * 2 + [(loop_thread, 1)] * 6
+            # The instance's thread computes the first (nothing is measured yet, and it measures it); the loop
+            # computes every one after.
+            assert calls == [("triple_0_0", 1)] + [(loop_thread, 1)] * 3
 
-            # Many at once: they queue behind one another, so the thread computes them, batched.
+            # Many at once: batched, and the loop computes the batches too (a larger one predicted from the
+            # lone requests' cost, scaled by its bytes).
             before = len(calls)
             values = [float(10 + k) for k in range(16)]
             for v, r in zip(values, await asyncio.gather(*(_infer(s, v) for v in values)), strict=True):
                 _check(v, r)
             wave = calls[before:]
             assert sum(n for _, n in wave) == 16 and len(wave) < 16
-            assert all(name.startswith("triple_0") for name, n in wave if n > 1)
+            assert all(name == loop_thread for name, _ in wave), wave
+
+            # A bulk job's request: the thread's (the loop writes what it finished while the thread computes).
+            before = len(calls)
+            await _bulk_infer(s, root, 5.0)
+            _check(1.0, await _infer(s, 1.0))
+            assert calls[before:] == [("triple_0_0", 1), (loop_thread, 1)]
+            stats = (await s.client.get("/v2/models/triple/stats")).json()["model_stats"][0]
+            assert stats["inference_count"] == 22 and stats["execution_count"] == len(calls)
+
+    asyncio.run(main())
+
+
+def test_with_two_instances_the_loop_computes_lone_requests_and_the_threads_the_batches(
+        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _calls(monkeypatch)
+    loop_thread = threading.current_thread().name
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [_repository(tmp_path, instances=2)],
+                                     inline_max_us=GENEROUS_US) as s:
+            for v in range(8):  # one at a time
+                _check(float(v), await _infer(s, float(v)))
+            # The threads compute the first two (one at a time is not yet a pattern; the first is measured);
+            # the loop computes every one after.
+            names = [name for name, _ in calls]
+            assert all(n.startswith("triple_") for n in names[:2]) and names[2:] == [loop_thread] * 6, calls
+
+            # Many at once: they queue behind one another, so the instances' threads compute them, batched.
+            before = len(calls)
+            values = [float(10 + k) for k in range(16)]
+            for v, r in zip(values, await asyncio.gather(*(_infer(s, v) for v in values)), strict=True):
+                _check(v, r)
+            wave = calls[before:]
+            assert sum(n for _, n in wave) == 16 and len(wave) < 16
+            assert all(name.startswith("triple_") for name, n in wave if n > 1), wave
 
             # One at a time again: the loop's again, once three batches in a row were lone requests (the wave
             # may have ended with one or two).
@@ -95,26 +166,21 @@ def test_lone_requests_are_computed_by_the_loop_and_batches_by_the_thread(
                 _check(float(v), await _infer(s, float(v)))
             names = [name for name, _ in calls[before:]]
             first = names.index(loop_thread)
-            assert first <= 2 and all(n.startswith("triple_0") for n in names[:first])
+            assert first <= 2 and all(n.startswith("triple_") for n in names[:first])
             assert names[first:] == [loop_thread] * (5 - first)
-
-            # A larger request than any measured goes to the thread (and is measured); then the loop again.
-            before = len(calls)
-            _check(2.0, await _infer(s, 2.0, rows=3), rows=3)
-            _check(1.0, await _infer(s, 1.0))
-            assert calls[before:] == [("triple_0_0", 1), (loop_thread, 1)]
-            stats = (await s.client.get("/v2/models/triple/stats")).json()["model_stats"][0]
-            assert stats["inference_count"] == 33 and stats["execution_count"] == len(calls)
 
     asyncio.run(main())
 
 
-def test_inline_max_us_0_keeps_every_batch_on_the_thread(
-        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("inline_max_us", [0, 1])  # never; and a limit no batch computes within
+def test_past_the_limit_every_batch_stays_on_the_thread(
+        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        inline_max_us: int) -> None:
     calls = _calls(monkeypatch)
 
     async def main() -> None:
-        async with in_process_system(redis_server.url, key_prefix, [_repository(tmp_path)], inline_max_us=0) as s:
+        async with in_process_system(redis_server.url, key_prefix, [_repository(tmp_path)],
+                                     inline_max_us=inline_max_us) as s:
             for v in range(4):
                 _check(float(v), await _infer(s, float(v)))
         assert len(calls) == 4 and all(name.startswith("triple_0") for name, _ in calls)

@@ -9,36 +9,107 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batching.plan import Batch
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult
 from workers.execute import BatchOutcome
-from workers.inline import SoloCost, may_inline
+from workers.inline import LONE_BATCHES, Costs, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.watchdog import Watchdog
 
-FAST = SoloCost(nbytes=1024, ns=300_000)
+
+def _costs(*measured: tuple[int, int]) -> Costs:
+    costs = Costs()
+    for nbytes, ns in measured:
+        costs.measured(nbytes, ns)
+    return costs
 
 
-@pytest.mark.parametrize(("lone_batches", "inline"), [(1, False), (2, False), (3, True), (40, True)])
-def test_the_loop_computes_only_where_the_clients_send_one_at_a_time(lone_batches: int, inline: bool) -> None:
-    assert may_inline(lone_batches, 1024, FAST, 0, False, 1_000_000) is inline
+def test_nothing_measured_predicts_nothing() -> None:
+    assert Costs().predict(1024) is None
 
 
-@pytest.mark.parametrize(("nbytes", "last", "queued", "others", "max_ns", "inline"), [
-    (1024, FAST, 0, False, 1_000_000, True),  # alone, as small and as quick as the last one
-    (16, FAST, 0, False, 1_000_000, True),  # smaller
-    (1024, FAST, 0, False, 300_000, True),  # at the limit
-    (1024, FAST, 0, False, 299_999, False),  # the last one took longer than the limit
-    (1024, FAST, 0, False, 0, False),  # not guarded (or switched off)
-    (1024, None, 0, False, 1_000_000, False),  # nothing measured yet: the thread computes and measures
-    (1025, FAST, 0, False, 1_000_000, False),  # larger than the measured one (more rows, or wider)
-    (1024, FAST, 1, False, 1_000_000, False),  # another request waits
-    (1024, FAST, 0, True, 1_000_000, False),  # another instance computes: the loop reports for it
+def test_a_batch_costs_what_one_at_least_as_large_did_or_that_of_a_smaller_one_scaled_up() -> None:
+    costs = _costs((1024, 300_000))
+    assert costs.predict(1024) == 300_000
+    assert costs.predict(16) == 300_000  # smaller: no cheaper than the measured one (its fixed part)
+    assert costs.predict(3072) == 900_000  # three times the bytes: at most three times the time
+    assert costs.predict(1025) == 300_293  # (rounded up)
+
+
+def test_the_smallest_bound_counts() -> None:
+    # A lone request (1 KiB, 0.3 ms) and a batch of 16 (16 KiB, 1.2 ms): a batch of 13 is bounded by the
+    # batch (1.2 ms), not by 13 lone requests (3.9 ms); a lone request by itself, not by the batch.
+    costs = _costs((1024, 300_000), (16_384, 1_200_000))
+    assert costs.predict(13_312) == 1_200_000
+    assert costs.predict(1024) == 300_000
+    assert costs.predict(32_768) == 2_400_000
+
+
+def test_each_band_of_sizes_keeps_its_last_measure() -> None:
+    costs = _costs((16_384, 1_200_000), (1024, 300_000), (1024, 500_000))  # the later lone one replaces
+    assert costs.predict(1024) == 500_000 and costs.predict(16_384) == 1_200_000
+    costs.measured(20_000, 900_000)  # the same band as 16 KiB (16,384-32,767 bytes): replaces it
+    assert costs.predict(16_384) == 900_000
+
+
+@given(fixed=st.integers(0, 10_000_000), per_byte=st.integers(0, 10_000),
+       measured=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=12), data=st.data())
+def test_for_a_fixed_part_and_a_part_in_proportion_the_prediction_is_never_short(
+        fixed: int, per_byte: int, measured: list[int], data: st.DataObject) -> None:
+    def cost(n: int) -> int:
+        return fixed + per_byte * n
+
+    nbytes = data.draw(st.one_of(st.sampled_from(measured), st.integers(0, 1 << 22)))
+    costs = _costs(*[(n, cost(n)) for n in measured])
+    predicted = costs.predict(nbytes)
+    assert predicted is not None and predicted >= cost(nbytes)
+    if [n for n in measured if n.bit_length() == nbytes.bit_length()][-1:] == [nbytes]:  # measured, and kept
+        assert predicted == cost(nbytes)
+
+
+QUICK, SLOW = 300_000, 1_200_000
+
+
+@pytest.mark.parametrize(("predicted", "max_ns", "inline"), [
+    (QUICK, 1_000_000, True),
+    (1_000_000, 1_000_000, True),  # at the limit
+    (1_000_001, 1_000_000, False),  # past it
+    (None, 1_000_000, False),  # nothing measured yet: the thread computes and measures
+    (QUICK, 0, False),  # not guarded (or switched off)
 ])
-def test_the_loop_computes_a_lone_quick_request_only(nbytes: int, last: SoloCost | None, queued: int, others: bool,
-                                                     max_ns: int, inline: bool) -> None:
-    assert may_inline(3, nbytes, last, queued, others, max_ns) is inline
+def test_the_loop_computes_a_batch_predicted_within_the_limit(predicted: int | None, max_ns: int,
+                                                              inline: bool) -> None:
+    assert may_inline(predicted, max_ns, bulk=False, sole=True, others_running=False, lone_batches=0,
+                      queued=0) is inline
+
+
+def test_a_sole_instance_has_its_batches_computed_by_the_loop_whatever_else_waits() -> None:
+    assert may_inline(QUICK, 1_000_000, bulk=False, sole=True, others_running=False, lone_batches=0, queued=50)
+
+
+def test_a_batch_with_a_bulk_request_goes_to_the_thread() -> None:
+    assert not may_inline(QUICK, 1_000_000, bulk=True, sole=True, others_running=False, lone_batches=0, queued=0)
+    assert not may_inline(QUICK, 1_000_000, bulk=True, sole=False, others_running=False,
+                          lone_batches=LONE_BATCHES, queued=0)
+
+
+@pytest.mark.parametrize(("lone_batches", "queued", "others", "inline"), [
+    (1, 0, False, False),  # one at a time is not a pattern yet
+    (LONE_BATCHES - 1, 0, False, False),
+    (LONE_BATCHES, 0, False, True),  # the clients send one at a time
+    (40, 0, False, True),
+    (LONE_BATCHES, 1, False, False),  # another request waits: another instance can take it
+    (LONE_BATCHES, 0, True, False),  # another instance computes: the loop reports for it
+])
+def test_with_other_instances_only_lone_requests_of_clients_sending_one_at_a_time(
+        lone_batches: int, queued: int, others: bool, inline: bool) -> None:
+    assert may_inline(QUICK, 1_000_000, bulk=False, sole=False, others_running=others, lone_batches=lone_batches,
+                      queued=queued) is inline
+    assert not may_inline(SLOW, 1_000_000, bulk=False, sole=False, others_running=others,
+                          lone_batches=lone_batches, queued=queued)
 
 
 class _Inline(InProcessBackend):
