@@ -114,9 +114,10 @@ class Dispatch:
         job.bulk = self._bulk_lane in map(_LANE, batch.items)
         if job.on_loop is None and self.inline_max_ns and instance.inline_capable:
             job.nbytes = sum(env.input_bytes for env in envs)  # its cost measured, by the thread or the loop
-            # Run, or staged: the loop computes it where it starts it, if that still holds then.
-            if self._may_inline(instance, job):
-                job.inline = functools.partial(self._may_inline, instance, job)
+            # Run, or staged: the loop computes it where it starts it, if that still holds then. (The
+            # partial holds no job: a job that held itself would wait for the cycle collector.)
+            if self._may_inline(instance, job.nbytes, job.bulk):
+                job.inline = functools.partial(self._may_inline, instance, job.nbytes, job.bulk)
         self._jobs[(version, batch.id)] = job
         gil.batch_started(job.bulk, self._clock.now_us())
         return job
@@ -129,15 +130,16 @@ class Dispatch:
                               custody_fresh=self._custody.fresh)
         instance.start(self._job(version, index, batch), asyncio.get_running_loop(), callbacks)
 
-    def _may_inline(self, instance: Instance, job: Job) -> bool:
-        """Whether the loop computes `job` on `instance` (asked again when it gets to it)."""
-        predicted = instance.costs.predict(job.nbytes)
+    def _may_inline(self, instance: Instance, nbytes: int, bulk: bool) -> bool:
+        """Whether the loop computes a batch of `nbytes` on `instance` (asked again when it gets to it)."""
+        predicted = instance.costs.predict(nbytes)
         if self._sole:
-            return may_inline(predicted, self.inline_max_ns, bulk=job.bulk, sole=True, others_running=False,
+            return may_inline(predicted, self.inline_max_ns, bulk=bulk, sole=True, others_running=False,
                               lone_batches=0, queued=0)
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
+        # (A staged batch counts as queued: with other instances, the thread computes those.)
         queued = sum(s.queued() for s in self.schedulers.values())
-        return may_inline(predicted, self.inline_max_ns, bulk=job.bulk, sole=False, others_running=others,
+        return may_inline(predicted, self.inline_max_ns, bulk=bulk, sole=False, others_running=others,
                           lone_batches=self._lone_batches, queued=queued)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,

@@ -22,7 +22,7 @@ C=32 that served ~1.2x what handing every batch to the thread did (stop 55). So 
 - where the model has other instances (`sole` false), also: nothing else of the model is queued or staged,
   and its last batches (LONE_BATCHES) were lone requests too, i.e. its clients send one at a time. Under
   load the other instances can take what arrives while one computes, which they cannot while the loop does
-  (`fleet analyze`'s instance sweep, tests/e2e/test_analyze.py, measures two instances against one);
+  (and a batch staged behind a running one is queued: the thread computes it);
 - a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
   (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
 
@@ -56,16 +56,21 @@ class Costs:
         self._by_band[nbytes.bit_length()] = (nbytes, ns)
 
     def predict(self, nbytes: int) -> int | None:
-        """The most a batch of `nbytes` input bytes should take (ns); None: nothing measured yet. Each batch
-        measured bounds it, where a larger batch costs no less and twice the bytes no more than twice the
-        time (a fixed part and a part in proportion): its own time if it was at least as large, else its time
-        scaled up by the bytes. The smallest bound counts."""
-        best: int | None = None
-        for measured_bytes, ns in self._by_band.values():
-            bound = ns if measured_bytes >= nbytes else -(-ns * nbytes // max(1, measured_bytes))
-            if best is None or bound < best:
-                best = bound
-        return best
+        """What a batch of `nbytes` input bytes should take at most (ns); None: nothing measured yet. Where
+        a larger batch costs no less and twice the bytes no more than twice the time (a fixed part and a part
+        in proportion), a batch measured bounds it: by its own time if it was at least as large, else by its
+        time scaled up by the bytes. The last one of its own band of sizes says (however cheaper others
+        were: a batch as large that just took longer is not computed by the loop again on their word); with
+        none there, the smallest bound of the others."""
+        own = self._by_band.get(nbytes.bit_length())
+        if own is not None:
+            return _bound(own, nbytes)
+        return min((_bound(m, nbytes) for m in self._by_band.values()), default=None)
+
+
+def _bound(measured: tuple[int, int], nbytes: int) -> int:
+    measured_bytes, ns = measured
+    return ns if measured_bytes >= nbytes else -(-ns * nbytes // max(1, measured_bytes))
 
 
 def may_inline(predicted_ns: int | None, max_ns: int, *, bulk: bool, sole: bool, others_running: bool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -46,6 +47,13 @@ def test_the_smallest_bound_counts() -> None:
     assert costs.predict(13_312) == 1_200_000
     assert costs.predict(1024) == 300_000
     assert costs.predict(32_768) == 2_400_000
+
+
+def test_a_batch_as_large_that_just_took_long_says_more_than_cheaper_smaller_ones() -> None:
+    # A cost that grows faster than the bytes (or two measures under different loads): 16 lone requests
+    # would say 1.6 ms, but the last 16 KiB batch took 3 ms.
+    costs = _costs((1024, 100_000), (16_384, 3_000_000))
+    assert costs.predict(16_384) == 3_000_000 and costs.predict(20_000) == 3_662_110
 
 
 def test_each_band_of_sizes_keeps_its_last_measure() -> None:
@@ -219,6 +227,33 @@ def test_the_loop_computes_the_batch_and_the_thread_the_one_staged_behind_it() -
     assert [(batch_id, on) for batch_id, on, _ in reports] == [(1, LOOP), (2, LOOP)]  # reported on the loop
     assert ran[0] == LOOP and ran[1].startswith("m_0")  # computed by the loop, then by the instance's thread
     assert idle
+
+
+def _asked(asked: list[str], answer: bool) -> Callable[[], bool]:
+    def inline() -> bool:
+        asked.append(threading.current_thread().name)
+        return answer
+
+    return inline
+
+
+def test_a_staged_batch_the_loop_may_compute_is_computed_by_the_loop_after_one_it_computed() -> None:
+    ran: list[str] = []
+    asked: list[str] = []
+    staged = _job(2, ran)
+    staged.inline = _asked(asked, True)
+    reports, idle = _run_jobs(_job(1, ran), True, staged)
+    assert ran == [LOOP, LOOP] and asked == [LOOP] and [r[0] for r in reports] == [1, 2] and idle
+
+
+def test_a_staged_batch_behind_one_the_thread_computes_is_the_thread_s_and_never_asks() -> None:
+    ran: list[str] = []
+    asked: list[str] = []
+    staged = _job(2, ran)
+    staged.inline = _asked(asked, True)
+    reports, idle = _run_jobs(_job(1, ran), False, staged)
+    assert len(ran) == 2 and all(name.startswith("m_0") for name in ran) and asked == []
+    assert [r[0] for r in reports] == [1, 2] and idle
 
 
 def test_a_batch_the_loop_may_no_longer_compute_goes_to_the_thread() -> None:

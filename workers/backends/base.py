@@ -110,7 +110,7 @@ class Backend(Protocol):
     * `host_bound`: its compute runs on the host's CPU (False on a GPU, and for the sleep backend: the
       instance's thread only waits). The scheduler stages partial batches only where it is False.
     * `runs_inline`: `execute()` computes in this process, on the CPU, on the calling thread alone, so
-      the event loop may call it itself when nothing else waits (workers/inline.py).
+      the event loop may call it itself where a batch holds the loop briefly (workers/inline.py).
 
     `InProcessBackend` holds the defaults of a backend that runs in the worker process.
     """
