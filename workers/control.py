@@ -51,6 +51,7 @@ from workers.backends.base import BlsHandler, LoadContext, ModelWrites
 from workers.backends.decoupled import Emit
 from workers.consumer import StreamConsumer
 from workers.custody import LiveWorkers
+from workers.inline import Neighbours
 from workers.instance import Instance
 from workers.loading import close_instances, load_version
 from workers.loop import ModelLoop
@@ -105,6 +106,9 @@ class HostContext:
     bls: BlsHandler | None = None  # Python models' calls to other models (workers/bls.py)
     emit: Emit | None = None  # a decoupled model's responses as they come (workers/replies.py)
     writes: ModelWrites | None = None  # generation engines' responses and metrics (workers/replies.py)
+    # The model loops on this worker's event loop: the loop computes a batch itself only where no other
+    # holds requests (workers/inline.py).
+    neighbours: Neighbours = field(default_factory=Neighbours)
 
 
 class ModelHost:
@@ -318,7 +322,7 @@ class ModelHost:
         loop = ModelLoop(entry.spec, {unit.version: served.instances}, consumer, SystemClock(), self.ctx.redis_clock,
                          self.ctx.loop_config, on_hung=self.ctx.on_hung, on_health=self.ctx.beat_now,
                          on_give_up=self.ctx.on_give_up, live_workers=self.ctx.live_workers,
-                         sequence_tensors=sequence_tensors)
+                         sequence_tensors=sequence_tensors, neighbours=self.ctx.neighbours)
         served.loop = loop
         served.task = asyncio.create_task(loop.run(), name=f"model '{unit.model}' version {unit.version}")
         served.task.add_done_callback(self.ctx.on_loop_done)

@@ -41,7 +41,7 @@ class Dispatch:
     def __init__(self, spec: ModelSpec, instances: dict[int, list[Instance]], schedulers: dict[int, Scheduler],
                  sequences: Sequences, held: HeldRequests, custody: Custody, clock: Clock, redis_clock: RedisClock,
                  *, bulk_lane: int, lane_aware: bool, wake: Callable[[], None], expired: Expired,
-                 dropped: Dropped, released: Released) -> None:
+                 dropped: Dropped, released: Released, neighbours_hold: Callable[[], bool] = lambda: False) -> None:
         self.spec = spec
         self.instances = instances
         self.schedulers = schedulers
@@ -60,6 +60,7 @@ class Dispatch:
         # once its watchdog guards such batches.
         self.inline_max_ns = 0
         self._sole = sum(len(insts) for insts in instances.values()) == 1  # (workers/inline.py's `sole`)
+        self._neighbours_hold = neighbours_hold  # another model loop of the worker holds requests
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
 
@@ -133,14 +134,15 @@ class Dispatch:
     def _may_inline(self, instance: Instance, nbytes: int, bulk: bool) -> bool:
         """Whether the loop computes a batch of `nbytes` on `instance` (asked again when it gets to it)."""
         predicted = instance.costs.predict(nbytes)
+        neighbours = self._neighbours_hold()
         if self._sole:
-            return may_inline(predicted, self.inline_max_ns, bulk=bulk, sole=True, others_running=False,
-                              lone_batches=0, queued=0)
+            return may_inline(predicted, self.inline_max_ns, bulk=bulk, neighbours_hold=neighbours, sole=True,
+                              others_running=False, lone_batches=0, queued=0)
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
         # (A staged batch counts as queued: with other instances, the thread computes those.)
         queued = sum(s.queued() for s in self.schedulers.values())
-        return may_inline(predicted, self.inline_max_ns, bulk=bulk, sole=False, others_running=others,
-                          lone_batches=self._lone_batches, queued=queued)
+        return may_inline(predicted, self.inline_max_ns, bulk=bulk, neighbours_hold=neighbours, sole=False,
+                          others_running=others, lone_batches=self._lone_batches, queued=queued)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:

@@ -17,24 +17,29 @@ C=32 that served ~1.2x what handing every batch to the thread did (stop 55). So 
 - the batch has no bulk-lane request: a bulk job wants throughput, and the loop's work on its requests
   (reading, decoding, writing the replies) then goes on beside the thread's compute on the other core.
   Computed by the loop, `bench/bulk.py`'s offline job ran at 0.80-0.83x direct against 0.91-0.92x (stop 55);
-- no other instance of the model is running, both when the batch is started and when the loop gets to
+- no other model (or version) on this worker holds a request not yet answered: they share the loop, and
+  while it computes they wait, their replies and a Python-backend stub's calls too. Measured with `mlp` and
+  `double` at C=16 each on one worker, computed by the loop whatever the others held: `mlp` 1.30x, `double`
+  0.84x (stop 55). So the loop computes where its model has the worker to itself;
+- no other instance of the model version is running, both when the batch is started and when the loop gets to
   computing it (after the driver's step): the loop would hold back its report and its next batch;
-- where the model has other instances (`sole` false), also: nothing else of the model is queued or staged,
+- where the model version has other instances (`sole` false), also: nothing else of it is queued or staged,
   and its last batches (LONE_BATCHES) were lone requests too, i.e. its clients send one at a time. Under
   load the other instances can take what arrives while one computes, which they cannot while the loop does
   (and a batch staged behind a running one is queued: the thread computes it);
 - a hang would be caught: the watchdog runs on the loop, so while the loop computes a thread watches
   (workers/watchdog.py's `guard_inline`), and none is computed where no limit is set.
 
-The loop is the worker's, shared by its models: while it computes, the other models' requests wait too
-(for `max_ns` at most), though only this model's queue and instances are looked at. A model whose batches
-take longer (or one on several threads, or a GPU) computes on its instance's thread, and the loop serves
-the others meanwhile.
+A model whose batches take longer (or one on several threads, or a GPU) computes on its instance's thread,
+and the loop serves the others meanwhile. A request of another model that arrives while the loop computes
+waits for it (`max_ns` at most).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from batching.holding import Holding
 
 # The model's last batches were all lone requests (this one, and the two before): its clients send one at
 # a time. Under load a lone request is often the first of many on their way; computed by the loop, it
@@ -73,13 +78,31 @@ def _bound(measured: tuple[int, int], nbytes: int) -> int:
     return ns if measured_bytes >= nbytes else -(-ns * nbytes // max(1, measured_bytes))
 
 
-def may_inline(predicted_ns: int | None, max_ns: int, *, bulk: bool, sole: bool, others_running: bool,
-               lone_batches: int, queued: int) -> bool:
+class Neighbours:
+    """The model loops of one worker (each version of each model it serves), which share its event loop:
+    what each holds, so that one may ask whether another holds requests not yet answered."""
+
+    def __init__(self) -> None:
+        self._holdings: list[Holding] = []
+
+    def add(self, holding: Holding) -> None:
+        self._holdings.append(holding)
+
+    def remove(self, holding: Holding) -> None:
+        self._holdings = [h for h in self._holdings if h is not holding]
+
+    def others_hold(self, mine: Holding) -> bool:
+        return any(h.rows() for h in self._holdings if h is not mine)
+
+
+def may_inline(predicted_ns: int | None, max_ns: int, *, bulk: bool, neighbours_hold: bool, sole: bool,
+               others_running: bool, lone_batches: int, queued: int) -> bool:
     """Whether the loop computes a batch predicted to take `predicted_ns` itself (the instance can, and the
-    watchdog guards it). `bulk`: the batch has a bulk-lane request; `sole`: the instance is the model's only
-    one (every version's); `others_running`: another instance of the model is computing; `lone_batches`: how
-    many of the model's batches in a row, this one included, were one request each; `queued`: the model's
-    requests waiting besides this batch."""
-    if max_ns <= 0 or bulk or predicted_ns is None or predicted_ns > max_ns or others_running:
+    watchdog guards it). `bulk`: the batch has a bulk-lane request; `neighbours_hold`: another model loop of
+    the worker holds requests not yet answered; `sole`: the instance is the only one of its model version;
+    `others_running`: another instance of it is computing; `lone_batches`: how many of its batches in a row,
+    this one included, were one request each; `queued`: its requests waiting besides this batch."""
+    if (max_ns <= 0 or bulk or neighbours_hold or predicted_ns is None or predicted_ns > max_ns
+            or others_running):
         return False
     return sole or (lone_batches >= LONE_BATCHES and queued == 0)

@@ -51,6 +51,7 @@ from workers.held import (
     pending_for,
     stamp_replies,
 )
+from workers.inline import Neighbours
 from workers.instance import Instance
 from workers.loop_config import DEFAULT_LOOP_CONFIG, LoopConfig, policy_for, preserves_ordering, scheduler_config
 from workers.samples import batch_sample, rejected_samples
@@ -73,7 +74,8 @@ class ModelLoop:
                  clock: Clock, redis_clock: RedisClock, config: LoopConfig = DEFAULT_LOOP_CONFIG, *,
                  on_hung: HungHandler | None = None, on_health: Callable[[], None] | None = None,
                  on_give_up: Callable[[str, BaseException], None] | None = None,
-                 live_workers: LiveWorkers | None = None, sequence_tensors: SequenceTensors | None = None) -> None:
+                 live_workers: LiveWorkers | None = None, sequence_tensors: SequenceTensors | None = None,
+                 neighbours: Neighbours | None = None) -> None:
         self.spec = spec
         self.instances = instances
         self.clock = clock
@@ -103,9 +105,12 @@ class ModelLoop:
                                       if lane_policy(spec, lane).delay_on_timeout)
         self._held = HeldRequests()
         self._wake = Wakeup(spec.name)
+        # The worker's other model loops, which share its event loop (workers/inline.py).
+        self._neighbours = neighbours or Neighbours()
         self._dispatch = Dispatch(spec, instances, self.schedulers, self._sequences, self._held, self.custody, clock,
                                   redis_clock, bulk_lane=self.bulk_lane, lane_aware=is_llm(spec), wake=self._wake.set,
-                                  expired=self._expire, dropped=self._drop, released=self._release)
+                                  expired=self._expire, dropped=self._drop, released=self._release,
+                                  neighbours_hold=functools.partial(self._neighbours.others_hold, self.holding))
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
@@ -144,6 +149,7 @@ class ModelLoop:
         driver = sup.start("driver", self._drive)
         if self.watchdog.guard_inline():
             self._dispatch.inline_max_ns = self.config.inline_max_us * 1000
+        self._neighbours.add(self.holding)
         try:
             await asyncio.gather(*readers)  # they return once stopping
             self._readers_done = True
@@ -152,6 +158,7 @@ class ModelLoop:
             await self.custody.drained()
             await background[0]  # keepalive: ends once nothing is held
         finally:
+            self._neighbours.remove(self.holding)
             await cancel_and_wait([*background, *readers, driver], f"model '{self.spec.name}'")
             self._wake.close()
             self.watchdog.unguard()

@@ -21,6 +21,7 @@ from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_req
 from fleet.keys import Keys
 from fleet.model_config import load_config
 from fleet.redis_server import LocalServer
+from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
 from workers.backends.base import InferenceItem, ItemResult
 from workers.backends.torch_backend import TorchBackend
@@ -168,6 +169,39 @@ def test_with_two_instances_the_loop_computes_lone_requests_and_the_threads_the_
             first = names.index(loop_thread)
             assert first <= 2 and all(n.startswith("triple_") for n in names[:first])
             assert names[first:] == [loop_thread] * (5 - first)
+
+    asyncio.run(main())
+
+
+def test_while_another_model_of_the_worker_holds_a_request_the_thread_computes(
+        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _calls(monkeypatch)
+    loop_thread = threading.current_thread().name
+    repositories = [_repository(tmp_path / "torch"), sleeper_repository(tmp_path, "nap", sleep_ms=3000,
+                                                                        dynamic_batching="")]
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, repositories, inline_max_us=GENEROUS_US) as s:
+            for v in range(2):
+                _check(float(v), await _infer(s, float(v)))
+            assert calls == [("triple_0_0", 1), (loop_thread, 1)]
+
+            # The other model holds a request (its stub sleeps 3 s on it): the loop is theirs to share.
+            nap = asyncio.create_task(s.client.post("/v2/models/nap/infer", json={
+                "inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}))
+            before = len(calls)
+            for v in range(3):
+                await asyncio.sleep(0.2)  # (the first: until the worker has read nap's request)
+                _check(float(v), await _infer(s, float(v)))
+            assert not nap.done(), "this host took 3 s over three requests: nothing was tested"
+            assert calls[before:] == [("triple_0_0", 1)] * 3
+
+            # Answered: the loop computes again.
+            assert (await nap).status_code == 200
+            before = len(calls)
+            for v in range(2):
+                _check(float(v), await _infer(s, float(v)))
+            assert calls[before:] == [(loop_thread, 1)] * 2
 
     asyncio.run(main())
 

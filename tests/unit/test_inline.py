@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batching.holding import Holding
 from batching.plan import Batch
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult
 from workers.execute import BatchOutcome
-from workers.inline import LONE_BATCHES, Costs, may_inline
+from workers.inline import LONE_BATCHES, Costs, Neighbours, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.watchdog import Watchdog
 
@@ -90,18 +91,43 @@ QUICK, SLOW = 300_000, 1_200_000
 ])
 def test_the_loop_computes_a_batch_predicted_within_the_limit(predicted: int | None, max_ns: int,
                                                               inline: bool) -> None:
-    assert may_inline(predicted, max_ns, bulk=False, sole=True, others_running=False, lone_batches=0,
-                      queued=0) is inline
+    assert may_inline(predicted, max_ns, bulk=False, neighbours_hold=False, sole=True, others_running=False,
+                      lone_batches=0, queued=0) is inline
 
 
 def test_a_sole_instance_has_its_batches_computed_by_the_loop_whatever_else_waits() -> None:
-    assert may_inline(QUICK, 1_000_000, bulk=False, sole=True, others_running=False, lone_batches=0, queued=50)
+    assert may_inline(QUICK, 1_000_000, bulk=False, neighbours_hold=False, sole=True, others_running=False,
+                      lone_batches=0, queued=50)
 
 
 def test_a_batch_with_a_bulk_request_goes_to_the_thread() -> None:
-    assert not may_inline(QUICK, 1_000_000, bulk=True, sole=True, others_running=False, lone_batches=0, queued=0)
-    assert not may_inline(QUICK, 1_000_000, bulk=True, sole=False, others_running=False,
+    assert not may_inline(QUICK, 1_000_000, bulk=True, neighbours_hold=False, sole=True, others_running=False,
+                          lone_batches=0, queued=0)
+    assert not may_inline(QUICK, 1_000_000, bulk=True, neighbours_hold=False, sole=False, others_running=False,
                           lone_batches=LONE_BATCHES, queued=0)
+
+
+def test_while_another_model_of_the_worker_holds_requests_the_thread_computes() -> None:
+    assert not may_inline(QUICK, 1_000_000, bulk=False, neighbours_hold=True, sole=True, others_running=False,
+                          lone_batches=0, queued=0)
+    assert not may_inline(QUICK, 1_000_000, bulk=False, neighbours_hold=True, sole=False, others_running=False,
+                          lone_batches=LONE_BATCHES, queued=0)
+
+
+def test_neighbours_say_whether_another_loop_holds_requests() -> None:
+    neighbours = Neighbours()
+    mine, other = Holding(1, 8, 16), Holding(1, 8, 16)
+    neighbours.add(mine)
+    neighbours.add(other)
+    mine.hold((0, b"1-0"), 1)
+    assert not neighbours.others_hold(mine) and neighbours.others_hold(other)  # its own do not count
+    other.hold((0, b"2-0"), 1)
+    assert neighbours.others_hold(mine)
+    other.answered([(0, b"2-0")])  # its reply written: nothing waits on the loop for it
+    assert not neighbours.others_hold(mine)
+    other.hold((0, b"3-0"), 1)
+    neighbours.remove(other)  # its loop ended
+    assert not neighbours.others_hold(mine)
 
 
 @pytest.mark.parametrize(("lone_batches", "queued", "others", "inline"), [
@@ -114,9 +140,9 @@ def test_a_batch_with_a_bulk_request_goes_to_the_thread() -> None:
 ])
 def test_with_other_instances_only_lone_requests_of_clients_sending_one_at_a_time(
         lone_batches: int, queued: int, others: bool, inline: bool) -> None:
-    assert may_inline(QUICK, 1_000_000, bulk=False, sole=False, others_running=others, lone_batches=lone_batches,
-                      queued=queued) is inline
-    assert not may_inline(SLOW, 1_000_000, bulk=False, sole=False, others_running=others,
+    assert may_inline(QUICK, 1_000_000, bulk=False, neighbours_hold=False, sole=False, others_running=others,
+                      lone_batches=lone_batches, queued=queued) is inline
+    assert not may_inline(SLOW, 1_000_000, bulk=False, neighbours_hold=False, sole=False, others_running=others,
                           lone_batches=lone_batches, queued=queued)
 
 
