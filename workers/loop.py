@@ -106,7 +106,7 @@ class ModelLoop:
         self._held = HeldRequests()
         self._wake = Wakeup(spec.name)
         # The worker's other model loops, which share its event loop (workers/inline.py).
-        self._neighbours = neighbours or Neighbours()
+        self._neighbours = neighbours if neighbours is not None else Neighbours()
         self._dispatch = Dispatch(spec, instances, self.schedulers, self._sequences, self._held, self.custody, clock,
                                   redis_clock, bulk_lane=self.bulk_lane, lane_aware=is_llm(spec), wake=self._wake.set,
                                   expired=self._expire, dropped=self._drop, released=self._release,
@@ -149,8 +149,8 @@ class ModelLoop:
         driver = sup.start("driver", self._drive)
         if self.watchdog.guard_inline():
             self._dispatch.inline_max_ns = self.config.inline_max_us * 1000
-        self._neighbours.add(self.holding)
         try:
+            self._neighbours.add(self.holding)  # (removed below however this ends)
             await asyncio.gather(*readers)  # they return once stopping
             self._readers_done = True
             self._wake.set()

@@ -18,7 +18,7 @@ import redis
 
 from fleet.admission import bulk_lane
 from fleet.envelope import RequestEnvelope, WireTensor, decode_reply, encode_request
-from fleet.keys import Keys
+from fleet.keys import GROUP, Keys
 from fleet.model_config import load_config
 from fleet.redis_server import LocalServer
 from tests.support.queue_models import sleeper_repository
@@ -173,6 +173,20 @@ def test_with_two_instances_the_loop_computes_lone_requests_and_the_threads_the_
     asyncio.run(main())
 
 
+async def _until_read(s: InProcessSystem, model: str) -> None:
+    """Until a worker has read a request of `model` (it is pending in the workers' group)."""
+    stream = Keys(s.settings.key_prefix).queue(model, 0, version=1)
+    client = redis.Redis.from_url(s.settings.redis_url, protocol=2)
+    try:
+        for _ in range(1500):
+            if client.xpending(stream, GROUP)["pending"]:
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"no worker read the request of {model}")
+    finally:
+        client.close()
+
+
 def test_while_another_model_of_the_worker_holds_a_request_the_thread_computes(
         redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _calls(monkeypatch)
@@ -189,9 +203,9 @@ def test_while_another_model_of_the_worker_holds_a_request_the_thread_computes(
             # The other model holds a request (its stub sleeps 3 s on it): the loop is theirs to share.
             nap = asyncio.create_task(s.client.post("/v2/models/nap/infer", json={
                 "inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]}))
+            await _until_read(s, "nap")
             before = len(calls)
             for v in range(3):
-                await asyncio.sleep(0.2)  # (the first: until the worker has read nap's request)
                 _check(float(v), await _infer(s, float(v)))
             assert not nap.done(), "this host took 3 s over three requests: nothing was tested"
             assert calls[before:] == [("triple_0_0", 1)] * 3
