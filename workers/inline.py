@@ -6,7 +6,7 @@ project's 2-core host, bench/RESULTS.md stop 41), and the two take turns at the 
 a batch costs neither: at `mlp` C=1 the worker's context switches fell from 5.3 to 2.0 a request (stop 43).
 Under load the worker then goes round the cycle of bench/floor.py: read what the streams have (the whole
 flush: workers/loop.py's `_top_up`), compute it as one batch, write the replies, read again. At `mlp`
-C=32 that served ~1.2x what handing every batch to the thread did (stop 55). So the loop computes a batch
+C=32 that served 1.12-1.14x what handing its batches to the thread did (stop 55). So the loop computes a batch
 (workers/instance.py's `Instance._inline`) when all of these hold:
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
