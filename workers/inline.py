@@ -45,7 +45,7 @@ from batching.holding import Holding
 # a time. Under load a lone request is often the first of many on their way; computed by the loop, it
 # would keep the rest from being read, and from the other instances, until it is done. Counted at `mlp`
 # C=32 on one instance, before the top-up read: without this rule the loop computed 667 of 2,000 batches
-# started, with it 6 (bench/RESULTS.md, stop 43). Only asked where the model has other instances.
+# started, with it 6 (bench/RESULTS.md, stop 43). Only asked where the model version has other instances.
 LONE_BATCHES = 3
 
 

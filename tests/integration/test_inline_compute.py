@@ -1,7 +1,8 @@
 """An in-process CPU model's batches computed by the worker's event loop itself (workers/inline.py): every
-batch where the model has one instance, only lone requests of clients sending one at a time where it has
-more, never a bulk job's. Real Redis, the gateway app and a real worker in process (one event loop for
-both, on this test's thread), a TorchScript model that computes."""
+batch where the model version has one instance, only lone requests of clients sending one at a time where it
+has more, never a bulk job's, and none while another model of the worker holds a request. Real Redis, the
+gateway app and a real worker in process (one event loop for both, on this test's thread), a TorchScript model
+that computes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import struct
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -37,6 +40,7 @@ instance_group [ { count: %d, kind: KIND_CPU } ]
 # No limit a stall of this host could pass: which batches the loop computes must not depend on how long
 # they took here (the limit itself is tests/unit/test_inline.py's).
 GENEROUS_US = 60_000_000
+T = TypeVar("T")
 
 
 def _repository(root: Path, instances: int = 1) -> Path:
@@ -77,28 +81,47 @@ def _check(value: float, r: httpx.Response, rows: int = 1) -> None:
     assert r.json()["outputs"][0]["data"] == [3 * value] * 4 * rows
 
 
+async def _wave(s: InProcessSystem, calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Sixteen requests at once, each answer checked: the executions that computed them (batched)."""
+    before = len(calls)
+    values = [float(10 + k) for k in range(16)]
+    for v, r in zip(values, await asyncio.gather(*(_infer(s, v) for v in values)), strict=True):
+        _check(v, r)
+    wave = calls[before:]
+    assert sum(n for _, n in wave) == 16 and len(wave) < 16
+    return wave
+
+
+async def _polled(s: InProcessSystem, probe: Callable[[redis.Redis], T | None], what: str) -> T:
+    """What `probe` finds in Redis once it finds something (every 20 ms, for up to 30 s)."""
+    client = redis.Redis.from_url(s.settings.redis_url, protocol=2)
+    try:
+        for _ in range(1500):
+            found = probe(client)
+            if found is not None:
+                return found
+            await asyncio.sleep(0.02)
+        raise TimeoutError(what)
+    finally:
+        client.close()
+
+
 async def _bulk_infer(s: InProcessSystem, root: Path, value: float) -> None:
     """One request on the model's bulk lane, as a bulk job enqueues it; checked once answered."""
     keys = Keys(s.settings.key_prefix)
-    spec = load_config(root / "triple")
-    client = redis.Redis.from_url(s.settings.redis_url, protocol=2)
-    try:
-        tensor = WireTensor("INPUT__0", "FP32", (1, 4), struct.pack("<4f", *[value] * 4))
-        client.xadd(keys.queue("triple", bulk_lane(spec), version=1), {b"d": encode_request(RequestEnvelope(
-            id="bulk", model="triple", version=1, inputs=[tensor], reply_to=keys.reply("bulk-test"),
-            enqueued_at_us=time.time_ns() // 1000))})
-        for _ in range(1500):
-            entries = client.xrange(keys.reply("bulk-test"))
-            if entries:
-                [(_, fields)] = entries
-                [reply] = [decode_reply(v) for k, v in fields.items() if k.startswith(b"d")]
-                assert reply.outputs is not None and not reply.error_code
-                assert struct.unpack("<4f", reply.outputs[0].data) == (3 * value,) * 4
-                return
-            await asyncio.sleep(0.02)
-        raise TimeoutError("the bulk request was not answered")
-    finally:
-        client.close()
+    tensor = WireTensor("INPUT__0", "FP32", (1, 4), struct.pack("<4f", *[value] * 4))
+    envelope = encode_request(RequestEnvelope(id="bulk", model="triple", version=1, inputs=[tensor],
+                                              reply_to=keys.reply("bulk-test"), enqueued_at_us=time.time_ns() // 1000))
+
+    def answered(client: redis.Redis) -> list[Any] | None:
+        return client.xrange(keys.reply("bulk-test")) or None
+
+    await _polled(s, lambda c: c.xadd(keys.queue("triple", bulk_lane(load_config(root / "triple")), version=1),
+                                      {b"d": envelope}), "the request was not enqueued")
+    [(_, fields)] = await _polled(s, answered, "the bulk request was not answered")
+    [reply] = [decode_reply(v) for k, v in fields.items() if k.startswith(b"d")]
+    assert reply.outputs is not None and not reply.error_code
+    assert struct.unpack("<4f", reply.outputs[0].data) == (3 * value,) * 4
 
 
 def test_a_sole_instance_has_its_batches_computed_by_the_loop_but_a_bulk_job_s(
@@ -117,12 +140,7 @@ def test_a_sole_instance_has_its_batches_computed_by_the_loop_but_a_bulk_job_s(
 
             # Many at once: batched, and the loop computes the batches too (a larger one predicted from the
             # lone requests' cost, scaled by its bytes).
-            before = len(calls)
-            values = [float(10 + k) for k in range(16)]
-            for v, r in zip(values, await asyncio.gather(*(_infer(s, v) for v in values)), strict=True):
-                _check(v, r)
-            wave = calls[before:]
-            assert sum(n for _, n in wave) == 16 and len(wave) < 16
+            wave = await _wave(s, calls)
             assert all(name == loop_thread for name, _ in wave), wave
 
             # A bulk job's request: the thread's (the loop writes what it finished while the thread computes).
@@ -152,12 +170,7 @@ def test_with_two_instances_the_loop_computes_lone_requests_and_the_threads_the_
             assert all(n.startswith("triple_") for n in names[:2]) and names[2:] == [loop_thread] * 6, calls
 
             # Many at once: they queue behind one another, so the instances' threads compute them, batched.
-            before = len(calls)
-            values = [float(10 + k) for k in range(16)]
-            for v, r in zip(values, await asyncio.gather(*(_infer(s, v) for v in values)), strict=True):
-                _check(v, r)
-            wave = calls[before:]
-            assert sum(n for _, n in wave) == 16 and len(wave) < 16
+            wave = await _wave(s, calls)
             assert all(name.startswith("triple_") for name, n in wave if n > 1), wave
 
             # One at a time again: the loop's again, once three batches in a row were lone requests (the wave
@@ -176,15 +189,7 @@ def test_with_two_instances_the_loop_computes_lone_requests_and_the_threads_the_
 async def _until_read(s: InProcessSystem, model: str) -> None:
     """Until a worker has read a request of `model` (it is pending in the workers' group)."""
     stream = Keys(s.settings.key_prefix).queue(model, 0, version=1)
-    client = redis.Redis.from_url(s.settings.redis_url, protocol=2)
-    try:
-        for _ in range(1500):
-            if client.xpending(stream, GROUP)["pending"]:
-                return
-            await asyncio.sleep(0.02)
-        raise TimeoutError(f"no worker read the request of {model}")
-    finally:
-        client.close()
+    await _polled(s, lambda c: c.xpending(stream, GROUP)["pending"] or None, f"no worker read the request of {model}")
 
 
 def test_while_another_model_of_the_worker_holds_a_request_the_thread_computes(
