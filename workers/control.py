@@ -22,11 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from google.protobuf import text_format
 from redis.exceptions import RedisError
 
@@ -35,7 +34,6 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.clock import SystemClock
 from fleet.errors import ConfigError
 from fleet.gc_tuning import freeze_after_startup
-from fleet.keys import Keys
 from fleet.model_control import (
     BOOT_GEN,
     ControlMode,
@@ -44,29 +42,20 @@ from fleet.model_control import (
 )
 from fleet.placement import instance_device, placement_problem
 from fleet.redis_clients import async_client
-from fleet.redis_time import RedisClock
 from fleet.repository import Completer, ModelEntry
 from fleet.settings import Settings
-from workers.backends.base import BlsHandler, LoadContext, ModelWrites
-from workers.backends.decoupled import Emit
+from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
-from workers.custody import LiveWorkers
-from workers.inline import Neighbours
+from workers.host_context import HostContext
 from workers.instance import Instance
 from workers.loading import close_instances, load_version
 from workers.loop import ModelLoop
-from workers.loop_config import LoopConfig
-from workers.rate_limiter import RateLimiter
 from workers.reconcile import Load, Unit, UnitState, reconcile
 from workers.sequence_tensors import SequenceTensors
 from workers.targets import Targets
-from workers.watchdog import HungHandler
 
 log = logging.getLogger("workers")
 
-
-async def _unknown() -> bool:
-    return True
 
 # Without a nudge, the desired state is read again this often (a missed pub/sub message only delays).
 RECONCILE_EVERY_S = 5.0
@@ -83,32 +72,6 @@ class Served:
     task: asyncio.Task[None] | None = None
     instances: list[Instance] = field(default_factory=list)
     closed: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class HostContext:
-    """What a host needs from its worker besides settings."""
-
-    keys: Keys
-    worker_id: str
-    device: str
-    client: aioredis.Redis  # the worker's control connection
-    redis_clock: RedisClock
-    loop_config: LoopConfig
-    on_hung: HungHandler
-    on_give_up: Callable[[str, BaseException], None]
-    on_loop_done: Callable[[asyncio.Task[None]], None]
-    beat_now: Callable[[], None]
-    live_workers: LiveWorkers
-    limiter: RateLimiter | None = None  # --rate-limit execution_count (workers/rate_limiter.py)
-    # Whether a live worker other than this one serves (model, version): read from the heartbeats.
-    serves_elsewhere: Callable[[str, int], Awaitable[bool]] = field(default=lambda m, v: _unknown())
-    bls: BlsHandler | None = None  # Python models' calls to other models (workers/bls.py)
-    emit: Emit | None = None  # a decoupled model's responses as they come (workers/replies.py)
-    writes: ModelWrites | None = None  # generation engines' responses and metrics (workers/replies.py)
-    # The model loops on this worker's event loop: the loop computes a batch itself only where no other
-    # holds requests (workers/inline.py).
-    neighbours: Neighbours = field(default_factory=Neighbours)
 
 
 class ModelHost:

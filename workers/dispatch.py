@@ -59,7 +59,8 @@ class Dispatch:
         # The longest batch the loop computes itself (workers/inline.py); 0: none. Set by the model's loop
         # once its watchdog guards such batches.
         self.inline_max_ns = 0
-        self._sole = sum(len(insts) for insts in instances.values()) == 1  # (workers/inline.py's `sole`)
+        # The model version has one instance (workers/inline.py's `sole`; the loop's top-up read asks too).
+        self.sole = sum(len(insts) for insts in instances.values()) == 1
         self._neighbours_hold = neighbours_hold  # another model loop of the worker holds requests
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
@@ -135,7 +136,7 @@ class Dispatch:
         """Whether the loop computes a batch of `nbytes` on `instance` (asked again when it gets to it)."""
         predicted = instance.costs.predict(nbytes)
         neighbours = self._neighbours_hold()
-        if self._sole:
+        if self.sole:
             return may_inline(predicted, self.inline_max_ns, bulk=bulk, neighbours_hold=neighbours, sole=True,
                               others_running=False, lone_batches=0, queued=0)
         others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)

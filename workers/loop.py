@@ -91,9 +91,6 @@ class ModelLoop:
         n_instances = sum(len(i) for i in instances.values())
         per_batch = max(1, spec.max_batch_size) if policy.dynamic else 1
         self.holding = Holding(self.bulk_lane + 1, per_batch, per_batch * n_instances * config.read_ahead_batches)
-        # Where reading a flush whole can make one batch of what would be two on one instance (`_top_up`): with
-        # several instances the first request's lone batch leaves the others free for the rest.
-        self._tops_up = per_batch > 1 and all(len(insts) == 1 for insts in instances.values())
         self.custody = Custody(consumer, self.holding, config.custody, admit=self.admit, lost=self._lost,
                                released=self._freed, verified=self.wake, live_workers=live_workers)
         self.watchdog = Watchdog(spec.name, [i for insts in instances.values() for i in insts], config.watchdog_s,
@@ -111,6 +108,9 @@ class ModelLoop:
                                   redis_clock, bulk_lane=self.bulk_lane, lane_aware=is_llm(spec), wake=self._wake.set,
                                   expired=self._expire, dropped=self._drop, released=self._release,
                                   neighbours_hold=functools.partial(self._neighbours.others_hold, self.holding))
+        # Where reading a flush whole can make one batch of what would be two on one instance (`_top_up`): with
+        # several instances the first request's lone batch leaves the others free for the rest.
+        self._tops_up = per_batch > 1 and self._dispatch.sole
         self._room = [asyncio.Event() for _ in range(self.bulk_lane + 1)]
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE

@@ -25,10 +25,11 @@ from fleet.subscription import follow_channel
 from workers import gil
 from workers.auto_complete import complete_config
 from workers.bls import BlsService
-from workers.control import HostContext, ModelHost
+from workers.control import ModelHost
 from workers.custody import CustodyConfig
 from workers.gpu import NvmlReader
 from workers.heartbeat import Heartbeat
+from workers.host_context import HostContext
 from workers.instance import Instance
 from workers.loop_config import LoopConfig
 from workers.rate_limiter import RateLimiter, parse_resource_flags

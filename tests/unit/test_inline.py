@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -255,31 +254,32 @@ def test_the_loop_computes_the_batch_and_the_thread_the_one_staged_behind_it() -
     assert idle
 
 
-def _asked(asked: list[str], answer: bool) -> Callable[[], bool]:
+def _staged_behind(first_on_loop: bool) -> tuple[list[str], list[str], list[int], bool]:
+    """A batch the loop may compute, staged behind one computed by the loop (or the thread): the threads
+    that computed the two, those that asked whether the staged one may go inline, the batches reported in
+    order, and whether the instance ended idle."""
+    ran: list[str] = []
+    asked: list[str] = []
+
     def inline() -> bool:
         asked.append(threading.current_thread().name)
-        return answer
+        return True
 
-    return inline
+    staged = _job(2, ran)
+    staged.inline = inline
+    reports, idle = _run_jobs(_job(1, ran), first_on_loop, staged)
+    return ran, asked, [r[0] for r in reports], idle
 
 
 def test_a_staged_batch_the_loop_may_compute_is_computed_by_the_loop_after_one_it_computed() -> None:
-    ran: list[str] = []
-    asked: list[str] = []
-    staged = _job(2, ran)
-    staged.inline = _asked(asked, True)
-    reports, idle = _run_jobs(_job(1, ran), True, staged)
-    assert ran == [LOOP, LOOP] and asked == [LOOP] and [r[0] for r in reports] == [1, 2] and idle
+    ran, asked, reported, idle = _staged_behind(first_on_loop=True)
+    assert ran == [LOOP, LOOP] and asked == [LOOP] and reported == [1, 2] and idle
 
 
 def test_a_staged_batch_behind_one_the_thread_computes_is_the_thread_s_and_never_asks() -> None:
-    ran: list[str] = []
-    asked: list[str] = []
-    staged = _job(2, ran)
-    staged.inline = _asked(asked, True)
-    reports, idle = _run_jobs(_job(1, ran), False, staged)
+    ran, asked, reported, idle = _staged_behind(first_on_loop=False)
     assert len(ran) == 2 and all(name.startswith("m_0") for name in ran) and asked == []
-    assert [r[0] for r in reports] == [1, 2] and idle
+    assert reported == [1, 2] and idle
 
 
 def test_a_batch_the_loop_may_no_longer_compute_goes_to_the_thread() -> None:
