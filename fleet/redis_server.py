@@ -5,6 +5,7 @@ where REDIS_URL points at a managed server."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import random
 import shutil
@@ -13,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,7 @@ class LocalServer:
     command: tuple[str, ...] = ()
     parent_death_signal: int | None = None
     pass_fds: tuple[int, ...] = ()
+    batch_scheduled: bool = False
 
     @property
     def url(self) -> str:
@@ -135,17 +137,30 @@ class LocalServer:
         `startup_timeout_s`, or `abort` is set meanwhile (the new process is then stopped)."""
         if self.process.poll() is None:
             raise RuntimeError(f"{self.command[0]} (pid {self.process.pid}) is still running")
-        self.process = _spawn(self.command, self.parent_death_signal, self.pass_fds)
+        self.process = _spawn(self.command, self.parent_death_signal, self.pass_fds, self.batch_scheduled)
         _wait_until_ready(self, startup_timeout_s, abort)
 
 
-def _spawn(command: Sequence[str], parent_death_signal: int | None,
-           pass_fds: Sequence[int]) -> subprocess.Popen[bytes]:
+def _spawn(command: Sequence[str], parent_death_signal: int | None, pass_fds: Sequence[int],
+           batch_scheduled: bool = False) -> subprocess.Popen[bytes]:
     # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
+    dies = None if parent_death_signal is None else dies_with_this_process(parent_death_signal)
     return subprocess.Popen(
         list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=None if parent_death_signal is None else dies_with_this_process(parent_death_signal))
+        preexec_fn=functools.partial(_child_setup, dies, batch_scheduled) if dies or batch_scheduled else None)
+
+
+def _child_setup(dies: Callable[[], None] | None, batch_scheduled: bool) -> None:
+    """In the server's process, before exec: the parent-death signal, and SCHED_BATCH, which the server's
+    threads inherit (`start_server`'s `batch_scheduled`)."""
+    if dies is not None:
+        dies()
+    if batch_scheduled and hasattr(os, "SCHED_BATCH"):  # Linux; elsewhere the server runs as it would
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            pass  # refused (a sandbox's seccomp filter): it runs, only scheduled as any process
 
 
 def _wait_until_ready(server: LocalServer, timeout_s: float, abort: threading.Event | None) -> None:
@@ -182,12 +197,17 @@ def start_server(
     password: str | None = None,
     parent_death_signal: int | None = None,
     pass_fds: Sequence[int] = (),
+    batch_scheduled: bool = False,
 ) -> LocalServer:
     """Start a server bound to 127.0.0.1 with its files under data_dir; returns once it answers PING.
     With `unix_socket`, it also listens on `data_dir/redis.sock` (owner only). With
     `parent_death_signal`, the kernel sends the server that signal when the calling thread's process
     exits (SIGTERM: it writes its AOF out and exits); call it from a thread that lives as long as the
-    process. `pass_fds` are inherited by the server (a lock it should hold as long as it runs)."""
+    process. `pass_fds` are inherited by the server (a lock it should hold as long as it runs).
+    `batch_scheduled`: the server runs under SCHED_BATCH (Linux), so that a client's write waking it does not
+    preempt whatever runs on that CPU, such as a worker's forward; it runs when that yields the CPU, at the
+    next tick, or on an idle CPU. Measured with `fleet up` on two cores: `mlp` C=32 +2-9 %, `double` C=32
+    +11-13 %, C=1 unchanged or better (bench/RESULTS.md, stop 56)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     args = [
@@ -206,7 +226,7 @@ def start_server(
     sock = (data_dir / "redis.sock").resolve() if unix_socket else None
     if sock is not None:
         args += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
-    server = LocalServer(_spawn(args, parent_death_signal, pass_fds), port, sock, password, tuple(args),
-                         parent_death_signal, tuple(pass_fds))
+    server = LocalServer(_spawn(args, parent_death_signal, pass_fds, batch_scheduled), port, sock, password,
+                         tuple(args), parent_death_signal, tuple(pass_fds), batch_scheduled)
     _wait_until_ready(server, startup_timeout_s, None)
     return server

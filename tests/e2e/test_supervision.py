@@ -197,12 +197,14 @@ def test_a_sigkilled_fleet_up_leaves_nothing_running_and_a_new_one_starts(start_
 
 
 def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: StartFleet, tmp_path: Path) -> None:
-    """kill -9 on valkey-server: fleet up restarts it on the same socket, replaying its AOF; requests
-    queued before are answered after, no other process stops, readiness and service come back."""
+    """kill -9 on valkey-server: fleet up restarts it on the same socket, replaying its AOF, batch-scheduled
+    as it started it; requests queued before are answered after, no other process stops, readiness and
+    service come back."""
     repo = sleeper_repository(tmp_path, MODEL, sleep_ms=1500, dynamic_batching="")
     # Callers waiting through the restart keep waiting (the default gives up after 5 s of outage).
     fleet = start_fleet(repo, FLEET_REDIS_OUTAGE_S="30", FLEET_REQUEST_TIMEOUT_S="90")
     server = fleet.child(b"valkey-server")
+    assert os.sched_getscheduler(server) == os.SCHED_BATCH  # fleet up batch-schedules it, and its restarts
     others = {role: fleet.child(role) for role in (b"fleet gateway", b"fleet worker", b"fleet jobs-worker")}
     queue = Keys("fleet").queue(MODEL, version=1)
 
@@ -229,6 +231,7 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
     assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{fleet.tail()}"
     assert f"embedded Redis (pid {server}) exited with -9; restarting it" in fleet.log.read_text()
     assert fleet.child(b"valkey-server") != server
+    assert os.sched_getscheduler(fleet.child(b"valkey-server")) == os.SCHED_BATCH
     deadline = time.monotonic() + 30
     while _status(f"{fleet.base}/v2/health/ready") != 200:
         assert time.monotonic() < deadline, f"not ready again:\n{fleet.tail()}"
