@@ -11,6 +11,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -145,18 +146,19 @@ def _spawn(command: Sequence[str], parent_death_signal: int | None, pass_fds: Se
            batch_scheduled: bool = False) -> subprocess.Popen[bytes]:
     # Own session: Ctrl-C in a terminal must not stop Redis before the workers have drained.
     dies = None if parent_death_signal is None else dies_with_this_process(parent_death_signal)
+    batch = batch_scheduled and sys.platform == "linux"  # elsewhere the server runs as it would
     return subprocess.Popen(
         list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=functools.partial(_child_setup, dies, batch_scheduled) if dies or batch_scheduled else None)
+        preexec_fn=functools.partial(_child_setup, dies, batch) if dies is not None or batch else None)
 
 
-def _child_setup(dies: Callable[[], None] | None, batch_scheduled: bool) -> None:
-    """In the server's process, before exec: the parent-death signal, and SCHED_BATCH, which the server's
-    threads inherit (`start_server`'s `batch_scheduled`)."""
+def _child_setup(dies: Callable[[], None] | None, batch: bool) -> None:
+    """In the server's process, before exec: the parent-death signal, and SCHED_BATCH (Linux only), which
+    the server's threads inherit (`start_server`'s `batch_scheduled`)."""
     if dies is not None:
         dies()
-    if batch_scheduled and hasattr(os, "SCHED_BATCH"):  # Linux; elsewhere the server runs as it would
+    if batch and sys.platform == "linux":  # (for the type checker: os.SCHED_BATCH is Linux's)
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         except OSError:
@@ -206,8 +208,9 @@ def start_server(
     process. `pass_fds` are inherited by the server (a lock it should hold as long as it runs).
     `batch_scheduled`: the server runs under SCHED_BATCH (Linux), so that a client's write waking it does not
     preempt whatever runs on that CPU, such as a worker's forward; it runs when that yields the CPU, at the
-    next tick, or on an idle CPU. Measured with `fleet up` on two cores: `mlp` C=32 +2-9 %, `double` C=32
-    +11-13 %, C=1 unchanged or better (bench/RESULTS.md, stop 56)."""
+    next tick (up to 4 ms at HZ=250: a cost the tail may show when every CPU is busy), or on an idle CPU.
+    Measured with `fleet up` on two cores: ~3 % at C=32 (bench/compare.sh's pass pairs; more in single
+    runs), C=1 level (bench/RESULTS.md, stop 56)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     args = [
