@@ -359,7 +359,8 @@ def run_up(settings: Settings, *, workers: int | None, data_dir: Path) -> int:
     embedded: _EmbeddedRedis | None = None
     redis_url = settings.redis_url
     if not redis_url:
-        # Batch-scheduled: the server's wake-ups do not preempt a worker mid-batch (start_server).
+        # Batch-scheduled: woken by a client, the server does not preempt a worker mid-batch; it waits for the
+        # worker to yield the CPU, the next tick or an idle CPU (start_server).
         server = start_server(data_dir / "redis", appendonly=True, log_file=None, unix_socket=True,
                               parent_death_signal=SERVER_DEATH_SIGNAL, pass_fds=(data_lock.fd,),
                               batch_scheduled=True)
