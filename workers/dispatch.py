@@ -134,16 +134,14 @@ class Dispatch:
 
     def _may_inline(self, instance: Instance, nbytes: int, bulk: bool) -> bool:
         """Whether the loop computes a batch of `nbytes` on `instance` (asked again when it gets to it)."""
-        predicted = instance.costs.predict(nbytes)
-        neighbours = self._neighbours_hold()
-        if self.sole:
-            return may_inline(predicted, self.inline_max_ns, bulk=bulk, neighbours_hold=neighbours, sole=True,
-                              others_running=False, lone_batches=0, queued=0)
-        others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
-        # (A staged batch counts as queued: with other instances, the thread computes those.)
-        queued = sum(s.queued() for s in self.schedulers.values())
-        return may_inline(predicted, self.inline_max_ns, bulk=bulk, neighbours_hold=neighbours, sole=False,
-                          others_running=others, lone_batches=self._lone_batches, queued=queued)
+        others, queued = False, 0  # one instance: none other, and its queue is not asked
+        if not self.sole:
+            others = any(i.busy for insts in self.instances.values() for i in insts if i is not instance)
+            # (A staged batch counts as queued: with other instances, the thread computes those.)
+            queued = sum(s.queued() for s in self.schedulers.values())
+        return may_inline(instance.costs.predict(nbytes), self.inline_max_ns, bulk=bulk,
+                          neighbours_hold=self._neighbours_hold(), sole=self.sole, others_running=others,
+                          lone_batches=self._lone_batches, queued=queued)
 
     def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
                  started_us: int) -> None:
