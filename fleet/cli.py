@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet import grpc_flags, job_client, status_cli
-from fleet.analyzer import run as analyzer
+from fleet import client_args, grpc_flags
 from fleet.settings import Settings
 
 
@@ -107,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("model")
     dl.add_argument("--replay", action="store_true", help="queue every readable dead letter again")
 
-    job_client.add_subcommands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
-    analyzer.add_subcommand(sub)  # analyze: an HTTP client of a gateway too
-    status_cli.add_subcommand(sub)  # status: polls a gateway's /v2/fleet/status
+    client_args.add_job_commands(sub)  # submit, jobs, job, cancel: HTTP clients of a gateway, no Settings
+    client_args.add_analyze(sub)  # analyze: an HTTP client of a gateway too
+    client_args.add_status(sub)  # status: polls a gateway's /v2/fleet/status
     return parser
 
 
@@ -157,11 +156,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in job_client.COMMANDS:
+    # Each command's module is imported only to run it: a server process keeps what it imports (client_args).
+    if args.command in client_args.JOB_COMMANDS:
+        from fleet import job_client
+
         return job_client.run(args)
     if args.command == "analyze":
+        from fleet.analyzer import run as analyzer
+
         return analyzer.run(args)
     if args.command == "status":
+        from fleet import status_cli
+
         return status_cli.run(args)
     settings = settings_from_args(args)
     if args.command == "up":

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from tritonclient.grpc import model_config_pb2 as pb
+from fleet.config_proto import model_config_pb2 as pb
 
 ENSEMBLE_PLATFORM = "ensemble"
 SEQUENCE_IDLE_DEFAULT_US = 1_000_000

@@ -38,10 +38,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from fleet.client_args import DEFAULT_URL
 from fleet.jobs_api import JobList, JobRecord, JobsClient, JobsClientError, OnChunk  # noqa: F401 (re-exported)
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-COMMANDS = frozenset({"submit", "jobs", "job", "cancel"})
 POLL_INTERVAL_S = 0.5
 TABLE_COLUMNS = ("id", "model", "state", "done/total", "failed", "items/s", "created")
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_ITEMS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -180,34 +179,6 @@ def job_spec(args: argparse.Namespace, job_input: str | dict[str, str]) -> dict[
 # ---------------------------------------------------------------- argparse
 
 
-def add_subcommands(sub: Any) -> None:
-    """Add submit, jobs, job and cancel to the `fleet` subparsers (`sub` is argparse's _SubParsersAction)."""
-    def url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-        return p
-
-    s = url(sub.add_parser("submit", help="run a bulk job and fetch its results"))
-    s.add_argument("input", help="JSONL or array file to upload (a server-side path with --server-path)")
-    s.add_argument("--model", required=True)
-    s.add_argument("--model-version", default=None)
-    s.add_argument("-o", "--output", type=Path, default=None, help="results file (default INPUT stem + .out.FMT)")
-    s.add_argument("--priority", type=int, default=None, help="scheduling lane (default 0 = bulk)")
-    s.add_argument("--id", dest="job_id", default=None, help="job id; resubmitting an id returns that job")
-    s.add_argument("--max-failures", type=int, default=None,
-                   help="fail the job once more items failed; replaces the default rule (fail when the first "
-                        "100 items all fail)")
-    s.add_argument("--format", choices=("jsonl", "npy", "npz"), default=None, help="output format")
-    s.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    s.add_argument("--server-path", action="store_true",
-                   help="INPUT is a path on the gateway, in a directory it allows (FLEET_JOB_INPUT_DIRS); no upload")
-    url(sub.add_parser("jobs", help="list bulk jobs"))
-    j = url(sub.add_parser("job", help="show one bulk job"))
-    j.add_argument("job_id", metavar="ID")
-    j.add_argument("--json", action="store_true", help="print the raw JSON record")
-    c = url(sub.add_parser("cancel", help="cancel a bulk job"))
-    c.add_argument("job_id", metavar="ID")
-
-
 # ---------------------------------------------------------------- the driver
 
 
@@ -322,7 +293,7 @@ def _dispatch(args: argparse.Namespace, client: JobsClient, out: Console, err: C
 
 def run(args: argparse.Namespace, *, client: JobsClient | None = None, environ: Mapping[str, str] = os.environ,
         sleep: Callable[[float], None] = time.sleep) -> int:
-    """Run one of COMMANDS parsed by fleet.cli.build_parser(); returns the process exit code."""
+    """Run submit, jobs, job or cancel (parsed by fleet.cli.build_parser()); returns the process exit code."""
     out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
     jobs = client if client is not None else JobsClient(resolve_url(args.url, environ))

@@ -35,7 +35,6 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from google.protobuf import json_format, text_format
-from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.config_checks import (  # noqa: F401  (BACKENDS, PLATFORMS re-exported)
     _KIND,
@@ -47,6 +46,7 @@ from fleet.config_checks import (  # noqa: F401  (BACKENDS, PLATFORMS re-exporte
     normalise,
     validate,
 )
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.datatypes import from_config
 from fleet.errors import ConfigError
 from fleet.model_spec import (

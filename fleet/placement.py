@@ -10,8 +10,7 @@ the config is read on hosts without GPUs).
 
 from __future__ import annotations
 
-from tritonclient.grpc import model_config_pb2 as pb
-
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.model_spec import ModelSpec
 
 _KIND = pb.ModelInstanceGroup.Kind

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NoReturn
 
-from tritonclient.grpc import model_config_pb2 as pb
-
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.datatypes import BY_NAME, Datatype, from_config
 
 _Fail = Callable[[str], NoReturn]

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import httpx
 from rich.console import Console, Group, RenderableType
@@ -24,7 +23,7 @@ from rich.live import Live
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from fleet.job_client import DEFAULT_URL, EXIT_OK, EXIT_USAGE, resolve_url
+from fleet.job_client import EXIT_OK, EXIT_USAGE, resolve_url
 from fleet.status_format import Table, Tone, clock, summary, tables
 from fleet.status_snapshot import Snapshot, from_json
 
@@ -66,14 +65,6 @@ def fetch(client: httpx.Client, url: str, headers: Mapping[str, str]) -> Snapsho
         return from_json(response.json())
     except (ValueError, KeyError, TypeError) as exc:
         raise StatusFetchError(f"the gateway at {url} sent no status document: {exc}") from exc
-
-
-def add_subcommand(sub: Any) -> None:
-    s = sub.add_parser("status", help="a live view of workers, models, queues, throughput and jobs")
-    s.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-    s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")
-    s.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
-    s.add_argument("--once", action="store_true", help="print one frame and exit")
 
 
 def _live(client: httpx.Client, url: str, headers: Mapping[str, str], interval_s: float, console: Console,

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as pb
 
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.ensemble import EnsemblePlan, plan
 from fleet.errors import ConfigError, ModelNotFound, ModelNotReady, ModelUnloaded, VersionNotFound
 from fleet.gpu_metrics import GpuReading, decode_readings

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet.config_checks import BACKENDS, ENSEMBLE_PLATFORM, PLATFORMS, WILDCARD_DIM
 from fleet.config_json import config_to_json
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.errors import ConfigError
 from fleet.lifetime import die_with_parent
 from workers.backends.python_stub import SHIM_DIR, import_model_module

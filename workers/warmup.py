@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tritonclient.grpc import model_config_pb2 as pb
 
 from fleet import tensors
+from fleet.config_proto import model_config_pb2 as pb
 from fleet.datatypes import Datatype, from_config
 from fleet.envelope import RequestEnvelope, WireTensor
 from fleet.model_spec import ModelSpec

@@ -20,7 +20,6 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,63 +29,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fleet.analyzer import sweep
 from fleet.analyzer.load import LoadError, http_request, measure, request_body
 from fleet.analyzer.report import chart, svg, table
-from fleet.job_client import DEFAULT_URL, resolve_url
+from fleet.client_args import DEFAULT_URL
+from fleet.job_client import resolve_url
 
 EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 LOAD_ESTIMATE_S = 3.0  # a model load with a config override, as measured for small models here
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _preferred(text: str) -> list[tuple[int, ...]]:
-    """'none,8,4/8' -> [(), (8,), (4, 8)]: each comma-separated choice a list of sizes joined by '/'."""
-    out = []
-    for choice in text.replace(" ", "").split(","):
-        try:
-            out.append(() if choice in ("", "none", "-") else tuple(int(x) for x in choice.split("/")))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected sizes like none,8,4/8, got {text!r}") from None
-    return out
-
-
-def _shape(text: str) -> tuple[str, list[int]]:
-    name, _, dims = text.rpartition(":")
-    try:
-        return name, [int(d) for d in dims.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NAME:D1,D2,..., got {text!r}") from None
-
-
-def add_subcommand(sub: Any) -> None:
-    a = sub.add_parser("analyze", help="sweep a model's instances and batching against a running fleet (Model "
-                                       "Analyzer): needs --model-control-mode explicit and the control API")
-    a.add_argument("model")
-    a.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-    a.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")
-    a.add_argument("--latency-budget-ms", type=float, default=None, help="the best config's p99 must stay within")
-    a.add_argument("--min-gain", type=float, default=5.0,
-                   help="percent another config must beat the current one by to be named best (default 5)")
-    a.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="client concurrencies (default 1,8,32)")
-    a.add_argument("--instances", type=_ints, default=[], help="instance counts to try, e.g. 1,2 (default: current)")
-    a.add_argument("--delays", type=_ints, default=None,
-                   help="max_queue_delay_microseconds values, e.g. 0,100,1000 (default 0,100,1000 for a model that "
-                        "batches)")
-    a.add_argument("--preferred", type=_preferred, default=[], help="preferred_batch_size choices, e.g. none,8,4/8")
-    a.add_argument("--threads", type=_ints, default=[], help="intra-op threads per CPU instance (pytorch, onnx)")
-    a.add_argument("--seconds", type=float, default=3.0, help="measurement window per concurrency (3)")
-    a.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (1)")
-    a.add_argument("--shape", type=_shape, action="append", default=[], metavar="NAME:D1,D2",
-                   help="dims of an input with variable dims (without the batch dim), as perf_analyzer's --shape")
-    a.add_argument("--apply", action="store_true", help="load the best config (else the model's config is put back)")
-    a.add_argument("--write-config", type=Path, default=None, help="write the best config as config.pbtxt text")
-    a.add_argument("--json", type=Path, default=None, help="write every measurement as JSON")
-    a.add_argument("--plot", type=Path, default=None, help="write throughput against p99 as an SVG plot")
-    a.add_argument("--dry-run", action="store_true", help="print the plan and how long it would take, run nothing")
 
 
 class Server:
@@ -230,7 +177,8 @@ def _restore(server: Server, model: str, original: dict[str, Any], err: Console)
 def pbtxt(config: dict[str, Any]) -> str:
     """The JSON config as config.pbtxt text (Triton's ModelConfig message)."""
     from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2 as pb
+
+    from fleet.config_proto import model_config_pb2 as pb
 
     message = json_format.ParseDict(config, pb.ModelConfig(), ignore_unknown_fields=True)
     return str(text_format.MessageToString(message))

@@ -1,0 +1,44 @@
+"""What each of `fleet up`'s processes has loaded, read from /proc/PID/maps of the running system: grpcio's core
+only in the gateway (the others parse config.pbtxt with Triton's ModelConfig module alone, fleet/config_proto.py),
+and no numpy in `fleet up` itself (the client commands' modules are imported only to run them, fleet/cli.py).
+Each Python-backend stub is one process per model instance, so what one loads is paid once per instance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.procs import children
+from tests.e2e.conftest import RunningSystem
+
+GRPC_CORE = "cygrpc"  # grpcio's extension module: ~20 MiB resident once imported
+NUMPY_CORE = "_multiarray_umath"
+
+
+def _tree(pid: int) -> dict[int, str]:
+    found: dict[int, str] = {}
+    for child, argv in children(pid):
+        found[child] = b" ".join(argv).decode(errors="replace")
+        found |= _tree(child)
+    return found
+
+
+def _mapped(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_only_the_gateway_loads_grpc_and_fleet_up_loads_no_numpy(system: RunningSystem) -> None:
+    tree = _tree(system.process.pid)
+    roles = {"gateway": "fleet gateway", "worker": "fleet worker", "jobs worker": "fleet jobs-worker",
+             "stub": "workers.backends.python_stub"}
+    found = {role: [pid for pid, argv in tree.items() if needle in argv] for role, needle in roles.items()}
+    assert all(found.values()), f"a role is missing from fleet up's tree: {found}"
+
+    maps = {pid: _mapped(pid) for pid in [p for pids in found.values() for p in pids]}
+    assert all(GRPC_CORE in maps[pid] for pid in found["gateway"])  # the check sees grpcio where it is loaded
+    loaded = {f"{role} {pid}": tree[pid] for role in ("worker", "jobs worker", "stub") for pid in found[role]
+              if GRPC_CORE in maps[pid]}
+    assert not loaded, f"grpcio loaded outside the gateway: {loaded}"
+
+    up = _mapped(system.process.pid)
+    assert GRPC_CORE not in up and NUMPY_CORE not in up
+    assert all(NUMPY_CORE in maps[pid] for pid in found["worker"])  # ... and numpy where it is loaded
