@@ -176,9 +176,6 @@ def job_spec(args: argparse.Namespace, job_input: str | dict[str, str]) -> dict[
     return spec
 
 
-# ---------------------------------------------------------------- argparse
-
-
 # ---------------------------------------------------------------- the driver
 
 
