@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.errors import ErrorCode, ServingError
+from gateway.grpc.status_codes import StatusCode
 
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARG: 400,
@@ -28,23 +28,23 @@ STATUS: dict[ErrorCode, int] = {
 
 # Triton maps its codes to gRPC's one to one (server src/grpc/grpc_utils.cc, protocol.md §7): a full
 # queue, overload and a queue-policy timeout are UNAVAILABLE, an unsupported feature UNIMPLEMENTED.
-GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+GRPC_STATUS: dict[ErrorCode, StatusCode] = {
+    ErrorCode.INVALID_ARG: StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: StatusCode.UNIMPLEMENTED,
+    ErrorCode.INTERNAL: StatusCode.INTERNAL,
+    ErrorCode.ALREADY_EXISTS: StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: StatusCode.CANCELLED,
+    ErrorCode.DEADLINE_EXCEEDED: StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.FAILED_PRECONDITION: StatusCode.FAILED_PRECONDITION,
     # gRPC's own answer for a message over the size limit.
-    ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.TOO_LARGE: StatusCode.RESOURCE_EXHAUSTED,
     # tritonserver 2.51 over gRPC: NOT_FOUND "Request for unknown model: 'x' is not found".
-    ErrorCode.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    ErrorCode.UNKNOWN_MODEL: StatusCode.NOT_FOUND,
+    ErrorCode.UNAUTHENTICATED: StatusCode.UNAUTHENTICATED,
+    ErrorCode.PERMISSION_DENIED: StatusCode.PERMISSION_DENIED,
+    ErrorCode.UNKNOWN: StatusCode.UNKNOWN,
 }
 
 
@@ -52,8 +52,8 @@ def status_for(code: ErrorCode) -> int:
     return STATUS.get(code, 500)
 
 
-def grpc_status_for(code: ErrorCode) -> grpc.StatusCode:
-    return GRPC_STATUS.get(code, grpc.StatusCode.INTERNAL)
+def grpc_status_for(code: ErrorCode) -> StatusCode:
+    return GRPC_STATUS.get(code, StatusCode.INTERNAL)
 
 
 def error_response(status: int, message: str, retry_after_s: int | None = None) -> Response:

@@ -15,4 +15,6 @@ generated modules) served by the gateway process on the same event loop as HTTP,
     shm_rpcs.py       the shared-memory RPCs over the registry HTTP uses (gateway/shared_memory.py)
     settings_rpcs.py  LogSettings and TraceSetting over what HTTP uses (gateway/runtime_settings.py)
     not_yet.py        RPCs not served (none today): THE place where one answers UNIMPLEMENTED until wired in
+    service_proto.py  tritonclient's generated messages (service_pb2), loaded without its gRPC client
+    status_codes.py   gRPC's status codes, grpcio's numbers without grpcio
 """

@@ -17,10 +17,9 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import grpc
-
 from gateway.grpc import header_codec as hc
 from gateway.grpc.handlers import Method, RpcError
+from gateway.grpc.status_codes import StatusCode
 
 if TYPE_CHECKING:
     from gateway.grpc.server import GrpcConnection
@@ -40,8 +39,8 @@ OK_TRAILERS = hc.literal(b"grpc-status", b"0")
 MAX_STATUS_MESSAGE = 2048  # characters of grpc-message (gRPC C-core's default metadata limit is 8 KiB)
 
 
-def _status(code: grpc.StatusCode) -> bytes:
-    return str(code.value[0]).encode()
+def _status(code: StatusCode) -> bytes:
+    return str(int(code)).encode()
 
 
 def percent_encode(message: str) -> bytes:
@@ -70,17 +69,17 @@ def compress(data: bytes, encoding: bytes) -> bytes:
 def decompress(data: bytes, encoding: bytes, limit: int) -> bytes:
     """`data` decompressed, refusing more than `limit` bytes (a zip bomb stops at the limit)."""
     if encoding not in (b"gzip", b"deflate"):
-        raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
+        raise RpcError(StatusCode.UNIMPLEMENTED,
                        f"Compression algorithm '{encoding.decode('latin-1')}' is not supported")
     d = zlib.decompressobj(wbits=31 if encoding == b"gzip" else 15)
     try:
         out = d.decompress(data, limit + 1)
     except zlib.error as exc:
-        raise RpcError(grpc.StatusCode.INTERNAL, f"Failed to decompress the message: {exc}") from None
+        raise RpcError(StatusCode.INTERNAL, f"Failed to decompress the message: {exc}") from None
     if len(out) <= limit and not d.eof:
-        raise RpcError(grpc.StatusCode.INTERNAL, "Failed to decompress the message: it is truncated")
+        raise RpcError(StatusCode.INTERNAL, "Failed to decompress the message: it is truncated")
     if len(out) > limit:
-        raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        raise RpcError(StatusCode.RESOURCE_EXHAUSTED,
                        f"Received message larger than max (more than {limit} bytes once decompressed)")
     return out
 
@@ -150,7 +149,7 @@ class Call:
         while len(buf) >= 5:
             flag, length = _PREFIX.unpack_from(buf, 0)
             if length > limit:
-                self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                self.fail(StatusCode.RESOURCE_EXHAUSTED,
                           f"Received message larger than max ({length} vs. {limit})")
                 return
             if len(buf) < 5 + length:
@@ -166,7 +165,7 @@ class Call:
             if self._queue is not None:
                 self._queue.put_nowait(message)
             elif self._messages:  # a unary call takes one message: no need to hold more to say so
-                self.fail(grpc.StatusCode.UNIMPLEMENTED, "a unary call with more than one request message")
+                self.fail(StatusCode.UNIMPLEMENTED, "a unary call with more than one request message")
                 return
             else:
                 self._messages.append(message)
@@ -176,7 +175,7 @@ class Call:
         if self._ended:
             return
         if self._buffer:
-            self.fail(grpc.StatusCode.INTERNAL, "the request ends inside a message")
+            self.fail(StatusCode.INTERNAL, "the request ends inside a message")
             return
         if self._method is None:
             return  # answered at start
@@ -185,7 +184,7 @@ class Call:
             return
         if len(self._messages) != 1:
             what = "no request message" if not self._messages else "more than one request message"
-            self.fail(grpc.StatusCode.UNIMPLEMENTED if self._messages else grpc.StatusCode.INTERNAL,
+            self.fail(StatusCode.UNIMPLEMENTED if self._messages else StatusCode.INTERNAL,
                       f"a unary call with {what}")
             return
         self._task = asyncio.ensure_future(self._run_unary(self._messages.pop()))
@@ -217,7 +216,7 @@ class Call:
             self._cancelled()
         except Exception as exc:  # never take the server down: INTERNAL, and the log says what
             log.exception("gRPC %s failed", self._method.name)
-            self.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            self.fail(StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         else:
             if not self._ended:
                 self._answer(response)
@@ -249,7 +248,7 @@ class Call:
             self._cancelled()
         except Exception as exc:
             log.exception("gRPC %s failed", self._method.name)
-            self.fail(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            self.fail(StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         finally:
             await answers.aclose()
 
@@ -263,9 +262,9 @@ class Call:
 
     def _cancelled(self) -> None:
         if self._expired:
-            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.fail(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         elif not self._ended:  # the server stops and cuts the call short
-            self.fail(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+            self.fail(StatusCode.UNAVAILABLE, "the server is stopping")
 
     def _expire(self) -> None:
         self._timer = None
@@ -275,14 +274,14 @@ class Call:
         if self._task is not None and not self._task.done():
             self._task.cancel()  # answered DEADLINE_EXCEEDED as the task ends
         else:
-            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.fail(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def cancel(self) -> None:
         """The server stops and cannot wait any longer for this call."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
         elif not self._ended:
-            self.fail(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+            self.fail(StatusCode.UNAVAILABLE, "the server is stopping")
 
     @property
     def done(self) -> bool:
@@ -299,7 +298,7 @@ class Call:
         with RESOURCE_EXHAUSTED: over the send limit)."""
         limit = self._conn.max_message_bytes
         if len(message) > limit:
-            self.fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(message)} vs. {limit})")
+            self.fail(StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(message)} vs. {limit})")
             return False
         conn = self._conn
         encoding = self._response_encoding
@@ -318,7 +317,7 @@ class Call:
     def finish(self) -> None:
         self._end(OK_TRAILERS)
 
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
+    def fail(self, code: StatusCode, message: str) -> None:
         if len(message) > MAX_STATUS_MESSAGE:  # trailers must stay within clients' metadata limits
             message = message[:MAX_STATUS_MESSAGE] + "... (truncated)"
         self._end(hc.literal(b"grpc-status", _status(code)) + hc.literal(b"grpc-message", percent_encode(message)))

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from tritonclient.grpc import service_pb2 as pb
 
 from fleet import tensors
 from fleet.classification import requested_classes
@@ -37,6 +36,7 @@ from fleet.input_checks import check_input, check_input_names, check_input_set, 
 from fleet.kserve import MAX_ID_CHARS, ParsedInfer, check_parameters, sequence_flags
 from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions, RegionSlice, check_input_bytes, input_from_region, output_to_region
+from gateway.grpc.service_proto import service_pb2 as pb
 
 # A typed contents field -> (the datatype Triton names it by, the input datatypes it may carry).
 # FP16 and BF16 have none: they travel as raw contents only.

@@ -15,15 +15,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import grpc
-from tritonclient.grpc import service_pb2 as pb
-
 from fleet.errors import ServingError, Unsupported
 from gateway.auth import Access, scope_of
 from gateway.errors import grpc_status_for
 from gateway.grpc.codec import parse_message
 from gateway.grpc.not_yet import NOT_YET
 from gateway.grpc.service import InferenceService
+from gateway.grpc.service_proto import service_pb2 as pb
+from gateway.grpc.status_codes import StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ HTTP_TWIN: dict[str, str] = {
 class RpcError(Exception):
     """The status a call ends with (gRPC's numeric code and its message)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message

@@ -19,8 +19,6 @@ import asyncio
 import logging
 import socket
 
-import grpc
-
 from fleet.listen import BACKLOG, address, server_socket
 from fleet.settings import Settings
 from gateway.auth import Access
@@ -29,6 +27,7 @@ from gateway.grpc.calls import Call, response_encoding
 from gateway.grpc.h2_frames import ConnectionError_, LocalSettings
 from gateway.grpc.handlers import Method, methods
 from gateway.grpc.service import InferenceService
+from gateway.grpc.status_codes import StatusCode
 from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -129,11 +128,11 @@ class GrpcConnection(asyncio.Protocol):
         self.calls[stream_id] = call
         if method is None:
             if not content_ok:
-                call.fail(grpc.StatusCode.UNKNOWN, "the content-type is not application/grpc")
+                call.fail(StatusCode.UNKNOWN, "the content-type is not application/grpc")
             elif not post:
-                call.fail(grpc.StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests")
+                call.fail(StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests")
             else:
-                call.fail(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}")
+                call.fail(StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}")
         else:
             call.start()
         return call

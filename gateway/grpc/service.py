@@ -13,7 +13,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from google.protobuf import json_format
-from tritonclient.grpc import service_pb2 as pb
 
 from fleet import log_context
 from fleet.errors import (
@@ -33,6 +32,7 @@ from fleet.trace_points import (
 from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
 from gateway.grpc.codec import decode_infer, encode_infer, request_version
+from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.grpc.stream import StreamAnswer, StreamSessions
 from gateway.routes import EXTENSIONS, SERVER_VERSION
 from gateway.state import GatewayState

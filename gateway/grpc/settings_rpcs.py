@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tritonclient.grpc import service_pb2 as pb
-
 from fleet.trace_settings import response_to_grpc, update_from_grpc
+from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.runtime_settings import RuntimeSettings
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tritonclient.grpc import service_pb2 as pb
-
+from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.shared_memory import SharedMemoryRegistry
 
 

@@ -20,11 +20,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tritonclient.grpc import service_pb2 as pb
-
 from fleet.errors import ServingError
 from gateway.dataplane import DataPlane
 from gateway.grpc.codec import parse_message
+from gateway.grpc.service_proto import service_pb2 as pb
 
 log = logging.getLogger(__name__)
 

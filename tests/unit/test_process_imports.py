@@ -1,6 +1,9 @@
-"""fleet/config_proto.py: Triton's ModelConfig module without tritonclient.grpc's client, and one module whichever of
-the two is imported first; fleet/cli.py: a server command's process imports no client command's dependencies.
-Each case runs in a fresh interpreter (this one has imported everything already)."""
+"""What fleet's processes import, each case in a fresh interpreter (this one has imported everything already):
+- Triton's generated modules without tritonclient.grpc's client (fleet/config_proto.py, gateway/grpc/service_proto.py),
+  and one module per name whichever of them and the real package is imported first;
+- the gateway's gRPC status codes, grpcio's own numbers (gateway/grpc/status_codes.py);
+- a server command's process imports none of the client commands' dependencies (fleet/cli.py, fleet/client_args.py).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,13 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import pytest
 
+from gateway.grpc.status_codes import StatusCode
 from tests.support.processes import ROOT
+
+CLIENT_ONLY = ("grpc", "tritonclient.grpc", "ml_dtypes", "rapidjson")
 
 
 def _python(code: str) -> None:
@@ -19,31 +26,45 @@ def _python(code: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_the_module_alone_brings_no_grpc_client() -> None:
-    _python("""
+def test_the_config_module_alone_brings_no_grpc_client() -> None:
+    _python(f"""
         import sys
         from fleet.config_proto import model_config_pb2 as pb
         cfg = pb.ModelConfig(name="m", max_batch_size=8)
         assert pb.ModelConfig.FromString(cfg.SerializeToString()).max_batch_size == 8
-        loaded = [m for m in ("grpc", "tritonclient.grpc", "ml_dtypes", "rapidjson") if m in sys.modules]
+        loaded = [m for m in {CLIENT_ONLY!r} if m in sys.modules]
         assert not loaded, loaded
     """)
 
 
-@pytest.mark.parametrize("first", ["fleet.config_proto", "tritonclient.grpc"])
+def test_the_gateway_imports_no_grpc_client() -> None:
+    _python(f"""
+        import sys
+        import gateway.server, gateway.grpc.server
+        loaded = [m for m in {CLIENT_ONLY!r} if m in sys.modules]
+        assert not loaded, loaded
+    """)
+
+
+@pytest.mark.parametrize("first", ["fleet.config_proto", "gateway.grpc.service_proto", "tritonclient.grpc"])
 def test_one_module_and_one_set_of_messages_whichever_comes_first(first: str) -> None:
     _python(f"""
         import importlib
         importlib.import_module({first!r})
         import tritonclient.grpc as client
-        from tritonclient.grpc import service_pb2
         from fleet.config_proto import model_config_pb2 as pb
-        assert client.model_config_pb2 is pb
+        from gateway.grpc.service_proto import service_pb2
+        assert client.InferenceServerClient  # the real package, not the loader's stand-in
+        assert client.model_config_pb2 is pb and client.service_pb2 is service_pb2
         # The gateway's responses embed the messages fleet's config parser builds.
         response = service_pb2.ModelConfigResponse(config=pb.ModelConfig(name="m"))
         assert type(response.config) is pb.ModelConfig
         assert service_pb2.ModelConfigResponse.FromString(response.SerializeToString()).config.name == "m"
     """)
+
+
+def test_status_codes_are_grpcs_own() -> None:
+    assert {c.name: c.value[0] for c in grpc.StatusCode} == {c.name: c.value for c in StatusCode}
 
 
 def test_server_commands_import_no_client_command_dependencies() -> None:
