@@ -72,6 +72,7 @@ def _shape(text: str) -> tuple[str, list[int]]:
 
 
 def add_analyze(sub: Any) -> None:
+    """Add analyze (fleet/analyzer/run.py) to the `fleet` subparsers."""
     a = sub.add_parser("analyze", help="sweep a model's instances and batching against a running fleet (Model "
                                        "Analyzer): needs --model-control-mode explicit and the control API")
     a.add_argument("model")
@@ -99,6 +100,7 @@ def add_analyze(sub: Any) -> None:
 
 
 def add_status(sub: Any) -> None:
+    """Add status (fleet/status_cli.py) to the `fleet` subparsers."""
     s = sub.add_parser("status", help="a live view of workers, models, queues, throughput and jobs")
     s.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
     s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")

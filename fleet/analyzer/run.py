@@ -7,7 +7,7 @@ each concurrency (fleet/analyzer/load.py), the mean batch from the statistics ex
 It says up front how many points and about how long, shows progress, prints the table and a chart, names
 the best config within --latency-budget-ms, and either loads it (--apply) or loads back the config the model
 had (also on Ctrl-C or an error). --write-config FILE writes the best config as config.pbtxt text, for the
-repository; --json and --plot (SVG) keep the measurements.
+repository; --json and --plot (SVG) keep the measurements. The arguments are defined in fleet/client_args.py.
 
 Exit codes: 0 a best config was found, 1 nothing met the budget, 2 usage or server error, 130 Ctrl-C.
 """
