@@ -11,7 +11,6 @@ import re
 import struct
 from typing import Any
 
-import grpc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -36,6 +35,7 @@ from gateway.grpc.handlers import HTTP_TWIN, SERVICE
 from gateway.grpc.not_yet import NOT_YET
 from gateway.grpc.server import local_settings
 from gateway.grpc.service import InferenceService
+from gateway.grpc.status_codes import StatusCode
 
 DATATYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
              "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",
@@ -326,13 +326,14 @@ def test_every_rpc_is_served_or_listed_as_not_yet() -> None:
 
 def test_every_error_code_has_a_grpc_status() -> None:
     assert set(GRPC_STATUS) == set(ErrorCode) == set(STATUS)
-    assert GRPC_STATUS[ErrorCode.UNKNOWN_MODEL] == grpc.StatusCode.NOT_FOUND
+    # (the gateway's own codes, gateway/grpc/status_codes.py, carry grpcio's numbers: test_process_imports.py)
+    assert GRPC_STATUS[ErrorCode.UNKNOWN_MODEL] == StatusCode.NOT_FOUND
     assert STATUS[ErrorCode.UNKNOWN_MODEL] == 404  # what tritonserver 2.51 answers over HTTP
-    assert GRPC_STATUS[ErrorCode.INVALID_ARG] == grpc.StatusCode.INVALID_ARGUMENT
-    assert GRPC_STATUS[ErrorCode.UNAVAILABLE] == grpc.StatusCode.UNAVAILABLE
-    assert GRPC_STATUS[ErrorCode.UNSUPPORTED] == grpc.StatusCode.UNIMPLEMENTED
-    assert GRPC_STATUS[ErrorCode.CANCELLED] == grpc.StatusCode.CANCELLED
-    assert GRPC_STATUS[ErrorCode.UNAUTHENTICATED] == grpc.StatusCode.UNAUTHENTICATED
+    assert GRPC_STATUS[ErrorCode.INVALID_ARG] == StatusCode.INVALID_ARGUMENT
+    assert GRPC_STATUS[ErrorCode.UNAVAILABLE] == StatusCode.UNAVAILABLE
+    assert GRPC_STATUS[ErrorCode.UNSUPPORTED] == StatusCode.UNIMPLEMENTED
+    assert GRPC_STATUS[ErrorCode.CANCELLED] == StatusCode.CANCELLED
+    assert GRPC_STATUS[ErrorCode.UNAUTHENTICATED] == StatusCode.UNAUTHENTICATED
     assert issubclass(InvalidInput, ServingError)
 
 
