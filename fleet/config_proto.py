@@ -6,10 +6,11 @@ client, ml_dtypes and rapidjson: ~19 MiB of resident memory in every process tha
 need only protobuf, so `load_generated` executes one from its file. The gateway loads `service_pb2` so too
 (gateway/grpc/service_proto.py): it serves gRPC with its own HTTP/2 code and needs only the messages.
 
-Each is executed under a private name, not registered as `tritonclient.grpc.*`: code that imports tritonclient's
-package in the same process (a client, a user's Python-backend model) gets the package as usual, whatever it
-imports and however it spells it, and the package's own modules then run again over the same descriptors.
-protobuf makes one class per message descriptor, so both give the same message classes either way.
+Each is executed under a private name, not registered as `tritonclient.grpc.*` (or taken from the real package
+when that is loaded already): code that imports tritonclient's package later in the same process (a client, a
+user's Python-backend model) gets the package as usual, whatever it imports and however it spells it, and the
+package's own modules then run again over the same descriptors. protobuf makes one class per message descriptor,
+so both give the same message classes either way.
 
 Load them at import time, from the main thread: while `service_pb2` runs, a stand-in of the package is in
 `sys.modules` (`load_generated` says why).
@@ -31,8 +32,9 @@ _loaded: dict[str, ModuleType] = {}
 
 def load_generated(leaf: str) -> ModuleType:
     """tritonclient.grpc's generated module `leaf` (e.g. "service_pb2"), without running the package's __init__."""
-    module = _loaded.get(leaf)
+    module = _loaded.get(leaf) or sys.modules.get(f"{PACKAGE}.{leaf}")  # (the real package's, when it is loaded)
     if module is not None:
+        _loaded[leaf] = module
         return module
     top = importlib.util.find_spec("tritonclient")  # (finding a top-level package runs nothing of it)
     if top is None or top.origin is None:
@@ -43,10 +45,11 @@ def load_generated(leaf: str) -> ModuleType:
         raise ImportError(f"no {PACKAGE}.{leaf} at {path}")
     module = importlib.util.module_from_spec(spec)
     stand_in = None
-    if PACKAGE not in sys.modules:
+    if _loaded and PACKAGE not in sys.modules:
         # A generated module imports those it depends on `from tritonclient.grpc` (service_pb2 imports
-        # model_config_pb2), which would run the package's __init__. A stand-in answers that import with what is
-        # loaded here while the module runs, and is gone after: a later `import tritonclient.grpc` runs the real one.
+        # model_config_pb2, which imports none), which would run the package's __init__. A stand-in answers that
+        # import with what is loaded here while the module runs, and is gone after: a later `import
+        # tritonclient.grpc` runs the real one.
         stand_in = ModuleType(PACKAGE)
         stand_in.__dict__.update(_loaded)
         sys.modules[PACKAGE] = stand_in
