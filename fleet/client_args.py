@@ -3,8 +3,8 @@
 
 They are defined apart from those commands' code because every `fleet` process builds the whole parser: the
 server commands (up, gateway, worker, jobs-worker) then import neither rich, httpx nor the analyzer's numpy, which
-stay resident for a process's life (~25 MiB in `fleet up`'s supervisor alone). fleet/cli.py imports a client
-command's module only to run it.
+stay resident for a process's life (18 MiB of `fleet up`'s supervisor: bench/RESULTS.md, stop 57). fleet/cli.py
+imports a client command's module only to run it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton's ModelConfig protobuf module (`model_config_pb2`), without the gRPC client around it.
 
 The generated modules live in tritonclient's `grpc` package, whose `__init__` imports grpcio, the whole gRPC
-client, ml_dtypes and rapidjson: ~19 MiB of resident memory in every process that only parses a config.pbtxt
+client, ml_dtypes and rapidjson: 12-19 MiB of resident memory in every process that only parses a config.pbtxt
 (a worker, the bulk-job worker, and each Python-backend stub, one per model instance). The modules themselves
 need only protobuf, so `load_generated` executes one from its file. The gateway loads `service_pb2` so too
 (gateway/grpc/service_proto.py): it serves gRPC with its own HTTP/2 code and needs only the messages.

@@ -1,6 +1,7 @@
 """Triton's gRPC service messages (`service_pb2`: ModelInferRequest and the rest), loaded without tritonclient's
 gRPC client, as fleet/config_proto.py loads ModelConfig: the gateway serves gRPC with its own HTTP/2 code
-(server.py) and needs only the messages, not grpcio (~16 MiB resident in each gateway process).
+(server.py) and needs only the messages, not grpcio (each gateway process 96 -> 79 MiB with fleet/cli.py's part:
+bench/RESULTS.md, stop 57).
 
     from gateway.grpc.service_proto import service_pb2 as pb
 """

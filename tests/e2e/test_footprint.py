@@ -13,7 +13,7 @@ import grpc  # noqa: F401  (loaded here, so the check below can see that it find
 from bench.procs import children
 from tests.e2e.conftest import RunningSystem
 
-GRPC_CORE = "cygrpc"  # grpcio's extension module: ~20 MiB resident once imported
+GRPC_CORE = "cygrpc"  # grpcio's extension module: with tritonclient.grpc, 12-19 MiB a process
 NUMPY_CORE = "_multiarray_umath"
 
 

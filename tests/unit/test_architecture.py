@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "batching": {"redis", "asyncio", "fastapi", "starlette", "torch", "time", "random", "fleet.clock",
                  "gateway", "workers"},
-    # grpcio and tritonclient's gRPC package (its __init__ loads grpcio and the client): ~19 MiB in every process
+    # grpcio and tritonclient's gRPC package (its __init__ loads grpcio and the client): 12-19 MiB in every process
     # that imports them; the generated messages come from fleet/config_proto.py and gateway/grpc/service_proto.py.
     "fleet": {"fastapi", "starlette", "torch", "gateway", "workers", "grpc", "tritonclient.grpc"},
     "gateway": {"torch", "workers", "onnxruntime", "grpc", "tritonclient.grpc"},
