@@ -24,21 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from native import NativeTriton  # bench/native.py
-from procs import children, rss_mib  # bench/procs.py
+from procs import descendants, rss_mib  # bench/procs.py
 from served import DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 MODELS = ["double", "mlp"]
 Find = Callable[[], list[tuple[int, list[bytes]]]]
-
-
-def descendants(pid: int) -> list[tuple[int, list[bytes]]]:
-    out, todo = [], [pid]
-    while todo:
-        for child in children(todo.pop()):
-            out.append(child)
-            todo.append(child[0])
-    return out
 
 
 def group_members(pgid: int) -> list[tuple[int, list[bytes]]]:

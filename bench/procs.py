@@ -27,6 +27,16 @@ def children(parent_pid: int) -> list[tuple[int, list[bytes]]]:
     return found
 
 
+def descendants(pid: int) -> list[tuple[int, list[bytes]]]:
+    """(pid, argv) of every live process below pid: its children, theirs, and so on."""
+    out, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
 def fleet_children(parent_pid: int, role: str) -> list[int]:
     """The PIDs of `python -m fleet <role>` processes (gateway, worker, ...) whose parent is parent_pid
     (`fleet up`), in order."""

@@ -17,13 +17,19 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 JOB_COMMANDS = frozenset({"submit", "jobs", "job", "cancel"})
 
 
+def _url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
+    return p
+
+
+def _url_and_key(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _url(p).add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")
+    return p
+
+
 def add_job_commands(sub: Any) -> None:
     """Add submit, jobs, job and cancel to the `fleet` subparsers (`sub` is argparse's _SubParsersAction)."""
-    def url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-        return p
-
-    s = url(sub.add_parser("submit", help="run a bulk job and fetch its results"))
+    s = _url(sub.add_parser("submit", help="run a bulk job and fetch its results"))
     s.add_argument("input", help="JSONL or array file to upload (a server-side path with --server-path)")
     s.add_argument("--model", required=True)
     s.add_argument("--model-version", default=None)
@@ -37,11 +43,11 @@ def add_job_commands(sub: Any) -> None:
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
     s.add_argument("--server-path", action="store_true",
                    help="INPUT is a path on the gateway, in a directory it allows (FLEET_JOB_INPUT_DIRS); no upload")
-    url(sub.add_parser("jobs", help="list bulk jobs"))
-    j = url(sub.add_parser("job", help="show one bulk job"))
+    _url(sub.add_parser("jobs", help="list bulk jobs"))
+    j = _url(sub.add_parser("job", help="show one bulk job"))
     j.add_argument("job_id", metavar="ID")
     j.add_argument("--json", action="store_true", help="print the raw JSON record")
-    c = url(sub.add_parser("cancel", help="cancel a bulk job"))
+    c = _url(sub.add_parser("cancel", help="cancel a bulk job"))
     c.add_argument("job_id", metavar="ID")
 
 
@@ -73,11 +79,10 @@ def _shape(text: str) -> tuple[str, list[int]]:
 
 def add_analyze(sub: Any) -> None:
     """Add analyze (fleet/analyzer/run.py) to the `fleet` subparsers."""
-    a = sub.add_parser("analyze", help="sweep a model's instances and batching against a running fleet (Model "
-                                       "Analyzer): needs --model-control-mode explicit and the control API")
+    a = _url_and_key(sub.add_parser("analyze", help="sweep a model's instances and batching against a running fleet "
+                                                    "(Model Analyzer): needs --model-control-mode explicit and the "
+                                                    "control API"))
     a.add_argument("model")
-    a.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-    a.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")
     a.add_argument("--latency-budget-ms", type=float, default=None, help="the best config's p99 must stay within")
     a.add_argument("--min-gain", type=float, default=5.0,
                    help="percent another config must beat the current one by to be named best (default 5)")
@@ -101,8 +106,6 @@ def add_analyze(sub: Any) -> None:
 
 def add_status(sub: Any) -> None:
     """Add status (fleet/status_cli.py) to the `fleet` subparsers."""
-    s = sub.add_parser("status", help="a live view of workers, models, queues, throughput and jobs")
-    s.add_argument("--url", default=None, help=f"gateway URL (env FLEET_URL; default {DEFAULT_URL})")
-    s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (env FLEET_API_KEY)")
+    s = _url_and_key(sub.add_parser("status", help="a live view of workers, models, queues, throughput and jobs"))
     s.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
     s.add_argument("--once", action="store_true", help="print one frame and exit")

@@ -10,19 +10,11 @@ from pathlib import Path
 
 import grpc  # noqa: F401  (loaded here, so the check below can see that it finds grpcio where it is loaded)
 
-from bench.procs import children
+from bench.procs import descendants
 from tests.e2e.conftest import RunningSystem
 
 GRPC_CORE = "cygrpc"  # grpcio's extension module: with tritonclient.grpc, 12-19 MiB a process
 NUMPY_CORE = "_multiarray_umath"
-
-
-def _tree(pid: int) -> dict[int, str]:
-    found: dict[int, str] = {}
-    for child, argv in children(pid):
-        found[child] = b" ".join(argv).decode(errors="replace")
-        found |= _tree(child)
-    return found
 
 
 def _mapped(pid: int) -> str:
@@ -30,7 +22,7 @@ def _mapped(pid: int) -> str:
 
 
 def test_no_process_loads_grpcio_and_fleet_up_loads_no_numpy(system: RunningSystem) -> None:
-    tree = _tree(system.process.pid)
+    tree = {pid: b" ".join(argv).decode(errors="replace") for pid, argv in descendants(system.process.pid)}
     roles = {"gateway": "fleet gateway", "worker": "fleet worker", "jobs worker": "fleet jobs-worker",
              "stub": "workers.backends.python_stub"}
     found = {role: [pid for pid, argv in tree.items() if needle in argv] for role, needle in roles.items()}

@@ -27,7 +27,7 @@ from typing import Protocol
 import pytest
 import redis
 
-from bench.procs import children, running
+from bench.procs import children, descendants, running
 from fleet.keys import Keys
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT, RunningSystem
@@ -156,11 +156,7 @@ def start_fleet(tmp_path: Path) -> Iterator[StartFleet]:
 
 def _tree(pid: int) -> dict[int, bytes]:
     """Every descendant of pid: {pid: argv joined by spaces}."""
-    found: dict[int, bytes] = {}
-    for child, argv in children(pid):
-        found[child] = b" ".join(argv)
-        found |= _tree(child)
-    return found
+    return {child: b" ".join(argv) for child, argv in descendants(pid)}
 
 
 def _infer(base: str, value: float, timeout_s: float = 90.0) -> tuple[int, object]:
