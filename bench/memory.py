@@ -79,9 +79,10 @@ def by_role(samples: dict[int, tuple[str, float]]) -> dict[str, tuple[int, float
     return {name: (len(v), sum(v)) for name, v in out.items()}
 
 
-def start(system: str, port: int, out: Path, models: list[str], root: Path = ROOT) -> tuple[Find, Callable[[], None]]:
-    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`): how to find its
-    processes, and how to stop it."""
+def start(system: str, port: int, out: Path, models: list[str], root: Path = ROOT,
+          grpc: bool = False) -> tuple[Find, Callable[[], None]]:
+    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`; fleet serves gRPC on
+    port+1 always, native Triton with `grpc`): how to find its processes, and how to stop it."""
     if system == "fleet":
         fleet = Fleet(port, out, 180.0, models, root=root)
         fleet.start()
@@ -92,7 +93,7 @@ def start(system: str, port: int, out: Path, models: list[str], root: Path = ROO
             return [(root_pid, Path(f"/proc/{root_pid}/cmdline").read_bytes().split(b"\0")), *descendants(root_pid)]
 
         return find_fleet, lambda: fleet.stop(30.0)
-    triton = NativeTriton(port, out)
+    triton = NativeTriton(port, out, grpc=grpc)
     triton.start()
     pgid = triton.pgid
     assert pgid is not None

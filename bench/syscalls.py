@@ -4,6 +4,7 @@
                                        [--seconds 5] [--systems "fleet triton-native"] [--out DIR]
                                        [--base-root CHECKOUT]   (then "fleet-base" is a system: before/after)
                                        [--threads]   (each process's CPU also as its main thread's and the rest's)
+                                       [--protocol http|grpc]   (perf_analyzer -i; gRPC on port+1)
 
 For each system, one at a time on the same port (as bench/memory.py starts and finds them: fleet's processes
 are `fleet up`'s descendants, native Triton's are tritonserver's process group), for each model and
@@ -59,10 +60,11 @@ def perf_counts(pids: list[int], seconds: float) -> dict[int, tuple[int, int]]:
 
 
 def measure_level(find: Find, port: int, model: str, conc: int, seconds: float, out: Path,
-                  threads: bool = False) -> tuple[float, dict[str, list[float]]]:
+                  threads: bool = False, protocol: str = "http") -> tuple[float, dict[str, list[float]]]:
     """(requests/s, role -> [syscalls, context switches, CPU µs, user µs, kernel µs] per request) at one
     level; with `threads`, also "ROLE: main thread" and "ROLE: other threads" (CPU µs only)."""
-    pa = subprocess.Popen([str(DEFAULT_PA), "-m", model, "-i", "http", "-u", f"127.0.0.1:{port}", "-b", "1",
+    url = f"127.0.0.1:{port + 1 if protocol == 'grpc' else port}"  # the statistics still come over HTTP
+    pa = subprocess.Popen([str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", url, "-b", "1",
                            "--concurrency-range", str(conc), "--measurement-interval", "3000",
                            "--stability-percentage", "50", "--max-trials", "8"],
                           stdout=(out / f"{model}_c{conc}.pa.txt").open("w"), stderr=subprocess.STDOUT)
@@ -117,6 +119,8 @@ def main() -> None:
     p.add_argument("--base-root", type=Path, help='another checkout, measured as the system "fleet-base"')
     p.add_argument("--threads", action="store_true",
                    help="each process's CPU also split into its main thread's and its other threads'")
+    p.add_argument("--protocol", choices=["http", "grpc"], default="http",
+                   help="perf_analyzer's protocol (gRPC on port+1; native Triton then serves gRPC)")
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("syscalls-%Y%m%d-%H%M%S")).resolve()
     models = a.models.split()
@@ -128,11 +132,12 @@ def main() -> None:
         # fleet serves the models measured (any of this checkout's); native Triton's repository is the anchor's
         served = models if system.startswith("fleet") else ["double", "mlp"]
         find, stop = start("fleet" if system == "fleet-base" else system, a.port, out / system, served,
-                           root=a.base_root if system == "fleet-base" else ROOT)
+                           root=a.base_root if system == "fleet-base" else ROOT, grpc=a.protocol == "grpc")
         try:
             for model in models:
                 for conc in (int(c) for c in a.conc.split()):
-                    rate, per_role = measure_level(find, a.port, model, conc, a.seconds, out / system, a.threads)
+                    rate, per_role = measure_level(find, a.port, model, conc, a.seconds, out / system, a.threads,
+                                                   a.protocol)
                     total = [sum(v[i] for k, v in per_role.items() if ": " not in k) for i in range(5)]
                     for name, (sc, cs, cpu, user, kernel) in sorted(per_role.items()) + [("all", total)]:
                         if name != "all" and sc == 0 and round(cpu) == 0:
