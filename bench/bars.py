@@ -6,24 +6,28 @@ drift falls on all of them alike.
                                    [--rounds 4] [--interval-ms 2000] [--pa-timeout 90] [--port 18000] [--out DIR]
 
 bench/compare.sh runs one system after the other, each through every model and level (minutes apart), and on a
-drifting host (±25 % between passes a few minutes apart on a bad day) its ratios are mostly when each system
-ran. Here native Triton (the anchor kit's tritonserver, gRPC on), fleet (`fleet up` of this checkout) and, with
---base-root, fleet-base (another checkout's) are all started first, each on its own ports (PORT, PORT+100,
-PORT+200; gRPC on +1), and each cell (protocol, model, C) is measured on every system back to back, the order
-reversed every round: perf_analyzer as bench/served.py runs it (batch 1, `--stability-percentage 20`,
-`--max-trials 12`, killed after --pa-timeout s, which is what a hang of native Triton costs). The systems not
+drifting host (one system's passes a few minutes apart differed by up to 1.5x in stop 58) its ratios are mostly
+when each system ran. Here native Triton (the anchor kit's tritonserver, gRPC on when measured), fleet (`fleet up`
+of this checkout) and, with --base-root, fleet-base (another checkout's) are all started first, each on its own
+ports (PORT, PORT+100, PORT+200; gRPC on +1), and each cell (protocol, model, C) is measured on every system back to
+back, the order reversed every round: perf_analyzer as bench/served.py runs it (batch 1, `--stability-percentage
+20`, `--max-trials 12`, killed after --pa-timeout s, which is what a hang of native Triton costs). The systems not
 measured sit idle meanwhile (fleet's idle processes: heartbeats and claims, ~1 % of a core).
 
-Prints every round's cells, then per cell each system's median infer/s, p50 and p99 and the ratios of the second
-system (fleet) to the first (native) round by round: their median and their range. The bars (issue 15): `mlp`
-C=32 infer/s ≥ 1.0x with p99 ≤ native's, `double` C=32 ≥ 0.6x, p50 at C=1 ≤ 1.5x. Writes
-OUT/roundR/SYSTEM/PROTOCOL/MODEL_cC.{txt,csv,stats.json} (bench/summary.py reads each folder). Only 127.0.0.1
-is contacted; the servers are stopped by their PIDs (native: its process group, as the anchor kit does).
+Prints every round's cells, then per cell each system's median infer/s, p50 and p99, and the ratios of every other
+system to the first, round by round: their median, range and count (a round whose run failed, as a hang of native
+Triton, gives no ratio). Stopped early (Ctrl-C, SIGTERM), it stops the servers and prints what it measured. The
+bars (issue 15), shown where the first system is native Triton: `mlp` C=32 infer/s ≥ 1.0x with p99 ≤ native's,
+`double` C=32 ≥ 0.6x, p50 at C=1 ≤ 1.5x. Writes OUT/roundR/SYSTEM/PROTOCOL/MODEL_cC.{txt,csv,stats.json}
+(bench/summary.py reads each folder). Only 127.0.0.1 is contacted; the servers are stopped by their PIDs (native:
+its process group, as the anchor kit does).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -38,28 +42,30 @@ BARS = {("mlp", 32): "infer/s ≥ 1.0x, p99 ≤ 1.0x", ("double", 32): "infer/s 
         ("mlp", 1): "p50 ≤ 1.5x", ("double", 1): "p50 ≤ 1.5x"}
 
 
-def start_all(systems: list[str], port: int, out: Path, models: list[str],
-              base_root: Path | None) -> tuple[dict[str, int], list[Callable[[], None]]]:
-    """Starts each system on its own ports; returns system -> HTTP port, and how to stop each started."""
-    ports, stops = {}, []
+def start_all(systems: list[str], port: int, out: Path, models: list[str], base_root: Path | None, grpc: bool,
+              stops: list[Callable[[], None]]) -> dict[str, int]:
+    """Starts each system on its own ports; returns system -> HTTP port. How to stop each is put in `stops`
+    before it is started, so that one that fails to start is stopped with the others."""
+    ports = {}
     for i, system in enumerate(systems):
         p = port + 100 * i
         (out / system).mkdir(parents=True, exist_ok=True)
         if system == "triton-native":
-            triton = NativeTriton(p, out / system, grpc=True)
-            triton.start()
+            triton = NativeTriton(p, out / system, grpc=grpc)
             stops.append(triton.stop)
+            triton.start()
         elif system in ("fleet", "fleet-base"):
             if system == "fleet-base" and base_root is None:
                 raise SystemExit("fleet-base needs --base-root CHECKOUT")
+            # A checkout that serves no gRPC is refused up front when gRPC is measured.
             fleet = Fleet(p, out / system, 180.0, models, root=base_root if system == "fleet-base" else ROOT,
-                          protocol="grpc")
+                          protocol="grpc" if grpc else "http")
+            stops.append(functools.partial(fleet.stop, 30.0))
             fleet.start()
-            stops.append(lambda fleet=fleet: fleet.stop(30.0))  # type: ignore[misc]
         else:
             raise SystemExit(f"unknown system {system} (triton-native, fleet, fleet-base)")
         ports[system] = p
-    return ports, stops
+    return ports
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -89,8 +95,11 @@ def main() -> None:
     systems, models = a.systems.split(), a.models.split()
     cells = [(proto, model, int(c)) for proto in a.protocols.split() for model in models for c in a.conc.split()]
     results: dict[tuple[str, str, int], dict[str, list[Level]]] = {cell: {s: [] for s in systems} for cell in cells}
-    ports, stops = start_all(systems, a.port, out, models, a.base_root)
+    stops: list[Callable[[], None]] = []
+    # SIGTERM as Ctrl-C: the servers (each in its own session) are stopped and what was measured is printed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        ports = start_all(systems, a.port, out, models, a.base_root, "grpc" in a.protocols.split(), stops)
         for r in range(1, a.rounds + 1):
             order = systems if r % 2 else systems[::-1]
             print(f"\n== round {r}/{a.rounds} ({time.strftime('%T')}), order {' '.join(order)}", flush=True)
@@ -104,12 +113,14 @@ def main() -> None:
     finally:
         for stop in reversed(stops):
             stop()
-    report(results, systems, a.rounds, out)
+        report(results, systems, out)
 
 
-def report(results: dict[tuple[str, str, int], dict[str, list[Level]]], systems: list[str], rounds: int,
-           out: Path) -> None:
+def report(results: dict[tuple[str, str, int], dict[str, list[Level]]], systems: list[str], out: Path) -> None:
+    """Each system's medians per cell, and every other system's ratios to the first, round by round (a round
+    that lacks either run, as a hang, gives none: n says how many rounds a ratio rests on)."""
     ref, rest = systems[0], systems[1:]
+    against_native = ref == "triton-native"
 
     def med(levels: list[Level], key: str) -> str:
         values = [v for lv in levels if (v := getattr(lv, key)) is not None]
@@ -125,17 +136,19 @@ def report(results: dict[tuple[str, str, int], dict[str, list[Level]]], systems:
                        + (f" [{failed} failed]" if failed else ""))
         for s in rest:
             for key in ("infer_s", "p50_ms", "p99_ms"):
-                # Round by round: each ratio from two runs minutes apart at most.
-                values = [v for i in range(rounds) if i < len(by[s]) and i < len(by[ref])
-                          and (v := ratio(getattr(by[s][i], key), getattr(by[ref][i], key))) is not None]
-                row.append(spread(values))
-        row.append(BARS.get((model, conc), ""))
+                # Round by round: the two runs of a ratio are seconds apart, not a pass apart.
+                values = [v for mine, theirs in zip(by[s], by[ref], strict=False)
+                          if (v := ratio(getattr(mine, key), getattr(theirs, key))) is not None]
+                row.append(spread(values) + (f" n={len(values)}" if key == "infer_s" else ""))
+        if against_native:
+            row.append(BARS.get((model, conc), ""))
         rows.append(row)
     header = ["protocol", "model", "C", *[f"{s} infer/s (p50 / p99 ms)" for s in systems]]
     for s in rest:
         header += [f"{s}/{ref} infer/s", "p50", "p99"]
-    header.append("bar (fleet/native)")
-    print_table(f"medians over {rounds} rounds; ratios round by round: median (range) ({out})", header, rows)
+    if against_native:
+        header.append("bar (fleet/native)")
+    print_table(f"medians; ratios round by round: median (range), n rounds ({out})", header, rows)
 
 
 if __name__ == "__main__":

@@ -206,9 +206,7 @@ class ModelLoop:
                 self._on_health()  # reading again: advertised again
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
-                held = self.holding.rows() > 0
-                busy = self._tops_up and (held or not self._dispatch.one_at_a_time)
-                lone = len(messages) == 1 and not held and self._dispatch.one_at_a_time and not self._stopping
+                busy = self._tops_up and (self.holding.rows() > 0 or not self._dispatch.one_at_a_time)
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)
@@ -216,16 +214,6 @@ class ModelLoop:
                         await self._top_up(lane, loop)
                 finally:  # (those admitted before one that raised are scheduled all the same)
                     self._wake.set()
-                if lone:
-                    # Let the driver start it before the next blocking read is written. That write wakes
-                    # Valkey, which costs this process ~25-60 µs on this project's VM, on the lone request's
-                    # way if it goes first (bench/RESULTS.md, stop 58). One turn for the driver's step, one
-                    # for the instance's start it schedules (a stub's call: workers/instance.py `_begin`);
-                    # the read then goes out while the stub computes. (A batch the loop computes itself
-                    # starts a turn later: its read still goes first, as under load, so that what comes
-                    # meanwhile is in the socket when the compute ends.)
-                    await asyncio.sleep(0)
-                    await asyncio.sleep(0)
 
     async def _top_up(self, lane: int, loop: asyncio.AbstractEventLoop) -> None:
         """Under load, what came after a blocking read's first message, read before the driver batches.

@@ -1,6 +1,5 @@
 """Under load, a worker reads what came after a blocking read's first message before it batches
-(workers/loop.py `_top_up`); one at a time, it starts a request before it reads again. Real Valkey, a real
-worker in process, the sleeper Python-backend model."""
+(workers/loop.py `_top_up`). Real Valkey, a real worker in process, the sleeper Python-backend model."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from fleet.stats import fold_args, render_model_stats
 from tests.integration.test_lanes import envelope, wait_for_replies
 from tests.support.queue_models import sleeper_repository
 from workers.consumer import StreamConsumer
-from workers.execute import LoopRun
 from workers.main import run_worker
 
 
@@ -130,51 +128,6 @@ def test_a_model_on_two_instances_reads_no_more(redis_server: LocalServer, key_p
             pipe.execute()
             assert len(await wait_for_replies(client, keys, 6)) == 6
             assert topped_up == []
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
-
-    asyncio.run(main())
-
-
-def test_a_lone_request_starts_before_the_next_blocking_read_is_written(
-        redis_server: LocalServer, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The read's write wakes Valkey, which on a VM costs the worker tens of µs: written first, it would
-    # hold back a lone request's stub call (workers/loop.py, `_read`).
-    events: list[str] = []
-    read, begin = StreamConsumer.read, LoopRun.begin
-
-    async def recorded_read(self: StreamConsumer, lane: int, count: int, block_ms: int | None) -> Any:
-        if block_ms is not None:
-            events.append("read")  # written now: the call sends it before its first await
-        messages = await read(self, lane, count, block_ms)
-        if messages and block_ms is not None:
-            events.append("got")
-        return messages
-
-    def recorded_begin(self: LoopRun, loop: asyncio.AbstractEventLoop, on_outcome: Any) -> bool:
-        started = begin(self, loop, on_outcome)
-        events.append("call" if started else "declined")
-        return started
-
-    monkeypatch.setattr(StreamConsumer, "read", recorded_read)
-    monkeypatch.setattr(LoopRun, "begin", recorded_begin)
-    keys, client, settings = slow_model(redis_server, key_prefix, tmp_path, block_ms=5000)
-
-    async def one_at_a_time(first: int, n: int) -> None:
-        for i in range(first, first + n):
-            client.xadd(keys.queue("slow", 0, version=1), {b"d": envelope(f"r{i}", keys, i)})
-            await wait_for_replies(client, keys, i + 1)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(run_worker(settings, "cpu", stop))
-        try:
-            await one_at_a_time(0, 4)  # (the first batches, before one at a time is a pattern)
-            events.clear()
-            await one_at_a_time(4, 6)
-            # Each request: its read returns, its stub call is written, then the next read.
-            assert "".join(e[0] for e in events) == "gcr" * 6, events
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
