@@ -81,8 +81,8 @@ def by_role(samples: dict[int, tuple[str, float]]) -> dict[str, tuple[int, float
 
 def start(system: str, port: int, out: Path, models: list[str], root: Path = ROOT,
           grpc: bool = False) -> tuple[Find, Callable[[], None]]:
-    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`; fleet serves gRPC on
-    port+1 always, native Triton with `grpc`): how to find its processes, and how to stop it."""
+    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`; a fleet serves gRPC on
+    port+1 where its checkout has gRPC, native Triton with `grpc`): how to find its processes, and how to stop it."""
     if system == "fleet":
         fleet = Fleet(port, out, 180.0, models, root=root)
         fleet.start()
