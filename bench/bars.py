@@ -26,15 +26,14 @@ its process group, as the anchor kit does).
 from __future__ import annotations
 
 import argparse
-import functools
 import signal
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from native import NativeTriton  # bench/native.py
-from served import DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
+from native import server  # bench/native.py
+from served import DEFAULT_PA, ROOT, run_level  # bench/served.py
 from summary import Level, print_table, read_level  # bench/summary.py
 
 # (model, C) -> what issue 15 asks of fleet against native: (what, bound)
@@ -48,23 +47,15 @@ def start_all(systems: list[str], port: int, out: Path, models: list[str], base_
     before it is started, so that one that fails to start is stopped with the others."""
     ports = {}
     for i, system in enumerate(systems):
-        p = port + 100 * i
+        if system == "fleet-base" and base_root is None:
+            raise SystemExit("fleet-base needs --base-root CHECKOUT")
+        ports[system] = port + 100 * i
         (out / system).mkdir(parents=True, exist_ok=True)
-        if system == "triton-native":
-            triton = NativeTriton(p, out / system, grpc=grpc)
-            stops.append(triton.stop)
-            triton.start()
-        elif system in ("fleet", "fleet-base"):
-            if system == "fleet-base" and base_root is None:
-                raise SystemExit("fleet-base needs --base-root CHECKOUT")
-            # A checkout that serves no gRPC is refused up front when gRPC is measured.
-            fleet = Fleet(p, out / system, 180.0, models, root=base_root if system == "fleet-base" else ROOT,
-                          protocol="grpc" if grpc else "http")
-            stops.append(functools.partial(fleet.stop, 30.0))
-            fleet.start()
-        else:
-            raise SystemExit(f"unknown system {system} (triton-native, fleet, fleet-base)")
-        ports[system] = p
+        # (a checkout that serves no gRPC is refused up front when gRPC is measured)
+        started, stop = server(system, ports[system], out / system, models,
+                               root=base_root if system == "fleet-base" and base_root else ROOT, grpc=grpc)
+        stops.append(stop)
+        started.start()
     return ports
 
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from native import NativeTriton  # bench/native.py
+from native import server  # bench/native.py
 from procs import descendants, rss_mib  # bench/procs.py
 from served import DEFAULT_PA, ROOT, Fleet, run_level  # bench/served.py
 from summary import print_table  # bench/summary.py
@@ -81,23 +81,26 @@ def by_role(samples: dict[int, tuple[str, float]]) -> dict[str, tuple[int, float
 
 def start(system: str, port: int, out: Path, models: list[str], root: Path = ROOT,
           grpc: bool = False) -> tuple[Find, Callable[[], None]]:
-    """Start `system` serving `models` on `port` ("fleet" runs the checkout at `root`; a fleet serves gRPC on
-    port+1 where its checkout has gRPC, native Triton with `grpc`): how to find its processes, and how to stop it."""
-    if system == "fleet":
-        fleet = Fleet(port, out, 180.0, models, root=root)
-        fleet.start()
-        assert fleet.proc is not None
-        root_pid = fleet.proc.pid
+    """Start `system` serving `models` on `port` (a fleet: the checkout at `root`; with `grpc` also over gRPC on
+    port+1, bench/native.py's `server`): how to find its processes, and how to stop it."""
+    started, stop = server("triton-native" if system == "triton-native" else "fleet", port, out, models, root=root,
+                           grpc=grpc)
+    try:
+        started.start()
+    except BaseException:
+        stop()
+        raise
+    if isinstance(started, Fleet):
+        assert started.proc is not None
+        root_pid = started.proc.pid
 
         def find_fleet() -> list[tuple[int, list[bytes]]]:
             return [(root_pid, Path(f"/proc/{root_pid}/cmdline").read_bytes().split(b"\0")), *descendants(root_pid)]
 
-        return find_fleet, lambda: fleet.stop(30.0)
-    triton = NativeTriton(port, out, grpc=grpc)
-    triton.start()
-    pgid = triton.pgid
+        return find_fleet, stop
+    pgid = started.pgid
     assert pgid is not None
-    return lambda: group_members(pgid), triton.stop
+    return lambda: group_members(pgid), stop
 
 
 def measure(system: str, port: int, conc: int, interval_ms: int, out: Path) -> tuple[dict[str, tuple[int, float]],

@@ -1,14 +1,19 @@
 """Native Triton from the anchor kit (../shared/anchors/triton/start_native.sh: tritonserver 2.51.0 serving `double`
 and `mlp` as Python-backend models), started and stopped by this script's callers (bench/memory.py,
-bench/poisson.py), one at a time, by the PID in its run folder."""
+bench/poisson.py, bench/bars.py) by the PID in its run folder; and `server`, the server a bench's system name
+stands for."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
-from served import ANCHOR, ROOT  # bench/served.py
+from served import ANCHOR, ROOT, Fleet  # bench/served.py
+
+SYSTEMS = ("triton-native", "fleet", "fleet-base")
 
 
 class NativeTriton:
@@ -28,3 +33,17 @@ class NativeTriton:
         if self.pgid is not None:
             subprocess.run([str(ANCHOR / "stop_server.sh")], env=self.env, timeout=120, check=False)
             self.pgid = None
+
+
+def server(system: str, port: int, out: Path, models: list[str], root: Path = ROOT,
+           grpc: bool = False) -> tuple[Fleet | NativeTriton, Callable[[], None]]:
+    """The server `system` names (fleet-base: the fleet of the checkout at `root`), not started yet, and how to
+    stop it (after a failed start too). With `grpc` native Triton serves gRPC (port+1), and a fleet whose
+    checkout serves none is refused."""
+    if system == "triton-native":
+        triton = NativeTriton(port, out, grpc=grpc)
+        return triton, triton.stop
+    if system in ("fleet", "fleet-base"):
+        fleet = Fleet(port, out, 180.0, models, root=root, protocol="grpc" if grpc else "http")
+        return fleet, functools.partial(fleet.stop, 30.0)
+    raise SystemExit(f"unknown system {system} ({', '.join(SYSTEMS)})")

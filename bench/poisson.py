@@ -28,8 +28,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from native import NativeTriton  # bench/native.py
-from served import DEFAULT_PA, HOST, ROOT, Fleet  # bench/served.py
+from native import server  # bench/native.py
+from served import DEFAULT_PA, HOST, ROOT  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 KEPT_UP = 0.95
@@ -104,22 +104,15 @@ def main() -> None:
         for system in systems[n % len(systems):] + systems[:n % len(systems)]:
             d = out / f"pass{n + 1}"
             d.mkdir(parents=True, exist_ok=True)
-            server: Fleet | NativeTriton
-            if system == "fleet":
-                server = Fleet(a.port, d, 180.0, [a.model])
-            elif system == "fleet-base":
+            if system == "fleet-base":
                 (d / system).mkdir(exist_ok=True)
-                server = Fleet(a.port, d / system, 180.0, [a.model], root=a.base_root)
-            else:
-                server = NativeTriton(a.port, d / system)
+            started, stop = server(system, a.port, d if system == "fleet" else d / system, [a.model],
+                                   root=a.base_root if system == "fleet-base" else ROOT)
             try:
-                server.start()
+                started.start()
                 measure(a.perf_analyzer, a.model, a.port, a.range, a.p99_ms, d / system, a.pa_timeout)
             finally:
-                if isinstance(server, Fleet):
-                    server.stop(30.0)
-                else:
-                    server.stop()
+                stop()
             result = best_rate((d / system).with_suffix(".csv"), a.p99_ms)
             found[system].append(result)
             print(f"pass {n + 1} {system}: {result}", flush=True)

@@ -129,8 +129,6 @@ def main() -> None:
         (out / system).mkdir(parents=True, exist_ok=True)
         if system == "fleet-base" and a.base_root is None:
             raise SystemExit("--systems fleet-base needs --base-root CHECKOUT")
-        if system == "fleet-base" and a.protocol == "grpc" and not (a.base_root / "fleet" / "grpc_flags.py").exists():
-            raise SystemExit(f"{a.base_root} serves no gRPC: measure it with --protocol http")  # as served.py says
         # fleet serves the models measured (any of this checkout's); native Triton's repository is the anchor's
         served = models if system.startswith("fleet") else ["double", "mlp"]
         find, stop = start("fleet" if system == "fleet-base" else system, a.port, out / system, served,
