@@ -102,9 +102,53 @@ class RedisLink:
                     packed = [_pack(c) for c in resend()]
                 return await self._round_trip(packed, len(commands), deadline_s)
 
-    async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float) -> list[Any]:
-        """Write, then read `count` replies; on any failure the connection is closed (what is unread on it
-        would answer the next commands) and the error raised, a timeout as redis-py's TimeoutError."""
+    async def execute_then(self, commands: Sequence[Command], then: Command, block_ms: int,
+                           resend: Callable[[], Sequence[Command]] | None = None,
+                           ) -> tuple[list[Any], asyncio.Task[Any]]:
+        """`commands` and a blocking read `then` written in one send: one wake-up of Redis for both, where two
+        round trips one after the other cost it two (bench/RESULTS.md, stop 59). Returns the commands' replies
+        as `execute` does, once they have come, and a task that reads `then`'s reply (`block_ms` its BLOCK);
+        the link is the read's until that is answered, and cancelling the task closes the connection. Retried
+        once on a new connection as `execute` is (`then` sent again: a blocking read may go twice). Should
+        the commands' replies not come, the error is raised and nothing waits for `then`."""
+        deadline_s = self.timeout_s + block_ms / 1000
+        packed = [_pack(c) for c in commands]
+        last = _pack(then)
+        await self._lock.acquire()
+        try:
+            reused = self._conn.is_connected
+            try:
+                got = await self._round_trip([*packed, last], len(commands), deadline_s, more=True)
+            except RedisConnectionError:
+                if not reused:
+                    raise
+                if resend is not None:
+                    packed = [_pack(c) for c in resend()]
+                got = await self._round_trip([*packed, last], len(commands), deadline_s, more=True)
+        except BaseException:
+            self._lock.release()
+            raise
+        return got, asyncio.ensure_future(self._then(deadline_s))
+
+    async def _then(self, deadline_s: float) -> Any:
+        """The reply `execute_then`'s read is still owed, then the link is free again."""
+        replies = self._replies
+        assert replies is not None, "a round trip went out"
+        try:
+            try:
+                (reply,) = await self._read(replies, 1)
+            except BaseException as exc:
+                raise await self._closed_on(exc, deadline_s) from None
+            return reply
+        finally:
+            self._deadline.stop()
+            self._lock.release()
+
+    async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float, *,
+                          more: bool = False) -> list[Any]:
+        """Write, then read `count` replies; on any failure the connection is closed and the error raised
+        (`_closed_on`). `more`: a reply more is owed after these (`execute_then`): the deadline runs on
+        until that is read."""
         conn = self._conn
         deadline = self._deadline
         try:
@@ -122,25 +166,31 @@ class RedisLink:
             if replies.ended or writer.transport.is_closing():  # Redis closed it while it sat idle
                 raise RedisConnectionError("Connection closed by server.")
             deadline.start(deadline_s, writer.transport, replies.loop)
+            answered = False
             try:
                 if all(isinstance(p, bytes) for p in packed):
                     writer.write(b"".join(packed) if len(packed) > 1 else packed[0])  # type: ignore[arg-type]
                 else:  # long arguments as their own buffers, one writev
                     writer.writelines([b for p in packed for b in ((p,) if isinstance(p, bytes) else p)])
-                return await self._read(replies, count)
+                got = await self._read(replies, count)
+                answered = True
+                return got
             finally:
-                deadline.stop()
-        except TimeoutError:
-            await conn.disconnect(nowait=True)
-            raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
-        except OSError as exc:  # a reset, a broken pipe: as redis-py words a failed socket
-            await conn.disconnect(nowait=True)
-            if deadline.expired:
-                raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
-            raise RedisConnectionError(f"Error while talking to Redis: {exc}") from None
-        except BaseException:
-            await conn.disconnect(nowait=True)
-            raise
+                if not (answered and more):
+                    deadline.stop()
+        except BaseException as exc:
+            raise await self._closed_on(exc, deadline_s) from None
+
+    async def _closed_on(self, exc: BaseException, deadline_s: float) -> BaseException:
+        """What a failed round trip raises, once its connection is closed (what is unread on it would answer
+        the next commands): a timeout as redis-py's TimeoutError, a failed socket (a reset, a broken pipe) as
+        its ConnectionError, as redis-py words them; anything else as it is."""
+        await self._conn.disconnect(nowait=True)
+        if isinstance(exc, TimeoutError) or (isinstance(exc, OSError) and self._deadline.expired):
+            return RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s")
+        if isinstance(exc, OSError):
+            return RedisConnectionError(f"Error while talking to Redis: {exc}")
+        return exc
 
     async def _read(self, replies: _Replies, count: int) -> list[Any]:
         try:

@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 # The longest admitted requests wait for `_top_up`'s read before the driver starts them anyway (its round
 # trip takes ~0.1 ms; this only bounds a Redis that stalls).
 TOP_UP_WAIT_S = 0.005
+# How long a lone request's reader waits for the request's reply write to take its next read along, before
+# it reads on its own (a model that computes longer, or a reply that never comes: a request dropped).
+RIDE_WAIT_S = 0.005
 
 
 class ModelLoop:
@@ -178,6 +181,7 @@ class ModelLoop:
     def _freed(self) -> None:
         for event in self._room:
             event.set()
+        self.consumer.lapse_ride()  # a read waiting for a reply write: none may come now
 
     # ------------------------------------------------------------------ reading and admission
 
@@ -185,6 +189,7 @@ class ModelLoop:
         room_event = self._room[lane]
         loop = asyncio.get_running_loop()
         backoff = Backoff()
+        ride_s: float | None = None
         while not self._stopping:
             room = self.holding.room(lane)
             if room <= 0:
@@ -192,7 +197,7 @@ class ModelLoop:
                 await room_event.wait()
                 continue
             try:
-                messages = await self.custody.read(lane, room, self.config.block_ms)
+                messages = await self.custody.read(lane, room, self.config.block_ms, ride_s=ride_s)
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()
                 delay = backoff.next_delay()
@@ -204,9 +209,15 @@ class ModelLoop:
             if backoff.attempt:
                 backoff.reset()
                 self._on_health()  # reading again: advertised again
+            ride_s = None
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
                 busy = self._tops_up and (self.holding.rows() > 0 or not self._dispatch.one_at_a_time)
+                # A lone request, nothing else held, on a sole instance whose clients send one at a time:
+                # nothing can start before its reply, so the next read goes out with that (StreamConsumer._Ride).
+                if (len(messages) == 1 and self._dispatch.sole and self._dispatch.one_at_a_time
+                        and not self.holding.rows()):
+                    ride_s = RIDE_WAIT_S
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)
