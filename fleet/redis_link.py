@@ -28,6 +28,9 @@ links.
   redis-py's retry does: as the caller's `resend` says, if it gives one (commands that may have run
   already, marked so). The error raised is redis-py's (ConnectionError,
   TimeoutError: both RedisError), as every caller handles already.
+- `execute_then` writes commands and a blocking read in one send: the commands' replies come back as a round
+  trip's, and the read's later; the link is the read's until then (a worker's reply write carrying its next
+  read, workers/consumer.py).
 - Replies are Redis's own (RESP2, bytes), without redis-py's response callbacks: an XREAD entry is
   `[id, [field, value, ...]]` (`entry_field` reads one field). An error reply is that command's result, as
   redis-py's parser makes it (a ResponseError, as `execute(raise_on_error=False)` gives it), except the
@@ -107,48 +110,59 @@ class RedisLink:
                            ) -> tuple[list[Any], asyncio.Task[Any]]:
         """`commands` and a blocking read `then` written in one send: one wake-up of Redis for both, where two
         round trips one after the other cost it two (bench/RESULTS.md, stop 59). Returns the commands' replies
-        as `execute` does, once they have come, and a task that reads `then`'s reply (`block_ms` its BLOCK);
-        the link is the read's until that is answered, and cancelling the task closes the connection. Retried
-        once on a new connection as `execute` is (`then` sent again: a blocking read may go twice). Should
-        the commands' replies not come, the error is raised and nothing waits for `then`."""
-        deadline_s = self.timeout_s + block_ms / 1000
+        as `execute` does, once they have come, and a task that reads `then`'s reply (`block_ms` its BLOCK,
+        added to the read's deadline). The link stays the read's until that task ends, whatever ends it; a
+        task cancelled before its reply came closes the connection (the reply still owed on it would answer
+        the next round trip's commands). Retried once on a new connection as `execute` is (`then` sent again:
+        a blocking read may go twice). Should the commands' replies not come, the error is raised and the
+        link is free at once."""
         packed = [_pack(c) for c in commands]
         last = _pack(then)
         await self._lock.acquire()
         try:
             reused = self._conn.is_connected
             try:
-                got = await self._round_trip([*packed, last], len(commands), deadline_s, more=True)
+                got = await self._round_trip([*packed, last], len(commands), self.timeout_s)
             except RedisConnectionError:
                 if not reused:
                     raise
                 if resend is not None:
                     packed = [_pack(c) for c in resend()]
-                got = await self._round_trip([*packed, last], len(commands), deadline_s, more=True)
+                got = await self._round_trip([*packed, last], len(commands), self.timeout_s)
+            replies, writer = self._replies, self._conn._writer
+            assert replies is not None and writer is not None, "a round trip went out"
+            deadline_s = self.timeout_s + block_ms / 1000
+            self._deadline.start(deadline_s, writer.transport, replies.loop)
         except BaseException:
             self._lock.release()
             raise
-        return got, asyncio.ensure_future(self._then(deadline_s))
+        reading = asyncio.ensure_future(self._then(replies, deadline_s))
+        # Not a `finally` in _then: a task cancelled before it ran runs none of its body.
+        reading.add_done_callback(self._then_done)
+        return got, reading
 
-    async def _then(self, deadline_s: float) -> Any:
-        """The reply `execute_then`'s read is still owed, then the link is free again."""
-        replies = self._replies
-        assert replies is not None, "a round trip went out"
+    async def _then(self, replies: _Replies, deadline_s: float) -> Any:
+        """The reply `execute_then`'s read is still owed."""
         try:
-            try:
-                (reply,) = await self._read(replies, 1)
-            except BaseException as exc:
-                raise await self._closed_on(exc, deadline_s) from None
-            return reply
-        finally:
-            self._deadline.stop()
-            self._lock.release()
+            (reply,) = await self._read(replies, 1)
+        except BaseException as exc:
+            mapped = await self._closed_on(exc, deadline_s)
+            if mapped is exc:
+                raise
+            raise mapped from None
+        return reply
 
-    async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float, *,
-                          more: bool = False) -> list[Any]:
-        """Write, then read `count` replies; on any failure the connection is closed and the error raised
-        (`_closed_on`). `more`: a reply more is owed after these (`execute_then`): the deadline runs on
-        until that is read."""
+    def _then_done(self, reading: asyncio.Task[Any]) -> None:
+        """`execute_then`'s read has ended: the link is free again."""
+        self._deadline.stop()
+        writer = self._conn._writer
+        if reading.cancelled() and writer is not None and not writer.transport.is_closing():
+            writer.transport.abort()  # cancelled before it ran: its reply is still owed on the connection
+        self._lock.release()
+
+    async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float) -> list[Any]:
+        """Write, then read `count` replies (`packed` may hold more commands: `execute_then`'s read); on any
+        failure the connection is closed and the error raised (`_closed_on`)."""
         conn = self._conn
         deadline = self._deadline
         try:
@@ -166,20 +180,19 @@ class RedisLink:
             if replies.ended or writer.transport.is_closing():  # Redis closed it while it sat idle
                 raise RedisConnectionError("Connection closed by server.")
             deadline.start(deadline_s, writer.transport, replies.loop)
-            answered = False
             try:
                 if all(isinstance(p, bytes) for p in packed):
                     writer.write(b"".join(packed) if len(packed) > 1 else packed[0])  # type: ignore[arg-type]
                 else:  # long arguments as their own buffers, one writev
                     writer.writelines([b for p in packed for b in ((p,) if isinstance(p, bytes) else p)])
-                got = await self._read(replies, count)
-                answered = True
-                return got
+                return await self._read(replies, count)
             finally:
-                if not (answered and more):
-                    deadline.stop()
+                deadline.stop()
         except BaseException as exc:
-            raise await self._closed_on(exc, deadline_s) from None
+            mapped = await self._closed_on(exc, deadline_s)
+            if mapped is exc:
+                raise
+            raise mapped from None
 
     async def _closed_on(self, exc: BaseException, deadline_s: float) -> BaseException:
         """What a failed round trip raises, once its connection is closed (what is unread on it would answer

@@ -113,10 +113,14 @@ class _Ride:
         return True
 
     def hand(self, reading: asyncio.Task[Any] | None) -> None:
+        """The write is out: the task reading the read's reply to the reader (None: the write failed, and
+        the read goes out on its own). A reader cancelled meanwhile reads nothing: the read is cancelled,
+        which closes its connection, rather than left to take messages nobody admits (they would wait in
+        this consumer's pending list for a claim)."""
         if not self.answer.done():
             self.answer.set_result(reading)
         elif reading is not None:
-            reading.cancel()  # the reader gave up meanwhile (cancelled): nobody reads it
+            reading.cancel()
 
     def lapse(self) -> None:
         """Not taken in time: the read goes out on its own."""
@@ -143,6 +147,9 @@ class StreamConsumer:
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
         self._ride: _Ride | None = None  # a reader's next blocking read, waiting to go out with a write
+        # Whether the last read that rode on a write found a request already waiting (workers/loop.py
+        # stops offering its reads for a while: one that waited for that write started later than it could).
+        self.ride_found_waiting = False
         self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)
         # By its SHA (a fold many times a second: not its ~3 KB body each time); loaded again after a restart.
         self._fold = client.register_script(FOLD_STATS)
@@ -198,21 +205,37 @@ class StreamConsumer:
         return out
 
     async def _ridden(self, lane: int, command: Command, block_ms: int, ride_s: float) -> list[Any] | None:
-        """The read's reply once a reply write has taken it along, or None if none did within `ride_s`."""
+        """The read's reply once a reply write has taken it along, or None if none did within `ride_s`. Sets
+        `ride_found_waiting`."""
+        self.ride_found_waiting = False
+        if self._ride is not None and not self._ride.answer.done():
+            return None  # another lane's read waits for the next write already: one ride at a time
         loop = asyncio.get_running_loop()
         ride = self._ride = _Ride(lane, command, block_ms, loop.create_future())
         timer = loop.call_later(ride_s, ride.lapse)
         try:
-            answer = await ride.answer
+            reading = await ride.answer
+        except BaseException:
+            # Cancelled once the write had handed over its read (before this task resumed): nobody would
+            # read what it brings.
+            if ride.answer.done() and not ride.answer.cancelled() and ride.answer.result() is not None:
+                ride.answer.result().cancel()  # type: ignore[union-attr]
+            raise
         finally:
             timer.cancel()
             ride.lapse()  # (cancelled meanwhile: no write may take it now)
             if self._ride is ride:
                 self._ride = None
-        return None if answer is None else [await answer]
+        if reading is None:
+            return None
+        # The reading task has had its first turn (it was scheduled before this one was woken): done already,
+        # the read was answered in the write's own replies, so a request was waiting in the stream.
+        self.ride_found_waiting = reading.done() and not reading.cancelled() and reading.exception() is None \
+            and bool(reading.result())
+        return [await reading]
 
     def lapse_ride(self) -> None:
-        """No reply write is coming for a read offered to one (its requests were dropped, or the model is
+        """No reply write is coming for a read offered to one (nothing unanswered is held, or the model is
         stopping): it goes out on its own now."""
         if self._ride is not None:
             self._ride.lapse()

@@ -66,8 +66,10 @@ log = logging.getLogger(__name__)
 # trip takes ~0.1 ms; this only bounds a Redis that stalls).
 TOP_UP_WAIT_S = 0.005
 # How long a lone request's reader waits for the request's reply write to take its next read along, before
-# it reads on its own (a model that computes longer, or a reply that never comes: a request dropped).
+# it reads on its own (a model that computes longer: a request arriving meanwhile is then read and staged).
 RIDE_WAIT_S = 0.005
+# Lone reads that do not ride after one that rode found a request already waiting (see `_read`).
+RIDE_PAUSE_READS = 32
 
 
 class ModelLoop:
@@ -118,6 +120,10 @@ class ModelLoop:
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
         self._readers_done = False
+        self._ride_pause = 0  # lone reads left that do not ride (`_read`)
+        # A generation engine batches iteration by iteration: a request read later joins later (time to first
+        # token), so its reads never wait for a write.
+        self._rides = not is_llm(spec)
 
     @property
     def consumer(self) -> StreamConsumer:
@@ -175,13 +181,15 @@ class ModelLoop:
         """Stop reading; finish and answer what is held, then run() returns."""
         self._stopping = True
         self.custody.stop()
+        self.consumer.lapse_ride()
         self._freed()
         self._wake.set()
 
     def _freed(self) -> None:
         for event in self._room:
             event.set()
-        self.consumer.lapse_ride()  # a read waiting for a reply write: none may come now
+        if not self.holding.rows():
+            self.consumer.lapse_ride()  # nothing unanswered held: no reply write is coming for a read waiting for one
 
     # ------------------------------------------------------------------ reading and admission
 
@@ -210,14 +218,22 @@ class ModelLoop:
                 backoff.reset()
                 self._on_health()  # reading again: advertised again
             ride_s = None
+            if self.consumer.ride_found_waiting:
+                self.consumer.ride_found_waiting = False
+                self._ride_pause = RIDE_PAUSE_READS
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
                 busy = self._tops_up and (self.holding.rows() > 0 or not self._dispatch.one_at_a_time)
-                # A lone request, nothing else held, on a sole instance whose clients send one at a time:
-                # nothing can start before its reply, so the next read goes out with that (StreamConsumer._Ride).
-                if (len(messages) == 1 and self._dispatch.sole and self._dispatch.one_at_a_time
+                # A lone request, nothing else held, on a sole instance whose clients send one at a time: the
+                # next read goes out with its reply write (StreamConsumer._Ride). Unless a read that rode so
+                # lately found a request already waiting: that one could have been read, staged and started as
+                # soon as the instance was free, and started a round trip later (clients not one at a time).
+                if (len(messages) == 1 and self._rides and self._dispatch.sole and self._dispatch.one_at_a_time
                         and not self.holding.rows()):
-                    ride_s = RIDE_WAIT_S
+                    if self._ride_pause:
+                        self._ride_pause -= 1
+                    else:
+                        ride_s = RIDE_WAIT_S
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)

@@ -165,6 +165,13 @@ def test_commands_and_a_blocking_read_in_one_send_answer_the_commands_first_and_
                 await reading
             await client.xadd(lane, {b"d": b"late"})  # what the cancelled read would have got
             assert await asyncio.wait_for(link.execute([("ECHO", b"mine")]), 5) == [b"mine"]
+            # Cancelled before it ever ran: the link is free and clean all the same.
+            _, reading = await link.execute_then([("PING",)], ("XREAD", "BLOCK", 5000, "STREAMS", lane, "$"), 5000)
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            await client.xadd(lane, {b"d": b"later"})
+            assert await asyncio.wait_for(link.execute([("ECHO", b"again")]), 2) == [b"again"]
         finally:
             await link.aclose()
             await client.delete(key, lane)
