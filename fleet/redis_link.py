@@ -28,9 +28,6 @@ links.
   redis-py's retry does: as the caller's `resend` says, if it gives one (commands that may have run
   already, marked so). The error raised is redis-py's (ConnectionError,
   TimeoutError: both RedisError), as every caller handles already.
-- `execute_then` writes commands and a blocking read in one send: the commands' replies come back as a round
-  trip's, and the read's later; the link is the read's until then (a worker's reply write carrying its next
-  read, workers/consumer.py).
 - Replies are Redis's own (RESP2, bytes), without redis-py's response callbacks: an XREAD entry is
   `[id, [field, value, ...]]` (`entry_field` reads one field). An error reply is that command's result, as
   redis-py's parser makes it (a ResponseError, as `execute(raise_on_error=False)` gives it), except the
@@ -105,64 +102,9 @@ class RedisLink:
                     packed = [_pack(c) for c in resend()]
                 return await self._round_trip(packed, len(commands), deadline_s)
 
-    async def execute_then(self, commands: Sequence[Command], then: Command, block_ms: int,
-                           resend: Callable[[], Sequence[Command]] | None = None,
-                           ) -> tuple[list[Any], asyncio.Task[Any]]:
-        """`commands` and a blocking read `then` written in one send: one wake-up of Redis for both, where two
-        round trips one after the other cost it two (bench/RESULTS.md, stop 59). Returns the commands' replies
-        as `execute` does, once they have come, and a task that reads `then`'s reply (`block_ms` its BLOCK,
-        added to the read's deadline). The link stays the read's until that task ends, whatever ends it; a
-        task cancelled before its reply came closes the connection (the reply still owed on it would answer
-        the next round trip's commands). Retried once on a new connection as `execute` is (`then` sent again:
-        a blocking read may go twice). Should the commands' replies not come, the error is raised and the
-        link is free at once."""
-        packed = [_pack(c) for c in commands]
-        last = _pack(then)
-        await self._lock.acquire()
-        try:
-            reused = self._conn.is_connected
-            try:
-                got = await self._round_trip([*packed, last], len(commands), self.timeout_s)
-            except RedisConnectionError:
-                if not reused:
-                    raise
-                if resend is not None:
-                    packed = [_pack(c) for c in resend()]
-                got = await self._round_trip([*packed, last], len(commands), self.timeout_s)
-            replies, writer = self._replies, self._conn._writer
-            assert replies is not None and writer is not None, "a round trip went out"
-            deadline_s = self.timeout_s + block_ms / 1000
-            self._deadline.start(deadline_s, writer.transport, replies.loop)
-        except BaseException:
-            self._lock.release()
-            raise
-        reading = asyncio.ensure_future(self._then(replies, deadline_s))
-        # Not a `finally` in _then: a task cancelled before it ran runs none of its body.
-        reading.add_done_callback(self._then_done)
-        return got, reading
-
-    async def _then(self, replies: _Replies, deadline_s: float) -> Any:
-        """The reply `execute_then`'s read is still owed."""
-        try:
-            (reply,) = await self._read(replies, 1)
-        except BaseException as exc:
-            mapped = await self._closed_on(exc, deadline_s)
-            if mapped is exc:
-                raise
-            raise mapped from None
-        return reply
-
-    def _then_done(self, reading: asyncio.Task[Any]) -> None:
-        """`execute_then`'s read has ended: the link is free again."""
-        self._deadline.stop()
-        writer = self._conn._writer
-        if reading.cancelled() and writer is not None and not writer.transport.is_closing():
-            writer.transport.abort()  # cancelled before it ran: its reply is still owed on the connection
-        self._lock.release()
-
     async def _round_trip(self, packed: list[bytes | list[Buffer]], count: int, deadline_s: float) -> list[Any]:
-        """Write, then read `count` replies (`packed` may hold more commands: `execute_then`'s read); on any
-        failure the connection is closed and the error raised (`_closed_on`)."""
+        """Write, then read `count` replies; on any failure the connection is closed (what is unread on it
+        would answer the next commands) and the error raised, a timeout as redis-py's TimeoutError."""
         conn = self._conn
         deadline = self._deadline
         try:
@@ -188,22 +130,17 @@ class RedisLink:
                 return await self._read(replies, count)
             finally:
                 deadline.stop()
-        except BaseException as exc:
-            mapped = await self._closed_on(exc, deadline_s)
-            if mapped is exc:
-                raise
-            raise mapped from None
-
-    async def _closed_on(self, exc: BaseException, deadline_s: float) -> BaseException:
-        """What a failed round trip raises, once its connection is closed (what is unread on it would answer
-        the next commands): a timeout as redis-py's TimeoutError, a failed socket (a reset, a broken pipe) as
-        its ConnectionError, as redis-py words them; anything else as it is."""
-        await self._conn.disconnect(nowait=True)
-        if isinstance(exc, TimeoutError) or (isinstance(exc, OSError) and self._deadline.expired):
-            return RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s")
-        if isinstance(exc, OSError):
-            return RedisConnectionError(f"Error while talking to Redis: {exc}")
-        return exc
+        except TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
+        except OSError as exc:  # a reset, a broken pipe: as redis-py words a failed socket
+            await conn.disconnect(nowait=True)
+            if deadline.expired:
+                raise RedisTimeoutError(f"Redis did not answer within {deadline_s:g}s") from None
+            raise RedisConnectionError(f"Error while talking to Redis: {exc}") from None
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
 
     async def _read(self, replies: _Replies, count: int) -> list[Any]:
         try:

@@ -87,47 +87,6 @@ class Written:
     letters: frozenset[int] = frozenset()
 
 
-class _Ride:
-    """A lane's next blocking read, offered to the next reply write to go out in the same send.
-
-    After a lone request is read, its reader would write its next blocking read at once, waking Redis then,
-    and again for the request's reply a moment later. Where nothing else is coming meanwhile (the model's
-    clients send one at a time, workers/loop.py), the read waits for the reply write and goes out with it
-    (RedisLink.execute_then): one wake-up of Redis a request fewer, off the request's path."""
-
-    __slots__ = ("lane", "command", "block_ms", "answer", "_taken")
-
-    def __init__(self, lane: int, command: Command, block_ms: int, answer: asyncio.Future[asyncio.Task[Any] | None]
-                 ) -> None:
-        self.lane = lane
-        self.command = command
-        self.block_ms = block_ms
-        self.answer = answer  # the task reading the read's reply once written, or None: not taken
-        self._taken = False
-
-    def take(self) -> bool:
-        """Whether a write may take the read along (it has not lapsed)."""
-        if self._taken or self.answer.done():
-            return False
-        self._taken = True
-        return True
-
-    def hand(self, reading: asyncio.Task[Any] | None) -> None:
-        """The write is out: the task reading the read's reply to the reader (None: the write failed, and
-        the read goes out on its own). A reader cancelled meanwhile reads nothing: the read is cancelled,
-        which closes its connection, rather than left to take messages nobody admits (they would wait in
-        this consumer's pending list for a claim)."""
-        if not self.answer.done():
-            self.answer.set_result(reading)
-        elif reading is not None:
-            reading.cancel()
-
-    def lapse(self) -> None:
-        """Not taken in time: the read goes out on its own."""
-        if not self._taken and not self.answer.done():
-            self.answer.set_result(None)
-
-
 class StreamConsumer:
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, version: int, consumer: str, lanes: int = 1,
                  redis_clock: RedisClock | None = None, streams: list[str] | None = None) -> None:
@@ -146,10 +105,6 @@ class StreamConsumer:
         assert len(self.streams) == lanes, "one stream per lane"
         self.consumer = consumer
         self._cursors = [b"0-0"] * lanes  # XAUTOCLAIM resumes where the last claim stopped
-        self._ride: _Ride | None = None  # a reader's next blocking read, waiting to go out with a write
-        # Whether the last read that rode on a write found a request already waiting (workers/loop.py
-        # stops offering its reads for a while: one that waited for that write started later than it could).
-        self.ride_found_waiting = False
         self._ttl_set: dict[str, float] = {}  # reply stream -> when its EXPIRE NX was last sent (monotonic)
         # By its SHA (a fold many times a second: not its ~3 KB body each time); loaded again after a restart.
         self._fold = client.register_script(FOLD_STATS)
@@ -177,22 +132,14 @@ class StreamConsumer:
                 log.warning("%s: cannot join the streams (%s); retrying in %.2f s", self.model, exc, delay)
                 await asyncio.sleep(delay)
 
-    async def read(self, lane: int, count: int, block_ms: int | None, *,
-                   ride_s: float | None = None) -> list[tuple[MessageId, bytes | None]]:
+    async def read(self, lane: int, count: int, block_ms: int | None) -> list[tuple[MessageId, bytes | None]]:
         """Up to `count` new messages of `lane` as ((lane, entry id), payload); waiting up to `block_ms` for
-        the first, or (None) answered at once with what there is. `ride_s`: the read is first offered to the
-        next reply write, for up to that long (or until `lapse_ride`), to go out in the same send (`_Ride`);
-        not taken, it goes out on its own."""
+        the first, or (None) answered at once with what there is."""
         blocking: tuple[str | int, ...] = () if block_ms is None else ("BLOCK", block_ms)
-        command: Command = ("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *blocking,
-                            "STREAMS", self.streams[lane], ">")
         try:
-            reply = None
-            if ride_s is not None and block_ms is not None:
-                reply = await self._ridden(lane, command, block_ms, ride_s)
-            if reply is None:
-                reply = await self._readers[lane].execute([command], block_ms=block_ms or 0)
-            (result,) = raise_first(reply)
+            (result,) = raise_first(await self._readers[lane].execute(
+                [("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *blocking,
+                  "STREAMS", self.streams[lane], ">")], block_ms=block_ms or 0))
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -203,42 +150,6 @@ class StreamConsumer:
             for entry_id, fields in entries:
                 out.append(((lane, entry_id), entry_field(fields, b"d")))
         return out
-
-    async def _ridden(self, lane: int, command: Command, block_ms: int, ride_s: float) -> list[Any] | None:
-        """The read's reply once a reply write has taken it along, or None if none did within `ride_s`. Sets
-        `ride_found_waiting`."""
-        self.ride_found_waiting = False
-        if self._ride is not None and not self._ride.answer.done():
-            return None  # another lane's read waits for the next write already: one ride at a time
-        loop = asyncio.get_running_loop()
-        ride = self._ride = _Ride(lane, command, block_ms, loop.create_future())
-        timer = loop.call_later(ride_s, ride.lapse)
-        try:
-            reading = await ride.answer
-        except BaseException:
-            # Cancelled once the write had handed over its read (before this task resumed): nobody would
-            # read what it brings.
-            if ride.answer.done() and not ride.answer.cancelled() and ride.answer.result() is not None:
-                ride.answer.result().cancel()  # type: ignore[union-attr]
-            raise
-        finally:
-            timer.cancel()
-            ride.lapse()  # (cancelled meanwhile: no write may take it now)
-            if self._ride is ride:
-                self._ride = None
-        if reading is None:
-            return None
-        # The reading task has had its first turn (it was scheduled before this one was woken): done already,
-        # the read was answered in the write's own replies, so a request was waiting in the stream.
-        self.ride_found_waiting = reading.done() and not reading.cancelled() and reading.exception() is None \
-            and bool(reading.result())
-        return [await reading]
-
-    def lapse_ride(self) -> None:
-        """No reply write is coming for a read offered to one (nothing unanswered is held, or the model is
-        stopping): it goes out on its own now."""
-        if self._ride is not None:
-            self._ride.lapse()
 
     async def write(self, replies: list[tuple[str, ReplyEnvelope]], counts: Sequence[LoggedBatch],
                     acks: Sequence[MessageId] = (), letters: Sequence[Letter] = (), *,
@@ -287,18 +198,7 @@ class StreamConsumer:
         if counts and not copies:
             def resend() -> list[Command]:  # the link sends the round trip again: the counts as copies
                 return self._count_commands(counts, True) + commands[len(counts):]
-        ride = self._ride
-        if ride is not None and ride.take():
-            # A reader waits to send its next blocking read with this write: one send, one wake-up of Redis.
-            self._ride = None
-            answer = None
-            try:
-                results, answer = await self._readers[ride.lane].execute_then(commands, ride.command, ride.block_ms,
-                                                                              resend=resend)
-            finally:
-                ride.hand(answer)  # (None: the write failed, and the read goes out on its own)
-        else:
-            results = await self._writer.execute(commands, resend=resend)
+        results = await self._writer.execute(commands, resend=resend)
         written: set[int] = set()
         errors: list[BaseException] = []
         lettered: set[int] = set()

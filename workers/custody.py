@@ -121,13 +121,11 @@ class Custody:
         since = self._read_failing_since
         return since is None or time.monotonic() - since < self.config.read_failure_s
 
-    async def read(self, lane: int, room: int, block_ms: int, *,
-                   ride_s: float | None = None) -> list[tuple[MessageId, bytes | None]]:
+    async def read(self, lane: int, room: int, block_ms: int) -> list[tuple[MessageId, bytes | None]]:
         """New messages of `lane`, as many as `room` rows allow; Redis errors propagate (the reader backs
-        off), and are remembered for `reading`. `ride_s`: StreamConsumer.read's."""
+        off), and are remembered for `reading`."""
         try:
-            messages = await self.consumer.read(lane, self.holding.messages_to_read(lane, room), block_ms,
-                                                ride_s=ride_s)
+            messages = await self.consumer.read(lane, self.holding.messages_to_read(lane, room), block_ms)
         except (RedisError, OSError):
             if self._read_failing_since is None:
                 self._read_failing_since = time.monotonic()

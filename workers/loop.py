@@ -65,11 +65,6 @@ log = logging.getLogger(__name__)
 # The longest admitted requests wait for `_top_up`'s read before the driver starts them anyway (its round
 # trip takes ~0.1 ms; this only bounds a Redis that stalls).
 TOP_UP_WAIT_S = 0.005
-# How long a lone request's reader waits for the request's reply write to take its next read along, before
-# it reads on its own (a model that computes longer: a request arriving meanwhile is then read and staged).
-RIDE_WAIT_S = 0.005
-# Lone reads that do not ride after one that rode found a request already waiting (see `_read`).
-RIDE_PAUSE_READS = 32
 
 
 class ModelLoop:
@@ -120,10 +115,6 @@ class ModelLoop:
         self._stopping = False
         self._retired: str | None = None  # retire(): answer what is read with this, UNAVAILABLE
         self._readers_done = False
-        self._ride_pause = 0  # lone reads left that do not ride (`_read`)
-        # A generation engine batches iteration by iteration: a request read later joins later (time to first
-        # token), so its reads never wait for a write.
-        self._rides = not is_llm(spec)
 
     @property
     def consumer(self) -> StreamConsumer:
@@ -181,15 +172,12 @@ class ModelLoop:
         """Stop reading; finish and answer what is held, then run() returns."""
         self._stopping = True
         self.custody.stop()
-        self.consumer.lapse_ride()
         self._freed()
         self._wake.set()
 
     def _freed(self) -> None:
         for event in self._room:
             event.set()
-        if not self.holding.rows():
-            self.consumer.lapse_ride()  # nothing unanswered held: no reply write is coming for a read waiting for one
 
     # ------------------------------------------------------------------ reading and admission
 
@@ -197,7 +185,6 @@ class ModelLoop:
         room_event = self._room[lane]
         loop = asyncio.get_running_loop()
         backoff = Backoff()
-        ride_s: float | None = None
         while not self._stopping:
             room = self.holding.room(lane)
             if room <= 0:
@@ -205,7 +192,7 @@ class ModelLoop:
                 await room_event.wait()
                 continue
             try:
-                messages = await self.custody.read(lane, room, self.config.block_ms, ride_s=ride_s)
+                messages = await self.custody.read(lane, room, self.config.block_ms)
             except (RedisError, OSError) as exc:
                 raise_if_cancelled()
                 delay = backoff.next_delay()
@@ -217,23 +204,9 @@ class ModelLoop:
             if backoff.attempt:
                 backoff.reset()
                 self._on_health()  # reading again: advertised again
-            ride_s = None
-            if self.consumer.ride_found_waiting:
-                self.consumer.ride_found_waiting = False
-                self._ride_pause = RIDE_PAUSE_READS
             if messages:  # one clock reading and one wake-up for all that one read brought
                 now = self.clock.now_us()
                 busy = self._tops_up and (self.holding.rows() > 0 or not self._dispatch.one_at_a_time)
-                # A lone request, nothing else held, on a sole instance whose clients send one at a time: the
-                # next read goes out with its reply write (StreamConsumer._Ride). Unless a read that rode so
-                # lately found a request already waiting: that one could have been read, staged and started as
-                # soon as the instance was free, and started a round trip later (clients not one at a time).
-                if (len(messages) == 1 and self._rides and self._dispatch.sole and self._dispatch.one_at_a_time
-                        and not self.holding.rows()):
-                    if self._ride_pause:
-                        self._ride_pause -= 1
-                    else:
-                        ride_s = RIDE_WAIT_S
                 try:
                     for message, payload in messages:
                         self._admit(message, payload, now)

@@ -25,8 +25,8 @@ def reads_without_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     got: list[int] = []
     read = StreamConsumer.read
 
-    async def recorded(self: StreamConsumer, lane: int, count: int, block_ms: int | None, **kw: Any) -> Any:
-        messages = await read(self, lane, count, block_ms, **kw)
+    async def recorded(self: StreamConsumer, lane: int, count: int, block_ms: int | None) -> Any:
+        messages = await read(self, lane, count, block_ms)
         if block_ms is None:
             got.append(len(messages))
         return messages

@@ -1,6 +1,5 @@
 """fleet/redis_link.py against a real server: replies in order with error replies in place, a blocking read
-within its deadline, a cancelled round trip leaving nothing behind, commands and a blocking read in one send
-(`execute_then`), a Redis restarted or frozen; a pool's
+within its deadline, a cancelled round trip leaving nothing behind, a Redis restarted or frozen; a pool's
 (fleet/link_pool.py) round trip going out while another is in flight, and waiting only while every link has
 one."""
 
@@ -135,68 +134,6 @@ def test_a_blocking_read_waits_its_block_and_a_cancelled_one_leaves_nothing_behi
             await client.aclose()
 
     asyncio.run(main())
-
-
-def test_commands_and_a_blocking_read_in_one_send_answer_the_commands_first_and_hold_the_link_until_read(
-        redis_server: LocalServer, key_prefix: str) -> None:
-    """execute_then: the commands' replies (an error reply in place) come back while the read still blocks;
-    the link is the read's until it is answered; a read nobody waits for any more leaves nothing behind."""
-    async def main() -> None:
-        client = async_client(redis_server.url)
-        link = RedisLink(client)
-        key, lane = f"{key_prefix}:then", f"{key_prefix}:lane"
-        try:
-            replies, reading = await link.execute_then(
-                [("XADD", key, "*", "d", b"x"), ("HGET", key, "f"), ("XLEN", key)],
-                ("XREAD", "BLOCK", 5000, "STREAMS", lane, "$"), 5000)
-            assert isinstance(replies[0], bytes) and isinstance(replies[1], ResponseError) and replies[2] == 1
-            ping = asyncio.ensure_future(link.execute([("PING",)]))
-            await asyncio.sleep(0.2)
-            assert not reading.done() and not ping.done()  # the read blocks, and holds the link
-            entry_id = await client.xadd(lane, {b"d": b"request"})
-            [[stream, [[got_id, fields]]]] = await asyncio.wait_for(reading, 5)
-            assert (stream, got_id, entry_field(fields, b"d")) == (lane.encode(), entry_id, b"request")
-            assert await asyncio.wait_for(ping, 5) == [b"PONG"]
-            # Cancelled before its answer: the connection goes, and the next round trip gets its own reply.
-            _, reading = await link.execute_then([("PING",)], ("XREAD", "BLOCK", 5000, "STREAMS", lane, "$"), 5000)
-            await asyncio.sleep(0.1)
-            reading.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await reading
-            await client.xadd(lane, {b"d": b"late"})  # what the cancelled read would have got
-            assert await asyncio.wait_for(link.execute([("ECHO", b"mine")]), 5) == [b"mine"]
-            # Cancelled before it ever ran: the link is free and clean all the same.
-            _, reading = await link.execute_then([("PING",)], ("XREAD", "BLOCK", 5000, "STREAMS", lane, "$"), 5000)
-            reading.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await reading
-            await client.xadd(lane, {b"d": b"later"})
-            assert await asyncio.wait_for(link.execute([("ECHO", b"again")]), 2) == [b"again"]
-        finally:
-            await link.aclose()
-            await client.delete(key, lane)
-            await client.aclose()
-
-    asyncio.run(main())
-
-
-def test_commands_and_a_read_in_one_send_fail_together_when_redis_goes(tmp_path: Path) -> None:
-    """A Redis that goes away: execute_then raises (not a hang) and frees the link; one that goes while the
-    read blocks fails the read the same way."""
-    async def body(server: LocalServer, link: RedisLink) -> None:
-        _, reading = await link.execute_then([("SET", "k", "v")], ("BLPOP", "list", 5), 5000)
-        server.stop()
-        with pytest.raises(RedisConnectionError):
-            await asyncio.wait_for(reading, 5)
-        with pytest.raises(RedisConnectionError):
-            await asyncio.wait_for(link.execute_then([("GET", "k")], ("BLPOP", "list", 5), 5000), 5)
-        server.restart()
-        replies, reading = await link.execute_then([("GET", "k")], ("BLPOP", "list", 1), 1000)
-        assert replies == [None]  # (no AOF: the restart lost it)
-        assert await asyncio.wait_for(reading, 5) is None  # the block ran out
-        assert await link.execute([("PING",)]) == [b"PONG"]
-
-    _on_own_server(tmp_path, 0.5, body)
 
 
 def test_a_pools_round_trip_goes_out_while_another_is_in_flight_and_waits_only_when_all_are(
