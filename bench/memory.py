@@ -83,8 +83,7 @@ def start(system: str, port: int, out: Path, models: list[str], root: Path = ROO
           grpc: bool = False) -> tuple[Find, Callable[[], None]]:
     """Start `system` serving `models` on `port` (a fleet: the checkout at `root`; with `grpc` also over gRPC on
     port+1, bench/native.py's `server`): how to find its processes, and how to stop it."""
-    started, stop = server("triton-native" if system == "triton-native" else "fleet", port, out, models, root=root,
-                           grpc=grpc)
+    started, stop = server(system, port, out, models, root=root, grpc=grpc)
     try:
         started.start()
     except BaseException:

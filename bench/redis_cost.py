@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import redis
-from served import DEFAULT_PA, HOST, ROOT, Fleet, api, counts  # bench/served.py
+from served import DEFAULT_PA, ROOT, Fleet, api, counts, pa_url  # bench/served.py
 
 from fleet import trace_points as tp
 
@@ -38,9 +38,7 @@ HOPS = (tp.HTTP_RECV_START, tp.REQUEST_START, tp.QUEUE_START, tp.WORKER_READ, tp
 
 
 def perf_analyzer(port: int, model: str, conc: int, ms: int, protocol: str = "http") -> str:
-    # Fleet serves gRPC on the port after HTTP's (bench/served.py).
-    url = f"{HOST}:{port + 1}" if protocol == "grpc" else f"{HOST}:{port}"
-    cmd = [str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", url, "-b", "1", "--concurrency-range",
+    cmd = [str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", pa_url(port, protocol), "-b", "1", "--concurrency-range",
            str(conc), "--measurement-interval", str(ms), "--max-trials", "4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return next((ln.strip() for ln in done.stdout.splitlines() if "throughput:" in ln), "no throughput line")

@@ -200,6 +200,12 @@ class Fleet:
             self.data_dir = None
 
 
+def pa_url(port: int, protocol: str = "http") -> str:
+    """perf_analyzer's -u for a server whose HTTP port is `port`: gRPC is served on the port after it (`Fleet`,
+    the anchor kit's native Triton). The statistics extension stays on HTTP."""
+    return f"{HOST}:{port + 1 if protocol == 'grpc' else port}"
+
+
 def run_level(pa: str, port: int, model: str, conc: int, interval_ms: int, out: Path, timeout: float,
               protocol: str = "http") -> None:
     base = out / f"{model}_c{conc}"
@@ -207,8 +213,7 @@ def run_level(pa: str, port: int, model: str, conc: int, interval_ms: int, out: 
         base.with_suffix(suffix).unlink(missing_ok=True)
     log_load(out, model, conc)
     before = counts(port, model)
-    url = f"{HOST}:{port + 1 if protocol == 'grpc' else port}"  # statistics below still come over HTTP
-    cmd = [pa, "-m", model, "-i", protocol, "-u", url, "-b", "1", "--concurrency-range", str(conc),
+    cmd = [pa, "-m", model, "-i", protocol, "-u", pa_url(port, protocol), "-b", "1", "--concurrency-range", str(conc),
            "--measurement-interval", str(interval_ms), "--stability-percentage", "20", "--max-trials", "12",
            "-f", str(base.with_suffix(".csv")), "--verbose-csv"]
     with base.with_suffix(".txt").open("w") as f:

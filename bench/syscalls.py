@@ -30,7 +30,7 @@ from pathlib import Path
 
 from memory import Find, role, start  # bench/memory.py
 from procs import cpu_split  # bench/procs.py
-from served import DEFAULT_PA, ROOT, counts  # bench/served.py
+from served import DEFAULT_PA, ROOT, counts, pa_url  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 WARMUP_S = 4.0
@@ -63,8 +63,7 @@ def measure_level(find: Find, port: int, model: str, conc: int, seconds: float, 
                   threads: bool = False, protocol: str = "http") -> tuple[float, dict[str, list[float]]]:
     """(requests/s, role -> [syscalls, context switches, CPU µs, user µs, kernel µs] per request) at one
     level; with `threads`, also "ROLE: main thread" and "ROLE: other threads" (CPU µs only)."""
-    url = f"127.0.0.1:{port + 1 if protocol == 'grpc' else port}"  # the statistics still come over HTTP
-    pa = subprocess.Popen([str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", url, "-b", "1",
+    pa = subprocess.Popen([str(DEFAULT_PA), "-m", model, "-i", protocol, "-u", pa_url(port, protocol), "-b", "1",
                            "--concurrency-range", str(conc), "--measurement-interval", "3000",
                            "--stability-percentage", "50", "--max-trials", "8"],
                           stdout=(out / f"{model}_c{conc}.pa.txt").open("w"), stderr=subprocess.STDOUT)
