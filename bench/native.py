@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from served import ANCHOR, ROOT, Fleet  # bench/served.py
 
-SYSTEMS = ("triton-native", "fleet", "fleet-base")
+SYSTEMS = ("triton-native", "fleet", "fleet-base", "floor")
 
 
 class NativeTriton:
@@ -35,8 +38,39 @@ class NativeTriton:
             self.pgid = None
 
 
+class Floor:
+    """bench/floor.py (the least this architecture does a request: HTTP only, `double` and `mlp`), as compare.sh's
+    system `floor`, here in the interleaved runners. Stopped by its PID (SIGTERM stops its Valkey and children)."""
+
+    def __init__(self, port: int, out: Path) -> None:
+        self.port, self.log = port, out / "floor.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "floor.py"), "serve", "--port",
+                                          str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.2)
+        raise SystemExit(f"floor did not start on port {self.port} (see {self.log})")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
 def server(system: str, port: int, out: Path, models: list[str], root: Path = ROOT,
-           grpc: bool = False) -> tuple[Fleet | NativeTriton, Callable[[], None]]:
+           grpc: bool = False) -> tuple[Fleet | NativeTriton | Floor, Callable[[], None]]:
     """The server `system` names (fleet-base: the fleet of the checkout at `root`), not started yet, and how to
     stop it (after a failed start too). With `grpc` native Triton serves gRPC (port+1), and a fleet whose
     checkout serves none is refused."""
@@ -46,4 +80,9 @@ def server(system: str, port: int, out: Path, models: list[str], root: Path = RO
     if system in ("fleet", "fleet-base"):
         fleet = Fleet(port, out, 180.0, models, root=root, protocol="grpc" if grpc else "http")
         return fleet, functools.partial(fleet.stop, 30.0)
+    if system == "floor":
+        if grpc:
+            raise SystemExit("floor serves HTTP only: measure it with --protocols http")
+        floor = Floor(port, out)
+        return floor, floor.stop
     raise SystemExit(f"unknown system {system} ({', '.join(SYSTEMS)})")

@@ -51,9 +51,11 @@ class JobInput(Protocol):
     def close(self) -> None: ...
 
 
-def open_input(path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> JobInput:
+def open_input(path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+               parse_processes: int | None = 0) -> JobInput:
     """Pick the reader by suffix; raises InvalidInput for a missing file or an unknown format.
-    `max_line_bytes` bounds one JSONL line (without its newline); a longer line is an item with `error`."""
+    `max_line_bytes` bounds one JSONL line (without its newline); a longer line is an item with `error`.
+    `parse_processes`: JSONL lines parsed by that many forked processes (None: by this host's cores)."""
     suffix = path.suffix.lower()
     if suffix not in JSONL_SUFFIXES | ARRAY_SUFFIXES:
         raise InvalidInput(
@@ -65,7 +67,7 @@ def open_input(path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LI
         return NpyInput(path, spec)
     if suffix == ".npz":
         return NpzInput(path, spec)
-    return JsonlInput(path, spec, max_line_bytes)
+    return JsonlInput(path, spec, max_line_bytes, parse_processes)
 
 
 # ---------------------------------------------------------------- arrays

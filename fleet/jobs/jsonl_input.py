@@ -3,10 +3,15 @@ a resume cursor and parsed exactly as POST /infer parses a body (fleet/jobs/line
 
 A line longer than the job's line limit is skipped in bounded chunks, never held whole, and becomes an
 item with `error`, as does a line that does not parse.
+
+The lines are read here, one thread; with `parse_processes` they are parsed by that many forked processes
+(fleet/jobs/parse_pool.py), in the same order, when what is left of the file is worth the fork (POOL_MIN_BYTES).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -14,10 +19,13 @@ from typing import IO
 from fleet.errors import InvalidInput
 from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem, RawLine
 from fleet.jobs.lines import line_parser, parse_item
+from fleet.jobs.parse_pool import ParsePool, auto_processes
 from fleet.model_spec import ModelSpec
 
 CHUNK_BYTES = 1 << 20  # count(), the resume line count and skipping a too-long line read this much at a time
 DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024  # Settings.max_job_line_bytes' default
+# Less of the file than this left to read: parsed in process (a helper's fork and chunks are not worth it).
+POOL_MIN_BYTES = 512 * 1024
 
 
 def count_lines(path: Path) -> int:
@@ -51,21 +59,36 @@ class JsonlInput:
 
     kind = "jsonl"
 
-    def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+    def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                 parse_processes: int | None = 0) -> None:
         self.path = path
         self._spec = spec
         self._parse = line_parser(spec)
         self._max_line_bytes = max_line_bytes
+        self._processes = auto_processes(len(os.sched_getaffinity(0))) if parse_processes is None else parse_processes
+        self._pools: list[ParsePool] = []
 
     def count(self) -> int:
         return count_lines(self.path)
 
     def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
-        for entry in self._lines(start_index, start_offset):
-            yield entry if isinstance(entry, InputItem) else parse_item(entry, self._spec, self._parse, self.path.name)
+        parse = functools.partial(parse_item, spec=self._spec, parse=self._parse, source=self.path.name)
+        lines = self._lines(start_index, start_offset)
+        if self._processes <= 0 or self.path.stat().st_size - start_offset < POOL_MIN_BYTES:
+            for entry in lines:
+                yield entry if isinstance(entry, InputItem) else parse(entry)
+            return
+        pool = ParsePool(parse, self._processes)
+        self._pools.append(pool)
+        try:
+            yield from pool.items(lines)
+        finally:
+            self._pools.remove(pool)
 
     def close(self) -> None:
-        """Nothing held open: each read() owns its file handle."""
+        """Stops the parser processes of a read() not run to its end. (Each read() owns its file handle.)"""
+        for pool in self._pools:
+            pool.close()
 
     def _lines(self, start_index: int, start_offset: int) -> Iterator[InputItem | RawLine]:
         """The lines from a resume cursor, in order, not parsed: a line over the limit is already its

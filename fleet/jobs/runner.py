@@ -65,13 +65,15 @@ class JobOptions:
     lease_ms: int
     reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # one JSONL line; a longer one is that line's error
+    parse_processes: int | None = None  # JSONL parser processes; None: by the job worker's cores
 
     @classmethod
     def from_settings(cls, settings: Settings) -> JobOptions:
         return cls(key_prefix=settings.key_prefix,
                    model_repositories=[str(Path(r).resolve()) for r in settings.model_repositories],
                    window_rows=settings.job_window_rows, lease_ms=settings.job_lease_ms,
-                   reply_timeout_s=settings.job_reply_timeout_s, max_line_bytes=settings.max_job_line_bytes)
+                   reply_timeout_s=settings.job_reply_timeout_s, max_line_bytes=settings.max_job_line_bytes,
+                   parse_processes=settings.job_parse_processes)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> JobOptions:
@@ -79,12 +81,14 @@ class JobOptions:
         return cls(key_prefix=str(doc["key_prefix"]), model_repositories=[str(r) for r in doc["model_repositories"]],
                    window_rows=int(doc["window_rows"]), lease_ms=int(doc["lease_ms"]),
                    reply_timeout_s=float(doc.get("reply_timeout_s", DEFAULT_REPLY_TIMEOUT_S)),
-                   max_line_bytes=int(doc.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)))
+                   max_line_bytes=int(doc.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)),
+                   parse_processes=None if doc.get("parse_processes") is None else int(doc["parse_processes"]))
 
     def to_json(self) -> dict[str, Any]:
         return {"key_prefix": self.key_prefix, "model_repositories": self.model_repositories,
                 "window_rows": self.window_rows, "lease_ms": self.lease_ms,
-                "reply_timeout_s": self.reply_timeout_s, "max_line_bytes": self.max_line_bytes}
+                "reply_timeout_s": self.reply_timeout_s, "max_line_bytes": self.max_line_bytes,
+                "parse_processes": self.parse_processes}
 
 
 def run_job(job_id: str, options: dict[str, Any]) -> str:
@@ -159,7 +163,7 @@ class JobRunner:
 
     def _run(self, record: dict[str, Any]) -> str:
         spec = self._spec(record["model"])
-        source = open_input(Path(record["input"]), spec, self.options.max_line_bytes)
+        source = open_input(Path(record["input"]), spec, self.options.max_line_bytes, self.options.parse_processes)
         total = record.get("total")
         if total is None:
             total = record["total"] = source.count()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from fleet.job_client import JobsClient, JobsClientError
+from fleet.jobs.parse_pool import auto_processes
 from tests.e2e.conftest import RunningSystem
 from tests.support.mlp_direct import MLP, mlp_direct
 
@@ -196,6 +197,30 @@ def test_cancel_stops_feeding_and_drops_queued_items(jobs: JobsClient, system: R
     assert after["state"] == "cancelled" and after["done"] == done
 
 
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (a job worker's line parsers, fleet/jobs/parse_pool.py)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pids: list[int], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_killed_job_worker_resumes_without_loss_or_duplicates(
         jobs: JobsClient, system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
     source = tmp_path / "resume.jsonl"
@@ -204,7 +229,10 @@ def test_killed_job_worker_resumes_without_loss_or_duplicates(
     wait_for(jobs, record["id"], lambda r: r["done"] >= 2_000)
     victims = system.children("jobs-worker")
     assert len(victims) == 1
+    parsers = children_of(victims[0])
+    assert len(parsers) == auto_processes(len(os.sched_getaffinity(0))), parsers  # a 33 MB JSONL job
     os.kill(victims[0], signal.SIGKILL)  # mid-job, no chance to save anything
+    assert gone(parsers), "a line parser outlived its SIGKILLed job worker"
     at_kill = jobs.get(record["id"])
     assert at_kill["state"] == "running" and at_kill["done"] < len(rows), "the job finished before the kill"
     record = wait_for(jobs, record["id"], finished)
@@ -244,6 +272,7 @@ def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
     record = jobs.create({"model": "mlp", "input": {"upload": jobs.upload(source)}})
     wait_for(jobs, record["id"], lambda r: r["done"] >= 1_000)
     (victim,) = system.children("jobs-worker")
+    parsers = children_of(victim)
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)  # a stop, not a crash: the runner saves its progress and returns
     while Path(f"/proc/{victim}").exists() and time.monotonic() - started < 20:
@@ -252,6 +281,7 @@ def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
     # Promptly: well under RQ's own 60 s pub/sub read (tests/integration/test_jobs_worker_stop.py), with room
     # for a loaded host.
     assert time.monotonic() - started < 15, "the job worker did not stop promptly mid-job"
+    assert gone(parsers, 1), "its line parsers were not stopped with it"
     record = wait_for(jobs, record["id"], finished)  # `fleet up` restarts it; the job is resumed
     assert record["state"] == "completed" and record["attempts"] >= 2 and record["done"] == 15_000, record
     out = tmp_path / "term.out.jsonl"

@@ -1,0 +1,357 @@
+"""A JSONL job's lines parsed by forked helper processes, handed back in input order.
+
+A JSONL job is bound by the job worker's one thread, and parsing a line (JSON, the checks against the
+model's config, the conversion to wire bytes) is about half of that thread's work (bench/RESULTS.md, stop
+60). Here the job worker reads and numbers the lines itself, as before, and sends them in chunks to
+`processes` children forked from it, each parsing whole chunks with the job's own parser; the results come
+back chunk by chunk in the order the chunks were sent. So resume cursors, line numbers and errors are
+exactly those of parsing in process, and each line is parsed once.
+
+- The children are forked, not started afresh: they inherit the model's spec and the parser, and start in
+  milliseconds. A child touches nothing of its parent's but its two pipes: no Redis, no logging; it
+  leaves with os._exit, gets SIGKILL when the job worker dies (PR_SET_PDEATHSIG) and ends at the end of
+  its input pipe.
+- The pipes carry length-prefixed msgpack frames (never pickle): lines out, items back.
+- Up to DEPTH chunks in flight per child, so a child always has its next chunk when it finishes one. A
+  thread in the child reads its input pipe as frames come (into memory: DEPTH chunks at most), so the job
+  worker's writes never wait on a child that is itself waiting for the job worker to read its results.
+- A child that dies, or a result that cannot be read, costs nothing but speed: its chunk, and every line
+  after it, is parsed in process (with a warning in the log).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import signal
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from fleet.envelope import WireTensor
+from fleet.jobs.items import InputItem, RawLine
+from fleet.lifetime import die_with_parent
+
+log = logging.getLogger(__name__)
+
+LineParse = Callable[[RawLine], InputItem]
+Entry = InputItem | RawLine  # a line to parse, or an item already made (a line over the limit)
+
+CHUNK_LINES = 128  # lines a chunk at most (~420 KB of 256-float lines)
+CHUNK_BYTES = 1 << 20  # and at most this many bytes of lines, unless one line alone is more
+DEPTH = 2  # chunks sent to a child and not read back yet, at most
+_LEN = struct.Struct("<Q")
+# Each pipe holds this much (Linux's default 64 KiB would take a chunk in several reads, and a thread that
+# reads between the child's parsing waits for the GIL before each).
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_STOP_WAIT_S = 2.0
+
+
+def auto_processes(cpus: int | None) -> int:
+    """Helpers when the setting says "auto": two wherever there is a second core, else none. One helper only
+    moves the parsing (~36 µs a 256-float line, a little more than in process) to another process, so it pays
+    nothing alone; two parse faster than the job worker does the rest of a line (~35 µs: reading, sending,
+    collecting, writing its output), so more stay idle. On this project's 2-core host (bench/RESULTS.md, stop
+    60): a GPU-like model's JSONL job 1.18x, a CPU model's (whose forward takes a core) level."""
+    return 2 if (cpus or 1) >= 2 else 0
+
+
+# ---------------------------------------------------------------- frames
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    """`size` bytes from `fd`, or None at the end of the pipe (before any of them, or inside them)."""
+    parts: list[bytes] = []
+    left = size
+    while left:
+        part = os.read(fd, min(left, 1 << 20))
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    _write_all(fd, _LEN.pack(len(payload)))
+    _write_all(fd, payload)
+
+
+def read_frame(fd: int) -> bytes | None:
+    head = _read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    (size,) = _LEN.unpack(head)
+    return _read_exact(fd, size)
+
+
+# ---------------------------------------------------------------- items on the wire
+
+
+def encode_item(item: InputItem) -> list[Any]:
+    inputs = None if item.inputs is None else [[t.name, t.datatype, list(t.shape), t.data] for t in item.inputs]
+    return [item.index, item.line, item.end_offset, item.error, inputs, item.outputs, item.client_id,
+            item.parameters, item.rows, item.count]
+
+
+def decode_item(fields: list[Any]) -> InputItem:
+    index, line, end_offset, error, inputs, outputs, client_id, parameters, rows, count = fields
+    tensors = None if inputs is None else [WireTensor(name, datatype, tuple(shape), data)
+                                           for name, datatype, shape, data in inputs]
+    return InputItem(index, line, end_offset, tensors, outputs, client_id, parameters, error, rows, count)
+
+
+def parse_chunk(lines: list[list[Any]], parse: LineParse) -> bytes:
+    """A child's work on one chunk: each [index, line, end_offset, body] parsed, its items packed in order."""
+    items = [encode_item(parse(RawLine(index, line, end_offset, body))) for index, line, end_offset, body in lines]
+    try:
+        packed: bytes = msgpack.packb(items, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):  # some value msgpack cannot carry: only its line fails
+        packed = msgpack.packb([_packable(fields) for fields in items], use_bin_type=True)
+    return packed
+
+
+def _packable(fields: list[Any]) -> list[Any]:
+    try:
+        msgpack.packb(fields, use_bin_type=True)
+        return fields
+    except (TypeError, ValueError, OverflowError):
+        index, line, end_offset = fields[:3]
+        return encode_item(InputItem(index, line, end_offset, None,
+                                     error="the request cannot be encoded for the model's queue"))
+
+
+def _child(requests: int, results: int, parse: LineParse, parent: int) -> None:
+    """A forked child's whole life: chunks in, items out, until its input pipe ends. Never returns."""
+    code = 0
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the job worker's handlers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job worker's to handle
+        die_with_parent(signal.SIGKILL, parent)
+        sys.setswitchinterval(0.0005)  # the reading thread gets the GIL soon after a frame comes, not 5 ms on
+        frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=_read_frames, args=(requests, frames), daemon=True).start()
+        while (frame := frames.get()) is not None:
+            write_frame(results, parse_chunk(msgpack.unpackb(frame, raw=False), parse))
+    except BaseException as exc:  # noqa: BLE001 - a child reports and exits; the parent parses in its place
+        code = 1
+        try:
+            os.write(2, f"a job's line parser (pid {os.getpid()}) failed: {exc!r}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _read_frames(fd: int, frames: queue.SimpleQueue[bytes | None]) -> None:
+    """A child's input pipe drained as it comes; None at its end (or a broken frame: the child then ends)."""
+    try:
+        while (frame := read_frame(fd)) is not None:
+            frames.put(frame)
+    except OSError:
+        pass
+    frames.put(None)
+
+
+# ---------------------------------------------------------------- the pool
+
+
+@dataclass
+class _Helper:
+    pid: int
+    requests: int  # write end: chunks to the child
+    results: int  # read end: items from the child
+    in_flight: int = 0  # chunks sent, their results not read yet
+
+
+class ParsePool:
+    """`processes` forked parsers for one read of a JSONL input; `items()` yields every entry's item in order.
+    Use it once; `close()` (also at the end of `items()`) stops the children and reaps them."""
+
+    def __init__(self, parse: LineParse, processes: int) -> None:
+        self._parse = parse
+        self._helpers: list[_Helper] = []
+        # Chunks sent, oldest first: (the chunk's entries, the helper parsing its lines or None).
+        self._sent: deque[tuple[list[Entry], _Helper | None]] = deque()
+        self._source: Iterator[Entry] = iter(())
+        self._exhausted = False
+        for _ in range(processes):
+            helper = self._fork()
+            if helper is None:
+                break
+            self._helpers.append(helper)
+
+    @property
+    def pids(self) -> list[int]:
+        return [h.pid for h in self._helpers]
+
+    def _fork(self) -> _Helper | None:
+        parent = os.getpid()
+        try:
+            to_child_r, to_child_w = os.pipe()
+            from_child_r, from_child_w = os.pipe()
+        except OSError as exc:
+            log.warning("job input: no pipes for a parser process (%s); parsing in process", exc)
+            return None
+        for fd in (to_child_w, from_child_w):
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:  # over /proc/sys/fs/pipe-max-size for this user: the default size works, slower
+                pass
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            log.warning("job input: cannot fork a parser process (%s); parsing in process", exc)
+            return None
+        if pid == 0:  # the child: only its own ends of its own pipes stay open (the others' ends close at exit)
+            os.close(to_child_w)
+            os.close(from_child_r)
+            for other in self._helpers:
+                os.close(other.requests)
+                os.close(other.results)
+            _child(to_child_r, from_child_w, self._parse, parent)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        return _Helper(pid, to_child_w, from_child_r)
+
+    def items(self, entries: Iterator[Entry]) -> Iterator[InputItem]:
+        """Every entry as its item, in order: lines parsed by the children (in process without any), items
+        passed through. Closing this generator early stops the children too."""
+        try:
+            if not self._helpers:
+                yield from (e if isinstance(e, InputItem) else self._parse(e) for e in entries)
+                return
+            self._source = iter(entries)
+            self._exhausted = False
+            while True:
+                self._refill()
+                if not self._sent:
+                    if self._exhausted:
+                        return
+                    # every helper gone: the rest in process, as it comes
+                    yield from (e if isinstance(e, InputItem) else self._parse(e) for e in self._source)
+                    return
+                chunk, helper = self._sent.popleft()
+                parsed = self._receive(helper, chunk) if helper is not None else None
+                if parsed is None:  # this helper failed: its chunk in process
+                    parsed = [e if isinstance(e, InputItem) else self._parse(e) for e in chunk]
+                yield from parsed
+        finally:
+            self.close()
+
+    def _refill(self) -> None:
+        """A chunk to every idle helper, while the input lasts."""
+        while not self._exhausted and (idle := self._idle()) is not None:
+            chunk = _next_chunk(self._source)
+            if not chunk:
+                self._exhausted = True
+                return
+            self._sent.append((chunk, self._send(idle, chunk)))
+
+    def _idle(self) -> _Helper | None:
+        """The helper with the fewest chunks in flight, if it has room for one more."""
+        helper = min(self._helpers, key=lambda h: h.in_flight, default=None)
+        return helper if helper is not None and helper.in_flight < DEPTH else None
+
+    def _send(self, helper: _Helper, chunk: list[Entry]) -> _Helper | None:
+        lines = [[e.index, e.line, e.end_offset, e.body] for e in chunk if isinstance(e, RawLine)]
+        try:
+            write_frame(helper.requests, msgpack.packb(lines, use_bin_type=True))
+        except OSError as exc:
+            self._lose(helper, f"cannot write to it ({exc})")
+            return None
+        helper.in_flight += 1
+        return helper
+
+    def _receive(self, helper: _Helper, chunk: list[Entry]) -> list[InputItem] | None:
+        """The chunk's items, its lines parsed by `helper`; None if the helper failed (it is dropped)."""
+        if helper not in self._helpers:  # dropped since this chunk was sent
+            return None
+        try:
+            frame = read_frame(helper.results)
+            if frame is None:
+                self._lose(helper, "it exited")
+                return None
+            helper.in_flight -= 1
+            self._refill()  # its next chunk goes out before this one is decoded
+            parsed = iter([decode_item(fields) for fields in msgpack.unpackb(frame, raw=False)])
+        except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            self._lose(helper, f"its result could not be read ({exc!r})")
+            return None
+        try:
+            items = [entry if isinstance(entry, InputItem) else next(parsed) for entry in chunk]
+        except StopIteration:
+            items = []
+        if not items or next(parsed, None) is not None:
+            self._lose(helper, "its result does not match the chunk it was sent")
+            return None
+        return items
+
+    def _lose(self, helper: _Helper, why: str) -> None:
+        log.warning("job input: parser process %d dropped: %s; its lines are parsed in process", helper.pid, why)
+        self._helpers.remove(helper)
+        self._stop([helper])
+
+    def close(self) -> None:
+        helpers, self._helpers = self._helpers, []
+        self._stop(helpers)
+
+    @staticmethod
+    def _stop(helpers: list[_Helper]) -> None:
+        """Close the pipes (a child reading its input then ends), then reap each child; one still there after
+        _STOP_WAIT_S (mid-chunk on a huge line) is killed."""
+        for h in helpers:
+            for fd in (h.requests, h.results):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _STOP_WAIT_S
+        for h in helpers:
+            while True:
+                try:
+                    done, _ = os.waitpid(h.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    break
+                if time.monotonic() >= deadline:
+                    try:
+                        os.kill(h.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    os.waitpid(h.pid, 0)
+                    break
+                time.sleep(0.005)
+
+
+def _next_chunk(source: Iterator[Entry]) -> list[Entry]:
+    """Up to CHUNK_LINES lines (and the items among them), at most CHUNK_BYTES of lines unless one is more."""
+    chunk: list[Entry] = []
+    lines = size = 0
+    for entry in source:
+        chunk.append(entry)
+        if isinstance(entry, RawLine):
+            lines += 1
+            size += len(entry.body)
+            if lines >= CHUNK_LINES or size >= CHUNK_BYTES:
+                break
+    return chunk
