@@ -8,7 +8,8 @@ drift falls on all of them alike.
 bench/compare.sh runs one system after the other, each through every model and level (minutes apart), and on a
 drifting host (one system's passes a few minutes apart differed by up to 1.5x in stop 58) its ratios are mostly
 when each system ran. Here native Triton (the anchor kit's tritonserver, gRPC on when measured), fleet (`fleet up`
-of this checkout) and, with --base-root, fleet-base (another checkout's) are all started first, each on its own
+of this checkout), floor (bench/floor.py, the least this architecture does a request; HTTP only) and, with
+--base-root, fleet-base (another checkout's) are all started first, each on its own
 ports (PORT, PORT+100, PORT+200; gRPC on +1), and each cell (protocol, model, C) is measured on every system back to
 back, the order reversed every round: perf_analyzer as bench/served.py runs it (batch 1, `--stability-percentage
 20`, `--max-trials 12`, killed after --pa-timeout s, which is what a hang of native Triton costs). The systems not

@@ -163,7 +163,7 @@ class Settings(BaseSettings):
     # RQ job workers `fleet up` runs.
     job_workers: int = 1
     # Processes a job worker forks to parse a JSONL job's lines beside its own thread (fleet/jobs/parse_pool.py);
-    # None: two where the job worker's host has two cores or more; 0: parse in the job worker.
+    # None: two where the job worker's host has four cores or more, else 0: parse in the job worker.
     job_parse_processes: int | None = Field(default=None, ge=0)
     # Directories a job's server-side input path may lie in (after symlinks), besides jobs_dir/uploads;
     # empty: only uploads. From the env as a JSON list: FLEET_JOB_INPUT_DIRS='["/data/in"]'.

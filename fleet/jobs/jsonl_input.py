@@ -65,7 +65,7 @@ class JsonlInput:
         self._spec = spec
         self._parse = line_parser(spec)
         self._max_line_bytes = max_line_bytes
-        self._processes = auto_processes(len(os.sched_getaffinity(0))) if parse_processes is None else parse_processes
+        self._processes = auto_processes(_cpus()) if parse_processes is None else parse_processes
         self._pools: list[ParsePool] = []
 
     def count(self) -> int:
@@ -119,6 +119,12 @@ class JsonlInput:
                 if body:
                     yield RawLine(index, line, offset, body)
                     index += 1
+
+
+def _cpus() -> int | None:
+    """The cores this process may run on (Linux), else the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count()
 
 
 def _skip_line(f: IO[bytes], head: bytes) -> tuple[int, int, bool]:

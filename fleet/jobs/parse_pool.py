@@ -8,23 +8,27 @@ back chunk by chunk in the order the chunks were sent. So resume cursors, line n
 exactly those of parsing in process, and each line is parsed once.
 
 - The children are forked, not started afresh: they inherit the model's spec and the parser, and start in
-  milliseconds. A child touches nothing of its parent's but its two pipes: no Redis, no logging; it
-  leaves with os._exit, gets SIGKILL when the job worker dies (PR_SET_PDEATHSIG) and ends at the end of
-  its input pipe.
+  milliseconds. A child closes every file descriptor but its two pipes and stderr (no Redis, no output
+  file), keeps the parent's objects out of its garbage collector (gc.freeze), leaves with os._exit whatever
+  happens, gets SIGKILL when the job worker dies (PR_SET_PDEATHSIG) and ends at the end of its input pipe.
+  (The parser may still log a parser bug, to stderr.)
 - The pipes carry length-prefixed msgpack frames (never pickle): lines out, items back.
 - Up to DEPTH chunks in flight per child, so a child always has its next chunk when it finishes one. A
   thread in the child reads its input pipe as frames come (into memory: DEPTH chunks at most), so the job
   worker's writes never wait on a child that is itself waiting for the job worker to read its results.
-- A child that dies, or a result that cannot be read, costs nothing but speed: its chunk, and every line
-  after it, is parsed in process (with a warning in the log).
+- A child that dies, stops answering for RESULT_TIMEOUT_S, or sends what cannot be read costs nothing but
+  speed: it is dropped (a warning in the log) and its chunks are parsed in process; once every child is
+  gone, so is the rest of the input. An error reading the input itself is the job's, as in process.
 """
 
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import queue
+import select
 import signal
 import struct
 import sys
@@ -33,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 
@@ -55,15 +59,22 @@ _LEN = struct.Struct("<Q")
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _STOP_WAIT_S = 2.0
+# A chunk's result not begun within this long: the child is taken for hung (a chunk of 128 lines takes
+# milliseconds; one 16 MiB line, the longest a job takes, well under a second).
+RESULT_TIMEOUT_S = 60.0
+_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def auto_processes(cpus: int | None) -> int:
-    """Helpers when the setting says "auto": two wherever there is a second core, else none. One helper only
-    moves the parsing (~36 µs a 256-float line, a little more than in process) to another process, so it pays
-    nothing alone; two parse faster than the job worker does the rest of a line (~35 µs: reading, sending,
-    collecting, writing its output), so more stay idle. On this project's 2-core host (bench/RESULTS.md, stop
-    60): a GPU-like model's JSONL job 1.18x, a CPU model's (whose forward takes a core) level."""
-    return 2 if (cpus or 1) >= 2 else 0
+    """Helpers when the setting is not given (None): two on a host of four cores or more, else none.
+
+    One helper only moves the parsing (~36 µs a 256-float line, a little more than in process) to another
+    process, so it pays nothing alone; two parse faster than the job worker does the rest of a line (~35 µs:
+    reading, sending, collecting, writing its output), so more would stay idle. On a 2-core host (bench/
+    RESULTS.md, stop 60) two made a GPU-like model's JSONL job 1.18x but a CPU model's 0.92-1.02x (its
+    forward takes a core, Redis and the worker most of the other): there the job worker parses itself
+    unless told otherwise (FLEET_JOB_PARSE_PROCESSES=2)."""
+    return 2 if (cpus or 1) >= 4 else 0
 
 
 # ---------------------------------------------------------------- frames
@@ -75,11 +86,14 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, size: int) -> bytes | None:
-    """`size` bytes from `fd`, or None at the end of the pipe (before any of them, or inside them)."""
+def _read_exact(fd: int, size: int, timeout_s: float | None = None) -> bytes | None:
+    """`size` bytes from `fd`, or None at the end of the pipe (before any of them, or inside them). With
+    `timeout_s`, TimeoutError when the pipe stays empty that long before a read."""
     parts: list[bytes] = []
     left = size
     while left:
+        if timeout_s is not None and not select.select([fd], [], [], timeout_s)[0]:
+            raise TimeoutError(f"nothing to read for {timeout_s:.0f} s")
         part = os.read(fd, min(left, 1 << 20))
         if not part:
             return None
@@ -93,12 +107,12 @@ def write_frame(fd: int, payload: bytes) -> None:
     _write_all(fd, payload)
 
 
-def read_frame(fd: int) -> bytes | None:
-    head = _read_exact(fd, _LEN.size)
+def read_frame(fd: int, timeout_s: float | None = None) -> bytes | None:
+    head = _read_exact(fd, _LEN.size, timeout_s)
     if head is None:
         return None
     (size,) = _LEN.unpack(head)
-    return _read_exact(fd, size)
+    return _read_exact(fd, size, timeout_s)
 
 
 # ---------------------------------------------------------------- items on the wire
@@ -137,18 +151,25 @@ def _packable(fields: list[Any]) -> list[Any]:
                                      error="the request cannot be encoded for the model's queue"))
 
 
-def _child(requests: int, results: int, parse: LineParse, parent: int) -> None:
+def _child(requests: int, results: int, parse: LineParse, parent: int) -> NoReturn:
     """A forked child's whole life: chunks in, items out, until its input pipe ends. Never returns."""
     code = 0
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the job worker's handlers
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job worker's to handle
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # blocked by the parent around the fork
         die_with_parent(signal.SIGKILL, parent)
+        keep = sorted((requests, results))
+        os.closerange(3, keep[0])  # Redis sockets, the output file, other pools' pipes: not the child's
+        os.closerange(keep[0] + 1, keep[1])
+        os.closerange(keep[1] + 1, 1 << 20)
         sys.setswitchinterval(0.0005)  # the reading thread gets the GIL soon after a frame comes, not 5 ms on
         frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(target=_read_frames, args=(requests, frames), daemon=True).start()
         while (frame := frames.get()) is not None:
             write_frame(results, parse_chunk(msgpack.unpackb(frame, raw=False), parse))
+    except BrokenPipeError:
+        pass  # the job worker closed the pool (the job ended early): nothing to say
     except BaseException as exc:  # noqa: BLE001 - a child reports and exits; the parent parses in its place
         code = 1
         try:
@@ -172,7 +193,7 @@ def _read_frames(fd: int, frames: queue.SimpleQueue[bytes | None]) -> None:
 # ---------------------------------------------------------------- the pool
 
 
-@dataclass
+@dataclass(eq=False)
 class _Helper:
     pid: int
     requests: int  # write end: chunks to the child
@@ -214,22 +235,33 @@ class ParsePool:
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
             except OSError:  # over /proc/sys/fs/pipe-max-size for this user: the default size works, slower
                 pass
+        # The parent's objects stay out of the child's collector (no finalizer of the parent's runs there, and
+        # no page of them is copied for it); its stop signals wait until the child has its own handlers.
+        collecting = gc.isenabled()
+        gc.disable()
+        gc.freeze()
+        signals = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
             pid = os.fork()
         except OSError as exc:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
+            pid = -1
             log.warning("job input: cannot fork a parser process (%s); parsing in process", exc)
-            return None
-        if pid == 0:  # the child: only its own ends of its own pipes stay open (the others' ends close at exit)
-            os.close(to_child_w)
-            os.close(from_child_r)
-            for other in self._helpers:
-                os.close(other.requests)
-                os.close(other.results)
-            _child(to_child_r, from_child_w, self._parse, parent)
+        if pid == 0:
+            try:  # the child: only its own ends of its own pipes stay open; it never returns from here
+                os.close(to_child_w)
+                os.close(from_child_r)
+            finally:
+                _child(to_child_r, from_child_w, self._parse, parent)
+        signal.pthread_sigmask(signal.SIG_SETMASK, signals)
+        gc.unfreeze()
+        if collecting:
+            gc.enable()
         os.close(to_child_r)
         os.close(from_child_w)
+        if pid < 0:
+            os.close(to_child_w)
+            os.close(from_child_r)
+            return None
         return _Helper(pid, to_child_w, from_child_r)
 
     def items(self, entries: Iterator[Entry]) -> Iterator[InputItem]:
@@ -251,7 +283,7 @@ class ParsePool:
                     return
                 chunk, helper = self._sent.popleft()
                 parsed = self._receive(helper, chunk) if helper is not None else None
-                if parsed is None:  # this helper failed: its chunk in process
+                if parsed is None:  # a helper failed, or nothing to parse: this chunk in process
                     parsed = [e if isinstance(e, InputItem) else self._parse(e) for e in chunk]
                 yield from parsed
         finally:
@@ -273,6 +305,8 @@ class ParsePool:
 
     def _send(self, helper: _Helper, chunk: list[Entry]) -> _Helper | None:
         lines = [[e.index, e.line, e.end_offset, e.body] for e in chunk if isinstance(e, RawLine)]
+        if not lines:  # only items made already (lines over the limit): they pass through as they are
+            return None
         try:
             write_frame(helper.requests, msgpack.packb(lines, use_bin_type=True))
         except OSError as exc:
@@ -286,26 +320,28 @@ class ParsePool:
         if helper not in self._helpers:  # dropped since this chunk was sent
             return None
         try:
-            frame = read_frame(helper.results)
-            if frame is None:
-                self._lose(helper, "it exited")
-                return None
-            helper.in_flight -= 1
-            self._refill()  # its next chunk goes out before this one is decoded
-            parsed = iter([decode_item(fields) for fields in msgpack.unpackb(frame, raw=False)])
-        except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            frame = read_frame(helper.results, RESULT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
             self._lose(helper, f"its result could not be read ({exc!r})")
             return None
+        if frame is None:
+            self._lose(helper, "it exited")
+            return None
+        helper.in_flight -= 1
+        self._refill()  # its next chunk goes out before this one is decoded (an error reading the input is the job's)
         try:
+            parsed = iter([decode_item(fields) for fields in msgpack.unpackb(frame, raw=False)])
             items = [entry if isinstance(entry, InputItem) else next(parsed) for entry in chunk]
-        except StopIteration:
-            items = []
-        if not items or next(parsed, None) is not None:
-            self._lose(helper, "its result does not match the chunk it was sent")
+            if next(parsed, None) is not None:
+                raise ValueError("more items than lines")
+        except (ValueError, TypeError, StopIteration, msgpack.UnpackException) as exc:
+            self._lose(helper, f"its result does not match the chunk it was sent ({exc!r})")
             return None
         return items
 
     def _lose(self, helper: _Helper, why: str) -> None:
+        if helper not in self._helpers:
+            return
         log.warning("job input: parser process %d dropped: %s; its lines are parsed in process", helper.pid, why)
         self._helpers.remove(helper)
         self._stop([helper])
@@ -336,9 +372,9 @@ class ParsePool:
                 if time.monotonic() >= deadline:
                     try:
                         os.kill(h.pid, signal.SIGKILL)
-                    except ProcessLookupError:
+                        os.waitpid(h.pid, 0)
+                    except (ProcessLookupError, ChildProcessError):
                         pass
-                    os.waitpid(h.pid, 0)
                     break
                 time.sleep(0.005)
 

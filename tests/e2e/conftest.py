@@ -45,6 +45,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FLEET_REDIS_URL")}
     # A job whose runner was killed is resumed once its lease lapses: 2 s here instead of 10.
     env["FLEET_JOB_LEASE_MS"] = "2000"
+    env["FLEET_JOB_PARSE_PROCESSES"] = "2"  # JSONL jobs through the line parsers, whatever the host's cores
     # Jobs may name server-side inputs under this session's pytest temp dirs (each test's tmp_path).
     env["FLEET_JOB_INPUT_DIRS"] = json.dumps([str(tmp_path_factory.getbasetemp())])
     cmd = [sys.executable, "-m", "fleet", "up", "--model-repository", str(ROOT / "model_repository"),

@@ -4,8 +4,10 @@ as parsing in process, whatever the chunking, and whatever happens to the helper
 from __future__ import annotations
 
 import json
+import logging
 import os
-import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from fleet.jobs.formats import InputItem, open_input
 from fleet.jobs.items import RawLine
 from fleet.jobs.lines import line_parser, parse_item
 from fleet.jobs.parse_pool import ParsePool, auto_processes, decode_item, encode_item, parse_chunk
+from fleet.model_spec import ModelSpec
 from tests.unit.test_job_formats import BATCHED, TEXT, padded, request, spec_of, write_jsonl
 
 LIMIT = 400
@@ -39,8 +42,8 @@ def varied_lines(copies: int) -> list[str]:
     return one * copies
 
 
-def in_process(path: Path, start: int = 0, offset: int = 0, **kw: Any) -> list[InputItem]:
-    return list(open_input(path, kw.pop("spec", BATCHED), max_line_bytes=LIMIT, parse_processes=0).read(start, offset))
+def in_process(path: Path, spec: ModelSpec = BATCHED, limit: int = LIMIT) -> list[InputItem]:
+    return list(open_input(path, spec, max_line_bytes=limit, parse_processes=0).read())
 
 
 @pytest.fixture
@@ -50,25 +53,51 @@ def pooled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parse_pool, "CHUNK_LINES", 3)
 
 
+@pytest.fixture
+def parsers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The job's parser, wrapped: each line's parsing process is appended to the returned file, and a line
+    holding DIE (HANG) makes a helper exit at once (sleep for ever); in the job worker they parse as usual."""
+    log = tmp_path / "parsed-by"
+    me = os.getpid()
+
+    def parse(raw: RawLine, **kw: Any) -> InputItem:
+        if os.getpid() != me and b"DIE" in raw.body:
+            os._exit(3)
+        if os.getpid() != me and b"HANG" in raw.body:
+            time.sleep(3600)
+        with log.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return parse_item(raw, **kw)
+
+    monkeypatch.setattr(jsonl_input, "parse_item", parse)
+    return log
+
+
+def parsed_by(log: Path) -> list[int]:
+    return [int(pid) for pid in log.read_text().split()]
+
+
+def reaped(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+            return False
+        except ChildProcessError:
+            pass
+    return True
+
+
 @pytest.mark.usefixtures("pooled")
 @pytest.mark.parametrize("processes", [1, 3])
-def test_helpers_give_the_items_parsing_in_process_gives(tmp_path: Path, processes: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_helpers_give_the_items_parsing_in_process_gives(tmp_path: Path, processes: int, parsers: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", varied_lines(7))
     expected = in_process(path)
     assert len(expected) == 7 * 8 and any(i.error for i in expected) and any(i.inputs for i in expected)
-    forked: list[int] = []
-    fork = parse_pool.ParsePool._fork
-
-    def counted(self: ParsePool) -> Any:
-        helper = fork(self)
-        forked.append(helper.pid if helper else 0)
-        return helper
-
-    monkeypatch.setattr(parse_pool.ParsePool, "_fork", counted)
+    parsers.unlink()
     src = open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=processes)
     assert list(src.read()) == expected
-    assert len(forked) == processes and all(forked)
+    by = parsed_by(parsers)
+    assert len(by) == 7 * 7 and os.getpid() not in by and len(set(by)) == processes  # every line, by the helpers
     # resumed from anywhere, the same rest
     for k in (1, 9, 30, len(expected) - 1):
         assert list(src.read(k, expected[k - 1].end_offset)) == expected[k:]
@@ -83,41 +112,86 @@ def test_bytes_inputs_and_a_chunk_cut_by_its_byte_budget(tmp_path: Path, monkeyp
              for i in range(20)] + [json.dumps({"inputs": [{"name": "S", "datatype": "BYTES", "shape": [1, 1],
                                                             "data": [3]}]})]
     path = write_jsonl(tmp_path / "text.jsonl", lines)
-    expected = in_process(path, spec=spec)
+    expected = in_process(path, spec)
     assert list(open_input(path, spec, max_line_bytes=LIMIT, parse_processes=2).read()) == expected
     assert expected[-1].error is not None and expected[0].inputs is not None
 
 
 @pytest.mark.usefixtures("pooled")
-def test_a_helper_killed_mid_read_costs_nothing_but_speed(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "in.jsonl", varied_lines(6))
-    expected = in_process(path)
-    parse = open_input(path, BATCHED, max_line_bytes=LIMIT)
-    assert isinstance(parse, jsonl_input.JsonlInput)
-    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, parse._parse, "in.jsonl"), 2)
-    first, second = pool.pids
-    items = pool.items(parse._lines(0, 0))
-    got = [next(items)]
-    os.kill(first, signal.SIGKILL)
-    got += list(items)
-    assert got == expected
-    for pid in (first, second):  # both reaped: the killed one and the one stopped at the end
-        with pytest.raises(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+def test_lines_bigger_than_a_pipe_with_pipes_left_at_their_default_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parsers: Path) -> None:
+    monkeypatch.setattr(parse_pool, "PIPE_BYTES", 1 << 40)  # refused by the kernel: 64 KiB pipes
+    limit = 4 << 20
+    lines = [padded(3 << 20), json.dumps(request()), padded(1 << 20), padded(200_000), json.dumps(request(2))] * 2
+    path = write_jsonl(tmp_path / "big.jsonl", lines)
+    expected = in_process(path, limit=limit)
+    parsers.unlink()
+    assert list(open_input(path, BATCHED, max_line_bytes=limit, parse_processes=2).read()) == expected
+    assert os.getpid() not in parsed_by(parsers)
 
 
 @pytest.mark.usefixtures("pooled")
-def test_every_helper_gone_reads_the_rest_in_process(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "in.jsonl", varied_lines(4))
+def test_a_helper_that_dies_mid_chunk_costs_nothing_but_speed(
+        tmp_path: Path, parsers: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lines = varied_lines(5)
+    lines[23] = json.dumps(request(id="DIE"))
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
     expected = in_process(path)
-    src = open_input(path, BATCHED, max_line_bytes=LIMIT)
+    src = open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=2)
     assert isinstance(src, jsonl_input.JsonlInput)
-    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, src._parse, "in.jsonl"), 1)
-    items = pool.items(src._lines(0, 0))
-    got = [next(items)]
-    os.kill(pool.pids[0], signal.SIGKILL)
-    got += list(items)
-    assert got == expected and pool.pids == []
+    reader = src.read()
+    with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
+        got = [next(reader)]
+        (pool,) = src._pools
+        pids = pool.pids
+        got += list(reader)
+    assert got == expected
+    assert "dropped: it exited" in caplog.text
+    assert os.getpid() in parsed_by(parsers)  # its chunk, parsed in process
+    assert reaped(pids)
+
+
+@pytest.mark.usefixtures("pooled")
+def test_a_helper_that_stops_answering_is_dropped(
+        tmp_path: Path, parsers: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(parse_pool, "RESULT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(parse_pool, "_STOP_WAIT_S", 0.2)
+    lines = varied_lines(3)
+    lines[4] = json.dumps(request(id="HANG"))
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    expected = in_process(path)
+    with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
+        assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=1).read()) == expected
+    assert "TimeoutError" in caplog.text
+
+
+@pytest.mark.usefixtures("pooled")
+def test_a_result_that_cannot_be_read_drops_its_helper(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(parse_pool, "parse_chunk", lambda lines, parse: b"\xc1 not msgpack")  # in the children
+    path = write_jsonl(tmp_path / "in.jsonl", varied_lines(3))
+    with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
+        assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=2).read()) == in_process(path)
+    assert caplog.text.count("does not match the chunk") == 2
+
+
+@pytest.mark.usefixtures("pooled")
+def test_an_error_reading_the_input_is_the_jobs(tmp_path: Path) -> None:
+    """Not a helper's failure: the read fails as it would in process (the job fails, nothing is skipped)."""
+    body = json.dumps(request()).encode()
+
+    def entries() -> Iterator[RawLine]:
+        for i in range(30):  # past what the first round of chunks takes: the failing read is a refill's
+            yield RawLine(i, i + 1, (i + 1) * 100, body)
+        raise OSError(5, "Input/output error")
+
+    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, line_parser(BATCHED)), 2)
+    items = pool.items(entries())
+    got = []
+    with pytest.raises(OSError, match="Input/output"):
+        for item in items:
+            got.append(item)
+    assert 12 <= len(got) < 30 and all(i.error is None for i in got)
 
 
 @pytest.mark.usefixtures("pooled")
@@ -131,21 +205,17 @@ def test_a_read_left_early_stops_its_helpers(tmp_path: Path) -> None:
     pids = pool.pids
     assert len(pids) == 2
     src.close()  # what the runner does when a job stops (failed, cancelled, interrupted)
-    for pid in pids:
-        with pytest.raises(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    assert reaped(pids)
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
 
 
-def test_small_files_and_zero_processes_parse_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_files_and_zero_processes_parse_in_process(tmp_path: Path, parsers: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", varied_lines(2))
-    forks: list[int] = []
-    monkeypatch.setattr(parse_pool.ParsePool, "_fork", lambda self: forks.append(1))
-    assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=4).read()) == in_process(path)
-    monkeypatch.setattr(jsonl_input, "POOL_MIN_BYTES", 0)
-    assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=0).read()) == in_process(path)
-    assert forks == []
+    expected = in_process(path)
+    parsers.unlink()
+    assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=4).read()) == expected
+    assert set(parsed_by(parsers)) == {os.getpid()}
 
 
 def test_a_value_msgpack_cannot_carry_fails_its_line_only() -> None:
@@ -164,10 +234,10 @@ def test_items_cross_the_pipe_unchanged() -> None:
     assert decode_item(msgpack.unpackb(msgpack.packb(encode_item(item), use_bin_type=True), raw=False)) == item
     raw = RawLine(0, 1, 5, json.dumps(request(2)).encode())
     parsed = parse_item(raw, BATCHED, line_parser(BATCHED))
-    wire = msgpack.unpackb(msgpack.packb(encode_item(parsed), use_bin_type=True), raw=False)
-    assert decode_item(wire) == parsed and isinstance(decode_item(wire).inputs[0].shape, tuple)  # type: ignore[index]
+    wire = decode_item(msgpack.unpackb(msgpack.packb(encode_item(parsed), use_bin_type=True), raw=False))
+    assert wire == parsed and wire.inputs is not None and isinstance(wire.inputs[0].shape, tuple)
 
 
-@pytest.mark.parametrize(("cpus", "helpers"), [(None, 0), (1, 0), (2, 2), (3, 2), (64, 2)])
+@pytest.mark.parametrize(("cpus", "helpers"), [(None, 0), (1, 0), (2, 0), (3, 0), (4, 2), (64, 2)])
 def test_auto_helpers_by_cores(cpus: int | None, helpers: int) -> None:
     assert auto_processes(cpus) == helpers
