@@ -59,8 +59,8 @@ _LEN = struct.Struct("<Q")
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _STOP_WAIT_S = 2.0
-# A chunk's result not begun within this long: the child is taken for hung (a chunk of 128 lines takes
-# milliseconds; one 16 MiB line, the longest a job takes, well under a second).
+# A chunk's result (or room for the next chunk in its pipe) not coming within this long: the child is taken for
+# hung (a chunk of 128 lines takes milliseconds; one 16 MiB line, the longest a job takes, well under a second).
 RESULT_TIMEOUT_S = 60.0
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -80,9 +80,12 @@ def auto_processes(cpus: int | None) -> int:
 # ---------------------------------------------------------------- frames
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def _write_all(fd: int, data: bytes | memoryview, timeout_s: float | None = None) -> None:
+    """All of `data` to `fd`; with `timeout_s`, TimeoutError when the pipe stays full that long."""
     view = memoryview(data)
     while view:
+        if timeout_s is not None and not select.select([], [fd], [], timeout_s)[1]:
+            raise TimeoutError(f"could not write for {timeout_s:.0f} s")
         view = view[os.write(fd, view):]
 
 
@@ -102,9 +105,9 @@ def _read_exact(fd: int, size: int, timeout_s: float | None = None) -> bytes | N
     return b"".join(parts)
 
 
-def write_frame(fd: int, payload: bytes) -> None:
-    _write_all(fd, _LEN.pack(len(payload)))
-    _write_all(fd, payload)
+def write_frame(fd: int, payload: bytes, timeout_s: float | None = None) -> None:
+    _write_all(fd, _LEN.pack(len(payload)), timeout_s)
+    _write_all(fd, payload, timeout_s)
 
 
 def read_frame(fd: int, timeout_s: float | None = None) -> bytes | None:
@@ -308,8 +311,9 @@ class ParsePool:
         if not lines:  # only items made already (lines over the limit): they pass through as they are
             return None
         try:
-            write_frame(helper.requests, msgpack.packb(lines, use_bin_type=True))
-        except OSError as exc:
+            # (a stopped child's pipe could stay full: the same timeout as its results')
+            write_frame(helper.requests, msgpack.packb(lines, use_bin_type=True), RESULT_TIMEOUT_S)
+        except OSError as exc:  # a child gone (EPIPE), or TimeoutError
             self._lose(helper, f"cannot write to it ({exc})")
             return None
         helper.in_flight += 1

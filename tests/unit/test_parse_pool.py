@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,25 @@ def test_a_helper_that_stops_answering_is_dropped(
     with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
         assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=1).read()) == expected
     assert "TimeoutError" in caplog.text
+
+
+@pytest.mark.usefixtures("pooled")
+def test_a_stopped_helper_whose_pipe_stays_full_is_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(parse_pool, "RESULT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(parse_pool, "_STOP_WAIT_S", 0.2)
+    monkeypatch.setattr(parse_pool, "PIPE_BYTES", 1 << 40)  # 64 KiB pipes: a 200 KB line fills one
+    limit = 1 << 20
+    path = write_jsonl(tmp_path / "big.jsonl", [padded(200_000), json.dumps(request())] * 4)
+    expected = in_process(path, limit=limit)
+    src = open_input(path, BATCHED, max_line_bytes=limit)
+    assert isinstance(src, jsonl_input.JsonlInput)
+    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, line_parser(BATCHED)), 1)
+    (pid,) = pool.pids
+    os.kill(pid, signal.SIGSTOP)  # neither reads its pipe nor answers; SIGKILL still ends it
+    with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
+        assert list(pool.items(src._lines(0, 0))) == expected
+    assert "could not write" in caplog.text and reaped([pid])
 
 
 @pytest.mark.usefixtures("pooled")
