@@ -44,8 +44,8 @@ from served import DEFAULT_PA, HOST, ROOT, Fleet, api
 from summary import print_table, read_level
 
 
-def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy") -> dict[str, Any]:
-    record = api(port, "POST", "/v2/jobs", {"model": "mlp", "input": str(source), "output": {"format": fmt}})
+def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy", model: str = "mlp") -> dict[str, Any]:
+    record = api(port, "POST", "/v2/jobs", {"model": model, "input": str(source), "output": {"format": fmt}})
     if not wait:
         return record
     deadline = time.monotonic() + 600

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from served import ROOT, Fleet, api  # bench/served.py
+from bulk import run_job  # bench/bulk.py
+from served import ROOT, Fleet  # bench/served.py
 from summary import print_table  # bench/summary.py
 
 GPU_CONFIG = """backend: "sleep"
@@ -45,17 +46,10 @@ def write_lines(path: Path, lines: int) -> None:
                                  option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
 
 
-def run_job(port: int, model: str, source: Path, lines: int) -> float:
-    record = api(port, "POST", "/v2/jobs", {"model": model, "input": str(source), "output": {"format": "jsonl"}})
-    deadline = time.monotonic() + 600
-    while record["state"] not in ("completed", "failed", "cancelled"):
-        if time.monotonic() > deadline:
-            api(port, "DELETE", f"/v2/jobs/{record['id']}")
-            raise SystemExit(f"job {record['id']} still running after 600 s: cancelled")
-        time.sleep(0.2)
-        record = api(port, "GET", f"/v2/jobs/{record['id']}")
-    if record["state"] != "completed" or record["failed"]:
-        raise SystemExit(f"job {record['id']} ended {record['state']} ({record['failed']} failed): {record['error']}")
+def lines_per_s(port: int, model: str, source: Path, lines: int) -> float:
+    record = run_job(port, source, fmt="jsonl", model=model)
+    if record["failed"]:
+        raise SystemExit(f"job {record['id']}: {record['failed']} lines failed: {record['errors'][:3]}")
     return lines / (record["finished_at"] - record["started_at"])
 
 
@@ -95,7 +89,7 @@ def main() -> None:
                 fleet.start()
                 try:
                     for model in models:
-                        rate = run_job(a.port, model, source, a.lines)
+                        rate = lines_per_s(a.port, model, source, a.lines)
                         rates[(model, setting)].append(rate)
                         print(f"round {r} {model} FLEET_JOB_PARSE_PROCESSES={setting}: {rate:,.0f} lines/s", flush=True)
                 finally:
