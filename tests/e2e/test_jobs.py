@@ -209,12 +209,17 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # gone (reaped) meanwhile
+        return False
+
+
 def gone(pids: list[int], timeout_s: float = 10) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists()
-                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-        if not alive:
+        if not any(running(p) for p in pids):
             return True
         time.sleep(0.05)
     return False
