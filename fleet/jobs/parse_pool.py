@@ -16,9 +16,10 @@ exactly those of parsing in process, and each line is parsed once.
 - Up to DEPTH chunks in flight per child, so a child always has its next chunk when it finishes one. A
   thread in the child reads its input pipe as frames come (into memory: DEPTH chunks at most), so the job
   worker's writes never wait on a child that is itself waiting for the job worker to read its results.
-- A child that dies, stops answering for RESULT_TIMEOUT_S, or sends what cannot be read costs nothing but
-  speed: it is dropped (a warning in the log) and its chunks are parsed in process; once every child is
-  gone, so is the rest of the input. An error reading the input itself is the job's, as in process.
+- A child that dies, stops answering or taking its chunks for RESULT_TIMEOUT_S, or sends what cannot be read
+  costs nothing but speed: it is dropped (a warning in the log) and its chunks are parsed in process; once
+  every child is gone, so is the rest of the input. An error reading the input itself is the job's, as in
+  process (raised as it is met: the chunks already sent to the children are not handed on before it).
 """
 
 from __future__ import annotations
@@ -80,23 +81,38 @@ def auto_processes(cpus: int | None) -> int:
 # ---------------------------------------------------------------- frames
 
 
+def _wait(fd: int, event: int, deadline: float) -> None:
+    """Until `fd` is ready for `event` (select.POLLIN / POLLOUT); TimeoutError once `deadline` (monotonic) passed."""
+    poller = select.poll()
+    poller.register(fd, event)
+    while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        if time.monotonic() >= deadline:
+            raise TimeoutError("could not write in time" if event == select.POLLOUT else "nothing came in time")
+
+
 def _write_all(fd: int, data: bytes | memoryview, timeout_s: float | None = None) -> None:
-    """All of `data` to `fd`; with `timeout_s`, TimeoutError when the pipe stays full that long."""
+    """All of `data` to `fd`. With `timeout_s` (the fd non-blocking: the parent's ends), TimeoutError when it
+    is not all written by then: a pipe that stays full does not hold the job worker."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     view = memoryview(data)
     while view:
-        if timeout_s is not None and not select.select([], [fd], [], timeout_s)[1]:
-            raise TimeoutError(f"could not write for {timeout_s:.0f} s")
-        view = view[os.write(fd, view):]
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            if deadline is None:
+                raise
+            _wait(fd, select.POLLOUT, deadline)
 
 
 def _read_exact(fd: int, size: int, timeout_s: float | None = None) -> bytes | None:
     """`size` bytes from `fd`, or None at the end of the pipe (before any of them, or inside them). With
-    `timeout_s`, TimeoutError when the pipe stays empty that long before a read."""
+    `timeout_s`, TimeoutError when they have not all come by then."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     parts: list[bytes] = []
     left = size
     while left:
-        if timeout_s is not None and not select.select([fd], [], [], timeout_s)[0]:
-            raise TimeoutError(f"nothing to read for {timeout_s:.0f} s")
+        if deadline is not None:
+            _wait(fd, select.POLLIN, deadline)
         part = os.read(fd, min(left, 1 << 20))
         if not part:
             return None
@@ -111,6 +127,8 @@ def write_frame(fd: int, payload: bytes, timeout_s: float | None = None) -> None
 
 
 def read_frame(fd: int, timeout_s: float | None = None) -> bytes | None:
+    """A frame's payload; None at the end of the pipe. `timeout_s` bounds the wait for the frame's start, then
+    for its rest."""
     head = _read_exact(fd, _LEN.size, timeout_s)
     if head is None:
         return None
@@ -215,11 +233,15 @@ class ParsePool:
         self._sent: deque[tuple[list[Entry], _Helper | None]] = deque()
         self._source: Iterator[Entry] = iter(())
         self._exhausted = False
-        for _ in range(processes):
-            helper = self._fork()
-            if helper is None:
-                break
-            self._helpers.append(helper)
+        try:
+            for _ in range(processes):
+                helper = self._fork()
+                if helper is None:
+                    break
+                self._helpers.append(helper)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -238,33 +260,38 @@ class ParsePool:
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
             except OSError:  # over /proc/sys/fs/pipe-max-size for this user: the default size works, slower
                 pass
-        # The parent's objects stay out of the child's collector (no finalizer of the parent's runs there, and
-        # no page of them is copied for it); its stop signals wait until the child has its own handlers.
+        # No collection across the fork (the child freezes what it inherits: no finalizer of the parent's objects
+        # runs there, and no page of them is copied for it); the stop signals wait until the child has its own
+        # handlers. Restored in the parent whatever happens.
         collecting = gc.isenabled()
         gc.disable()
-        gc.freeze()
         signals = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        pid = -1
         try:
             pid = os.fork()
+            if pid == 0:
+                try:  # the child: only its own ends of its own pipes stay open; it never returns from here
+                    gc.freeze()
+                    gc.enable()
+                    os.close(to_child_w)
+                    os.close(from_child_r)
+                finally:
+                    _child(to_child_r, from_child_w, self._parse, parent)
         except OSError as exc:
-            pid = -1
             log.warning("job input: cannot fork a parser process (%s); parsing in process", exc)
-        if pid == 0:
-            try:  # the child: only its own ends of its own pipes stay open; it never returns from here
-                os.close(to_child_w)
-                os.close(from_child_r)
-            finally:
-                _child(to_child_r, from_child_w, self._parse, parent)
-        signal.pthread_sigmask(signal.SIG_SETMASK, signals)
-        gc.unfreeze()
-        if collecting:
-            gc.enable()
-        os.close(to_child_r)
-        os.close(from_child_w)
+        finally:
+            if pid != 0:
+                signal.pthread_sigmask(signal.SIG_SETMASK, signals)
+                if collecting:
+                    gc.enable()
+                os.close(to_child_r)
+                os.close(from_child_w)
+                if pid < 0:
+                    os.close(to_child_w)
+                    os.close(from_child_r)
         if pid < 0:
-            os.close(to_child_w)
-            os.close(from_child_r)
             return None
+        os.set_blocking(to_child_w, False)  # its writes wait in _write_all, bounded (the child's end blocks)
         return _Helper(pid, to_child_w, from_child_r)
 
     def items(self, entries: Iterator[Entry]) -> Iterator[InputItem]:
