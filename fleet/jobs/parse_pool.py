@@ -72,7 +72,7 @@ def auto_processes(cpus: int | None) -> int:
     One helper only moves the parsing (~36 µs a 256-float line, a little more than in process) to another
     process, so it pays nothing alone; two parse faster than the job worker does the rest of a line (~35 µs:
     reading, sending, collecting, writing its output), so more would stay idle. On a 2-core host (bench/
-    RESULTS.md, stop 60) two made a GPU-like model's JSONL job 1.18-1.28x but a CPU model's 0.91-1.04x (its
+    RESULTS.md, stop 60) two made a GPU-like model's JSONL job 1.18-1.28x but a CPU model's 0.88-1.04x (its
     forward takes a core, Redis and the worker most of the other): there the job worker parses itself
     unless told otherwise (FLEET_JOB_PARSE_PROCESSES=2)."""
     return 2 if (cpus or 1) >= 4 else 0
