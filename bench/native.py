@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from served import ANCHOR, ROOT, Fleet  # bench/served.py
+from procs import stop as stop_process  # bench/procs.py
+from served import ANCHOR, ROOT, Fleet, port_in_use  # bench/served.py
 
 SYSTEMS = ("triton-native", "fleet", "fleet-base", "floor")
 
@@ -52,20 +52,14 @@ class Floor:
                                           str(self.port)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+            if port_in_use(self.port):
+                return
             time.sleep(0.2)
         raise SystemExit(f"floor did not start on port {self.port} (see {self.log})")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s=30)
         self.proc = None
 
 

@@ -73,15 +73,11 @@ class JsonlInput:
 
     def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
         parse = functools.partial(parse_item, spec=self._spec, parse=self._parse, source=self.path.name)
-        lines = self._lines(start_index, start_offset)
-        if self._processes <= 0 or self.path.stat().st_size - start_offset < POOL_MIN_BYTES:
-            for entry in lines:
-                yield entry if isinstance(entry, InputItem) else parse(entry)
-            return
-        pool = ParsePool(parse, self._processes)
+        worth_it = self._processes > 0 and self.path.stat().st_size - start_offset >= POOL_MIN_BYTES
+        pool = ParsePool(parse, self._processes if worth_it else 0)  # with none, it parses here
         self._pools.append(pool)
         try:
-            yield from pool.items(lines)
+            yield from pool.items(self._lines(start_index, start_offset))
         finally:
             self._pools.remove(pool)
 

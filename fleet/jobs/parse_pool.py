@@ -8,11 +8,13 @@ back chunk by chunk in the order the chunks were sent. So resume cursors, line n
 exactly those of parsing in process, and each line is parsed once.
 
 - The children are forked, not started afresh: they inherit the model's spec and the parser, and start in
-  milliseconds. A child closes every file descriptor but its two pipes and stderr (no Redis, no output
-  file), keeps the parent's objects out of its garbage collector (gc.freeze), leaves with os._exit whatever
-  happens, gets SIGKILL when the job worker dies (PR_SET_PDEATHSIG) and ends at the end of its input pipe.
-  (The parser may still log a parser bug, to stderr.)
-- The pipes carry length-prefixed msgpack frames (never pickle): lines out, items back.
+  milliseconds (their side: fleet/jobs/parse_child.py). A child closes every file descriptor but its two
+  pipes and stderr (no Redis, no output file), keeps the parent's objects out of its garbage collector
+  (gc.freeze), leaves with os._exit whatever happens, gets SIGKILL when the job worker dies
+  (PR_SET_PDEATHSIG) and ends at the end of its input pipe. (The parser may still log a parser bug, to
+  stderr.)
+- The pipes carry length-prefixed msgpack frames (never pickle): lines out, items back
+  (fleet/jobs/parse_wire.py).
 - Up to DEPTH chunks in flight per child, so a child always has its next chunk when it finishes one. A
   thread in the child reads its input pipe as frames come (into memory: DEPTH chunks at most), so the job
   worker's writes never wait on a child that is itself waiting for the job worker to read its results.
@@ -28,33 +30,25 @@ import fcntl
 import gc
 import logging
 import os
-import queue
-import select
 import signal
-import struct
-import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 import msgpack
 
-from fleet.envelope import WireTensor
 from fleet.jobs.items import InputItem, RawLine
-from fleet.lifetime import die_with_parent
+from fleet.jobs.parse_child import STOP_SIGNALS, LineParse, run_child
+from fleet.jobs.parse_wire import decode_item, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
-LineParse = Callable[[RawLine], InputItem]
 Entry = InputItem | RawLine  # a line to parse, or an item already made (a line over the limit)
 
 CHUNK_LINES = 128  # lines a chunk at most (~420 KB of 256-float lines)
 CHUNK_BYTES = 1 << 20  # and at most this many bytes of lines, unless one line alone is more
 DEPTH = 2  # chunks sent to a child and not read back yet, at most
-_LEN = struct.Struct("<Q")
 # Each pipe holds this much (Linux's default 64 KiB would take a chunk in several reads, and a thread that
 # reads between the child's parsing waits for the GIL before each).
 PIPE_BYTES = 1 << 20
@@ -63,7 +57,6 @@ _STOP_WAIT_S = 2.0
 # A chunk's result (or room for the next chunk in its pipe) not coming within this long: the child is taken for
 # hung (a chunk of 128 lines takes milliseconds; one 16 MiB line, the longest a job takes, well under a second).
 RESULT_TIMEOUT_S = 60.0
-_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def auto_processes(cpus: int | None) -> int:
@@ -76,139 +69,6 @@ def auto_processes(cpus: int | None) -> int:
     forward takes a core, Redis and the worker most of the other): there the job worker parses itself
     unless told otherwise (FLEET_JOB_PARSE_PROCESSES=2)."""
     return 2 if (cpus or 1) >= 4 else 0
-
-
-# ---------------------------------------------------------------- frames
-
-
-def _wait(fd: int, event: int, deadline: float) -> None:
-    """Until `fd` is ready for `event` (select.POLLIN / POLLOUT); TimeoutError once `deadline` (monotonic) passed."""
-    poller = select.poll()
-    poller.register(fd, event)
-    while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-        if time.monotonic() >= deadline:
-            raise TimeoutError("could not write in time" if event == select.POLLOUT else "nothing came in time")
-
-
-def _write_all(fd: int, data: bytes | memoryview, timeout_s: float | None = None) -> None:
-    """All of `data` to `fd`. With `timeout_s` (the fd non-blocking: the parent's ends), TimeoutError when it
-    is not all written by then: a pipe that stays full does not hold the job worker."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            if deadline is None:
-                raise
-            _wait(fd, select.POLLOUT, deadline)
-
-
-def _read_exact(fd: int, size: int, timeout_s: float | None = None) -> bytes | None:
-    """`size` bytes from `fd`, or None at the end of the pipe (before any of them, or inside them). With
-    `timeout_s`, TimeoutError when they have not all come by then."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    parts: list[bytes] = []
-    left = size
-    while left:
-        if deadline is not None:
-            _wait(fd, select.POLLIN, deadline)
-        part = os.read(fd, min(left, 1 << 20))
-        if not part:
-            return None
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
-
-
-def write_frame(fd: int, payload: bytes, timeout_s: float | None = None) -> None:
-    _write_all(fd, _LEN.pack(len(payload)), timeout_s)
-    _write_all(fd, payload, timeout_s)
-
-
-def read_frame(fd: int, timeout_s: float | None = None) -> bytes | None:
-    """A frame's payload; None at the end of the pipe. `timeout_s` bounds the wait for the frame's start, then
-    for its rest."""
-    head = _read_exact(fd, _LEN.size, timeout_s)
-    if head is None:
-        return None
-    (size,) = _LEN.unpack(head)
-    return _read_exact(fd, size, timeout_s)
-
-
-# ---------------------------------------------------------------- items on the wire
-
-
-def encode_item(item: InputItem) -> list[Any]:
-    inputs = None if item.inputs is None else [[t.name, t.datatype, list(t.shape), t.data] for t in item.inputs]
-    return [item.index, item.line, item.end_offset, item.error, inputs, item.outputs, item.client_id,
-            item.parameters, item.rows, item.count]
-
-
-def decode_item(fields: list[Any]) -> InputItem:
-    index, line, end_offset, error, inputs, outputs, client_id, parameters, rows, count = fields
-    tensors = None if inputs is None else [WireTensor(name, datatype, tuple(shape), data)
-                                           for name, datatype, shape, data in inputs]
-    return InputItem(index, line, end_offset, tensors, outputs, client_id, parameters, error, rows, count)
-
-
-def parse_chunk(lines: list[list[Any]], parse: LineParse) -> bytes:
-    """A child's work on one chunk: each [index, line, end_offset, body] parsed, its items packed in order."""
-    items = [encode_item(parse(RawLine(index, line, end_offset, body))) for index, line, end_offset, body in lines]
-    try:
-        packed: bytes = msgpack.packb(items, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError):  # some value msgpack cannot carry: only its line fails
-        packed = msgpack.packb([_packable(fields) for fields in items], use_bin_type=True)
-    return packed
-
-
-def _packable(fields: list[Any]) -> list[Any]:
-    try:
-        msgpack.packb(fields, use_bin_type=True)
-        return fields
-    except (TypeError, ValueError, OverflowError):
-        index, line, end_offset = fields[:3]
-        return encode_item(InputItem(index, line, end_offset, None,
-                                     error="the request cannot be encoded for the model's queue"))
-
-
-def _child(requests: int, results: int, parse: LineParse, parent: int) -> NoReturn:
-    """A forked child's whole life: chunks in, items out, until its input pipe ends. Never returns."""
-    code = 0
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the job worker's handlers
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the job worker's to handle
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # blocked by the parent around the fork
-        die_with_parent(signal.SIGKILL, parent)
-        keep = sorted((requests, results))
-        os.closerange(3, keep[0])  # Redis sockets, the output file, other pools' pipes: not the child's
-        os.closerange(keep[0] + 1, keep[1])
-        os.closerange(keep[1] + 1, 1 << 20)
-        sys.setswitchinterval(0.0005)  # the reading thread gets the GIL soon after a frame comes, not 5 ms on
-        frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        threading.Thread(target=_read_frames, args=(requests, frames), daemon=True).start()
-        while (frame := frames.get()) is not None:
-            write_frame(results, parse_chunk(msgpack.unpackb(frame, raw=False), parse))
-    except BrokenPipeError:
-        pass  # the job worker closed the pool (the job ended early): nothing to say
-    except BaseException as exc:  # noqa: BLE001 - a child reports and exits; the parent parses in its place
-        code = 1
-        try:
-            os.write(2, f"a job's line parser (pid {os.getpid()}) failed: {exc!r}\n".encode())
-        except OSError:
-            pass
-    finally:
-        os._exit(code)
-
-
-def _read_frames(fd: int, frames: queue.SimpleQueue[bytes | None]) -> None:
-    """A child's input pipe drained as it comes; None at its end (or a broken frame: the child then ends)."""
-    try:
-        while (frame := read_frame(fd)) is not None:
-            frames.put(frame)
-    except OSError:
-        pass
-    frames.put(None)
 
 
 # ---------------------------------------------------------------- the pool
@@ -265,7 +125,7 @@ class ParsePool:
         # handlers. Restored in the parent whatever happens.
         collecting = gc.isenabled()
         gc.disable()
-        signals = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        signals = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = -1
         try:
             pid = os.fork()
@@ -276,7 +136,7 @@ class ParsePool:
                     os.close(to_child_w)
                     os.close(from_child_r)
                 finally:
-                    _child(to_child_r, from_child_w, self._parse, parent)
+                    run_child(to_child_r, from_child_w, self._parse, parent)
         except OSError as exc:
             log.warning("job input: cannot fork a parser process (%s); parsing in process", exc)
         finally:
@@ -299,7 +159,7 @@ class ParsePool:
         passed through. Closing this generator early stops the children too."""
         try:
             if not self._helpers:
-                yield from (e if isinstance(e, InputItem) else self._parse(e) for e in entries)
+                yield from self._in_process(entries)
                 return
             self._source = iter(entries)
             self._exhausted = False
@@ -309,15 +169,19 @@ class ParsePool:
                     if self._exhausted:
                         return
                     # every helper gone: the rest in process, as it comes
-                    yield from (e if isinstance(e, InputItem) else self._parse(e) for e in self._source)
+                    yield from self._in_process(self._source)
                     return
                 chunk, helper = self._sent.popleft()
                 parsed = self._receive(helper, chunk) if helper is not None else None
                 if parsed is None:  # a helper failed, or nothing to parse: this chunk in process
-                    parsed = [e if isinstance(e, InputItem) else self._parse(e) for e in chunk]
+                    parsed = list(self._in_process(chunk))
                 yield from parsed
         finally:
             self.close()
+
+    def _in_process(self, entries: Iterable[Entry]) -> Iterator[InputItem]:
+        """Each entry's item, parsed here: the lines a helper did not take, or all of them without helpers."""
+        return (e if isinstance(e, InputItem) else self._parse(e) for e in entries)
 
     def _refill(self) -> None:
         """A chunk to every idle helper, while the input lasts."""

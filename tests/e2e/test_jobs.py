@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.procs import children, running
 from fleet.job_client import JobsClient, JobsClientError
 from tests.e2e.conftest import RunningSystem
 from tests.support.mlp_direct import MLP, mlp_direct
@@ -197,23 +198,8 @@ def test_cancel_stops_feeding_and_drops_queued_items(jobs: JobsClient, system: R
 
 
 def children_of(pid: int) -> list[int]:
-    """Live processes whose parent is `pid` (a job worker's line parsers, fleet/jobs/parse_pool.py)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # gone (reaped) meanwhile
-        return False
+    """Running processes whose parent is `pid` (a job worker's line parsers, fleet/jobs/parse_pool.py)."""
+    return [child for child, _ in children(pid) if running(child)]
 
 
 def gone(pids: list[int], timeout_s: float = 10) -> bool:

@@ -15,11 +15,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from fleet.jobs import jsonl_input, parse_pool
+from fleet.jobs import jsonl_input, parse_child, parse_pool
 from fleet.jobs.formats import InputItem, open_input
 from fleet.jobs.items import RawLine
 from fleet.jobs.lines import line_parser, parse_item
-from fleet.jobs.parse_pool import ParsePool, auto_processes, decode_item, encode_item, parse_chunk
+from fleet.jobs.parse_child import parse_chunk
+from fleet.jobs.parse_pool import ParsePool, auto_processes
+from fleet.jobs.parse_wire import decode_item, encode_item
 from fleet.model_spec import ModelSpec
 from tests.unit.test_job_formats import BATCHED, TEXT, padded, request, spec_of, write_jsonl
 
@@ -189,7 +191,7 @@ def test_a_stopped_helper_whose_pipe_stays_full_is_dropped(
 @pytest.mark.usefixtures("pooled")
 def test_a_result_that_cannot_be_read_drops_its_helper(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(parse_pool, "parse_chunk", lambda lines, parse: b"\xc1 not msgpack")  # in the children
+    monkeypatch.setattr(parse_child, "parse_chunk", lambda lines, parse: b"\xc1 not msgpack")  # in the children
     path = write_jsonl(tmp_path / "in.jsonl", varied_lines(3))
     with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
         assert list(open_input(path, BATCHED, max_line_bytes=LIMIT, parse_processes=2).read()) == in_process(path)
