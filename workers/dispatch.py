@@ -151,9 +151,11 @@ class Dispatch:
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
         if job.nbytes >= 0 and isinstance(result, BatchOutcome) and all(r.ok for r in result.replies):
-            # What a batch this large costs (a failed one says nothing: it may have failed early).
-            self.instances[version][index].costs.measured(
-                job.nbytes, result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns)
+            # What a batch this large costs (a failed one says nothing: it may have failed early): its CPU
+            # time where measured, so that a thread waiting for a core or the GIL does not count it dear.
+            cost = result.cpu_ns if result.cpu_ns >= 0 else \
+                result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+            self.instances[version][index].costs.measured(job.nbytes, cost)
         self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake()
 

@@ -40,6 +40,9 @@ class BatchOutcome:
     # Under the rate limiter: how long the instance waited for its resources before this batch (-1: it
     # executes at will). The wait is queue time too (the batch starts once the resources are held).
     resource_wait_ns: int = -1
+    # The CPU time of the thread that computed the batch (run_batch's; -1: not measured, a batch run from
+    # the loop through a stub). What the batch costs whichever thread runs it: workers/inline.py.
+    cpu_ns: int = -1
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:
@@ -166,9 +169,12 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
     `lanes`: each request's lane, for backends that schedule within a batch (a generation engine).
     What is logged meanwhile (here, by the backend) names the model, version and the batch's requests."""
     token = _bind_log(spec, envs)
+    cpu_started = time.thread_time_ns()
     try:
         prepared = _prepare(spec, backend, envs, lanes)
-        return _complete(spec, prepared, _execute(spec, backend, prepared.items), state_of)
+        outcome = _complete(spec, prepared, _execute(spec, backend, prepared.items), state_of)
+        outcome.cpu_ns = time.thread_time_ns() - cpu_started
+        return outcome
     finally:
         log_context.unbind(token)
 

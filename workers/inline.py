@@ -11,9 +11,16 @@ C=32 that served 1.12-1.14x what handing its batches to the thread did (stop 55)
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
   the instance has no rate limiter to wait for;
-- the batch should take at most `max_ns` (LoopConfig.inline_max_us), about the longest the loop is held:
-  `Costs.predict` says so from the batches the instance computed before (by input bytes, not rows: a
-  model with variable dims takes larger inputs in a row). Nothing measured yet: the thread computes it;
+- the batch should take at most `max_ns` of CPU (LoopConfig.inline_max_us), about the longest the loop is
+  held: `Costs.predict` says so from the batches the instance computed before (by input bytes, not rows: a
+  model with variable dims takes larger inputs in a row). Nothing measured yet: the thread computes it.
+  Measured as the computing thread's CPU time, not wall time: on the instance's thread a batch also waits
+  for the GIL (the loop holds it through its own work) and for a core, which it would not on the loop, so
+  wall time made a batch on the thread look dearer than on the loop, and once over the limit a
+  model's batches stayed on the thread. The limit was 2000 µs, set on a faster host (stop 55); on the
+  slower host of stops 57-61 `mlp` batches at C=32 measured 0.7-2.6 ms of CPU (memory-bound: the
+  weights leave the caches between batches), half of them went to the thread, and a limit of 5000 µs served
+  1.04-1.27x (C=32) and 1.08-1.30x (C=64) what 2000 did (bench/RESULTS.md, stop 61);
 - the batch has no bulk-lane request: a bulk job wants throughput, and the loop's work on its requests
   (reading, decoding, writing the replies) then goes on beside the thread's compute on the other core.
   Computed by the loop, `bench/bulk.py`'s offline job ran at 0.80-0.83x direct against 0.91-0.92x (stop 55);
@@ -51,9 +58,9 @@ LONE_BATCHES = 3
 
 @dataclass(slots=True)
 class Costs:
-    """What an instance's batches took to compute (ns), by input bytes: the last batch answered without an
-    error in each power-of-two band of sizes, so a lone request now and then does not make the next batch
-    look dear (nor a batch the next lone request)."""
+    """What an instance's batches took to compute (ns of the computing thread's CPU), by input bytes: the
+    last batch answered without an error in each power-of-two band of sizes, so a lone request now and then
+    does not make the next batch look dear (nor a batch the next lone request)."""
 
     _by_band: dict[int, tuple[int, int]] = field(default_factory=dict)  # bit_length(nbytes) -> (nbytes, ns)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 
 import numpy as np
 
@@ -98,3 +99,31 @@ def test_a_request_from_a_sender_that_reads_only_in_band_is_answered_in_band() -
     old_reply, new_reply = (reply_payload(r) for r in replies)
     assert isinstance(old_reply, bytes) and old_reply[0] != 0xC1  # one msgpack map, as an old gateway reads
     assert not isinstance(new_reply, bytes)
+
+
+class Waiter(ArrayDoubler):
+    """Takes 50 ms of wall time and next to no CPU (as a batch on a thread that waits for the GIL or a core)."""
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        time.sleep(0.05)
+        return super().execute(items)
+
+
+class Spinner(ArrayDoubler):
+    """Takes 30 ms of its thread's CPU."""
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        started = time.thread_time_ns()
+        while time.thread_time_ns() - started < 30_000_000:
+            pass
+        return super().execute(items)
+
+
+def test_a_batch_counts_the_cpu_its_thread_spent_not_the_time_it_waited() -> None:
+    """What the worker's loop would be held for, were it to compute the batch (workers/inline.py's Costs)."""
+    waited = run_batch(SPEC, Waiter(), [env("a", (1, 2))])
+    assert waited.compute_infer_ns >= 50_000_000  # the statistics keep the wall time
+    assert 0 <= waited.cpu_ns < 25_000_000
+    spun = run_batch(SPEC, Spinner(), [env("a", (1, 2))])
+    assert spun.cpu_ns >= 30_000_000
+    assert spun.replies[0].ok and waited.replies[0].ok
