@@ -104,7 +104,7 @@ class Settings(BaseSettings):
     watchdog_s: float = 120.0
     # A batch of an in-process CPU model (TorchScript, ONNX) is computed by the worker's event loop itself
     # (no hand-off to and from the instance's thread) when the batches it computed before say it takes at
-    # most this much CPU (about the longest the loop is held), it has no bulk-lane request, no other model or
+    # most this long (about the longest the loop computes one), it has no bulk-lane request, no other model or
     # version on the worker holds requests not yet answered, and the model version has one instance or its
     # clients send one at a time (workers/inline.py has every condition). 0 = always on the thread.
     inline_max_us: int = Field(default=5000, ge=0)

@@ -24,7 +24,7 @@ from workers import gil
 from workers.custody import Custody
 from workers.execute import BatchOutcome, LoopRun, run_batch
 from workers.held import HeldRequests, stamp
-from workers.inline import LONE_BATCHES, may_inline
+from workers.inline import LONE_BATCHES, batch_cost, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.sequence_driver import Sequences
 
@@ -151,11 +151,10 @@ class Dispatch:
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
         if job.nbytes >= 0 and isinstance(result, BatchOutcome) and all(r.ok for r in result.replies):
-            # What a batch this large costs (a failed one says nothing: it may have failed early): its CPU
-            # time where measured, so that a thread waiting for a core or the GIL does not count it dear.
-            cost = result.cpu_ns if result.cpu_ns >= 0 else \
-                result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
-            self.instances[version][index].costs.measured(job.nbytes, cost)
+            # What a batch this large costs (a failed one says nothing: it may have failed early).
+            wall_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+            self.instances[version][index].costs.measured(job.nbytes, batch_cost(wall_ns, result.cpu_ns,
+                                                                                 job.on_the_loop))
         self.schedulers[version].done(index, batch.id, now, started_us)
         self._wake()
 

@@ -40,8 +40,9 @@ class BatchOutcome:
     # Under the rate limiter: how long the instance waited for its resources before this batch (-1: it
     # executes at will). The wait is queue time too (the batch starts once the resources are held).
     resource_wait_ns: int = -1
-    # The CPU time of the thread that computed the batch (run_batch's; -1: not measured, a batch run from
-    # the loop through a stub). What the batch costs whichever thread runs it: workers/inline.py.
+    # The CPU time of run_batch's own thread over the batch (-1: not run by run_batch, e.g. a stub's call made
+    # from the loop). The batch's cost only where the backend computes on that thread (`runs_inline`):
+    # workers/inline.py's `batch_cost`.
     cpu_ns: int = -1
 
 

@@ -11,16 +11,10 @@ C=32 that served 1.12-1.14x what handing its batches to the thread did (stop 55)
 
 - the backend computes in this process, on the CPU, on the calling thread (`Backend.runs_inline`), and
   the instance has no rate limiter to wait for;
-- the batch should take at most `max_ns` of CPU (LoopConfig.inline_max_us), about the longest the loop is
-  held: `Costs.predict` says so from the batches the instance computed before (by input bytes, not rows: a
-  model with variable dims takes larger inputs in a row). Nothing measured yet: the thread computes it.
-  Measured as the computing thread's CPU time, not wall time: on the instance's thread a batch also waits
-  for the GIL (the loop holds it through its own work) and for a core, which it would not on the loop, so
-  wall time made a batch on the thread look dearer than on the loop, and once over the limit a
-  model's batches stayed on the thread. The limit was 2000 µs, set on a faster host (stop 55); on the
-  slower host of stops 57-61 `mlp` batches at C=32 measured 0.7-2.6 ms of CPU (memory-bound: the
-  weights leave the caches between batches), half of them went to the thread, and a limit of 5000 µs served
-  1.04-1.27x (C=32) and 1.08-1.30x (C=64) what 2000 did (bench/RESULTS.md, stop 61);
+- the batch should take at most `max_ns` (LoopConfig.inline_max_us), about the longest the loop computes
+  one (the host's other work on its core holds it longer): `Costs.predict` says so from the batches the
+  instance computed before (by input bytes, not rows: a model with variable dims takes larger inputs in a
+  row), each as `batch_cost` measures it (below). Nothing measured yet: the thread computes it;
 - the batch has no bulk-lane request: a bulk job wants throughput, and the loop's work on its requests
   (reading, decoding, writing the replies) then goes on beside the thread's compute on the other core.
   Computed by the loop, `bench/bulk.py`'s offline job ran at 0.80-0.83x direct against 0.91-0.92x (stop 55);
@@ -39,7 +33,21 @@ C=32 that served 1.12-1.14x what handing its batches to the thread did (stop 55)
 
 A model whose batches take longer (or one on several threads, or a GPU) computes on its instance's thread,
 and the loop serves the others meanwhile. A request of another model that arrives while the loop computes
-waits for it (`max_ns` at most).
+waits for it (about `max_ns` at most).
+
+What a batch costs (`batch_cost`): computed by the loop, its wall time, how long it held the loop. Computed
+by the instance's thread, that thread's CPU time: there the batch also waits for the GIL (the loop holds it
+through its own work) and for a core, which it would not on the loop. Measured in wall time on the thread
+too, a model whose batches once went over the limit looked dearer on the thread than it would be on the
+loop and stayed there: on the 2-vCPU host of stops 57-61, `mlp` at C=32 had most of its batches on the
+thread (py-spy), its forward 1.6x as long a request as computed by the loop. A model whose forward works on
+other threads (TorchScript's `fork`) counts cheap on its thread and dear on the loop, so its batches take
+turns; the limit still holds on the turns the loop takes.
+
+Why 5000 µs (2000 until stop 61, set on a faster host in stop 55): on the slower host `mlp`'s batches at
+C=32 take 0.6-2.8 ms of CPU (memory-bound: its 6 MB of weights leave the caches between batches, so a lone
+request costs 0.6-0.85 ms), and with 2000 the thread computed half of them; 5000 served 1.04-1.27x what 2000
+did at C=32 and 1.06-1.21x at C=64, alternated on one host (bench/RESULTS.md, stop 61).
 """
 
 from __future__ import annotations
@@ -78,6 +86,12 @@ class Costs:
         if own is not None:
             return _bound(own, nbytes)
         return min((_bound(m, nbytes) for m in self._by_band.values()), default=None)
+
+
+def batch_cost(wall_ns: int, cpu_ns: int, on_the_loop: bool) -> int:
+    """What a batch cost, for `Costs` (see above): computed by the loop, its wall time; by the instance's
+    thread, that thread's CPU time (`cpu_ns`, BatchOutcome's; -1 if not measured: the wall time)."""
+    return cpu_ns if not on_the_loop and cpu_ns >= 0 else wall_ns
 
 
 def _bound(measured: tuple[int, int], nbytes: int) -> int:

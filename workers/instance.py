@@ -71,6 +71,7 @@ class Job:
     inline: Callable[[], bool] | None = None
     nbytes: int = -1  # its input bytes, where its cost is measured for `inline`
     bulk: bool = False  # it has a bulk-lane request
+    on_the_loop: bool = False  # the loop computed it (`Instance._inline`): its cost is how long it held the loop
 
 
 Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
@@ -169,7 +170,7 @@ class Instance:
         if not job.inline():
             self._hand_off(job, loop, callbacks)  # this is the loop's next turn already
             return
-        self.running_inline = True
+        self.running_inline = job.on_the_loop = True
         try:
             result, started_us = self._run(job)
         finally:

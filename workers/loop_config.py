@@ -19,7 +19,7 @@ class LoopConfig:
     aging_us: int = 0
     bulk_share: float = 1.0
     watchdog_s: float = 120.0
-    inline_max_us: int = 5000  # workers/inline.py: the longest batch (CPU µs) the event loop computes itself
+    inline_max_us: int = 5000  # workers/inline.py: the longest batch the event loop computes itself
     custody: CustodyConfig = CustodyConfig()
 
 

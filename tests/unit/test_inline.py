@@ -16,7 +16,7 @@ from batching.holding import Holding
 from batching.plan import Batch
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult
 from workers.execute import BatchOutcome
-from workers.inline import LONE_BATCHES, Costs, Neighbours, may_inline
+from workers.inline import LONE_BATCHES, Costs, Neighbours, batch_cost, may_inline
 from workers.instance import Callbacks, Instance, Job
 from workers.watchdog import Watchdog
 
@@ -61,6 +61,13 @@ def test_each_band_of_sizes_keeps_its_last_measure() -> None:
     assert costs.predict(1024) == 500_000 and costs.predict(16_384) == 1_200_000
     costs.measured(20_000, 900_000)  # the same band as 16 KiB (16,384-32,767 bytes): replaces it
     assert costs.predict(16_384) == 900_000
+
+
+def test_a_batch_costs_its_wall_time_on_the_loop_and_its_cpu_time_on_the_thread() -> None:
+    # On the thread a batch also waits for the GIL and a core, which it would not on the loop.
+    assert batch_cost(3_000_000, 1_200_000, on_the_loop=False) == 1_200_000
+    assert batch_cost(3_000_000, 1_200_000, on_the_loop=True) == 3_000_000  # how long it held the loop
+    assert batch_cost(3_000_000, -1, on_the_loop=False) == 3_000_000  # not measured
 
 
 @given(fixed=st.integers(0, 10_000_000), per_byte=st.integers(0, 10_000),
@@ -248,9 +255,11 @@ LOOP = "MainThread"  # asyncio.run's
 
 def test_the_loop_computes_the_batch_and_the_thread_the_one_staged_behind_it() -> None:
     ran: list[str] = []
-    reports, idle = _run_jobs(_job(1, ran), True, _job(2, ran))
+    first, second = _job(1, ran), _job(2, ran)
+    reports, idle = _run_jobs(first, True, second)
     assert [(batch_id, on) for batch_id, on, _ in reports] == [(1, LOOP), (2, LOOP)]  # reported on the loop
     assert ran[0] == LOOP and ran[1].startswith("m_0")  # computed by the loop, then by the instance's thread
+    assert first.on_the_loop and not second.on_the_loop  # so each is costed as batch_cost says
     assert idle
 
 
