@@ -33,7 +33,7 @@ C=32 that served 1.12-1.14x what handing its batches to the thread did (stop 55)
 
 A model whose batches take longer (or one on several threads, or a GPU) computes on its instance's thread,
 and the loop serves the others meanwhile. A request of another model that arrives while the loop computes
-waits for it (about `max_ns` at most).
+waits for it (about `max_ns` at most; but see `fork` below).
 
 What a batch costs (`batch_cost`): computed by the loop, its wall time, how long it held the loop. Computed
 by the instance's thread, that thread's CPU time: there the batch also waits for the GIL (the loop holds it
@@ -41,13 +41,15 @@ through its own work) and for a core, which it would not on the loop. Measured i
 too, a model whose batches once went over the limit looked dearer on the thread than it would be on the
 loop and stayed there: on the 2-vCPU host of stops 57-61, `mlp` at C=32 had most of its batches on the
 thread (py-spy), its forward 1.6x as long a request as computed by the loop. A model whose forward works on
-other threads (TorchScript's `fork`) counts cheap on its thread and dear on the loop, so its batches take
-turns; the limit still holds on the turns the loop takes.
+other threads (TorchScript's `fork`) counts cheap on its thread and dear on the loop, so its batches of a
+size take turns: the loop computes every other one, for as long as it takes (not seen in the models here).
 
 Why 5000 µs (2000 until stop 61, set on a faster host in stop 55): on the slower host `mlp`'s batches at
 C=32 take 0.6-2.8 ms of CPU (memory-bound: its 6 MB of weights leave the caches between batches, so a lone
-request costs 0.6-0.85 ms), and with 2000 the thread computed half of them; 5000 served 1.04-1.27x what 2000
-did at C=32 and 1.06-1.21x at C=64, alternated on one host (bench/RESULTS.md, stop 61).
+request costs 0.6-0.85 ms), and with 2000 the thread computed most of them; 5000 served 1.04-1.27x what 2000
+did at C=32 and 1.00-1.21x at C=64, alternated on one host; with the costs as above, 1.28x over HTTP and
+1.33x over gRPC at C=32 (bench/RESULTS.md, stop 61). The limit carries that gain: with it at 5000, wall time
+and CPU time on the thread served alike there. CPU time is kept because it is what the loop would spend.
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ LONE_BATCHES = 3
 
 @dataclass(slots=True)
 class Costs:
-    """What an instance's batches took to compute (ns of the computing thread's CPU), by input bytes: the
-    last batch answered without an error in each power-of-two band of sizes, so a lone request now and then
-    does not make the next batch look dear (nor a batch the next lone request)."""
+    """What an instance's batches cost (ns, as `batch_cost` measures them: wall time on the loop, CPU time
+    on the thread), by input bytes: the last batch answered without an error in each power-of-two band of
+    sizes, so a lone request now and then does not make the next batch look dear (nor a batch the next lone
+    request)."""
 
     _by_band: dict[int, tuple[int, int]] = field(default_factory=dict)  # bit_length(nbytes) -> (nbytes, ns)
 

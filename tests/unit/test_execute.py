@@ -109,25 +109,32 @@ class Waiter(ArrayDoubler):
     the thing measured here, not a way to wait for something."""
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
-        stop = threading.Event()
-
-        def spin() -> None:
-            while not stop.is_set():
-                sum(range(1000))
-
-        other = threading.Thread(target=spin)
+        other = threading.Thread(target=_spin, args=(30_000_000,))  # 30 ms of its own CPU, however long
         other.start()
-        try:
-            time.sleep(0.05)
-        finally:
-            stop.set()
-            other.join()
+        time.sleep(0.05)
+        other.join()
         return super().execute(items)
+
+
+class Spinner(ArrayDoubler):
+    """Computes for 30 ms of its thread's CPU."""
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        _spin(30_000_000)
+        return super().execute(items)
+
+
+def _spin(cpu_ns: int) -> None:
+    started = time.thread_time_ns()
+    while time.thread_time_ns() - started < cpu_ns:
+        sum(range(100))
 
 
 def test_a_batch_counts_its_own_thread_s_cpu_not_its_waits_nor_other_threads() -> None:
     """workers/inline.py's `batch_cost` for a batch on an instance's thread."""
-    outcome = run_batch(SPEC, Waiter(), [env("a", (1, 2))])
-    assert outcome.replies[0].ok
-    assert outcome.compute_infer_ns >= 50_000_000  # the statistics keep the wall time
-    assert 0 <= outcome.cpu_ns < 25_000_000  # not the wall time, nor the other thread's ~50 ms of CPU
+    waited = run_batch(SPEC, Waiter(), [env("a", (1, 2))])
+    assert waited.replies[0].ok
+    assert waited.compute_infer_ns >= 50_000_000  # the statistics keep the wall time
+    assert 0 <= waited.cpu_ns < 25_000_000  # not the wall time, nor the other thread's 30 ms of CPU
+    spun = run_batch(SPEC, Spinner(), [env("a", (1, 2))])
+    assert spun.replies[0].ok and spun.cpu_ns >= 30_000_000  # what it computed is counted

@@ -293,8 +293,10 @@ def test_a_staged_batch_behind_one_the_thread_computes_is_the_thread_s_and_never
 
 def test_a_batch_the_loop_may_no_longer_compute_goes_to_the_thread() -> None:
     ran: list[str] = []
-    reports, idle = _run_jobs(_job(1, ran), False)
+    job = _job(1, ran)
+    reports, idle = _run_jobs(job, False)
     assert len(ran) == 1 and ran[0].startswith("m_0") and [r[0] for r in reports] == [1] and idle
+    assert not job.on_the_loop
 
 
 def test_a_batch_that_raises_on_the_loop_is_reported_and_the_instance_idles() -> None:
