@@ -102,7 +102,6 @@ def test_a_request_from_a_sender_that_reads_only_in_band_is_answered_in_band() -
     assert not isinstance(new_reply, bytes)
 
 
-
 class Waiter(ArrayDoubler):
     """Waits 50 ms without computing, while another thread of the process computes (as a batch on an
     instance's thread waits for the GIL or a core, and the loop's thread works meanwhile). The sleep is
