@@ -16,7 +16,6 @@ from fleet.jobs.items import InputItem
 _LEN = struct.Struct("<Q")
 
 
-
 def _wait(fd: int, event: int, deadline: float) -> None:
     """Until `fd` is ready for `event` (select.POLLIN / POLLOUT); TimeoutError once `deadline` (monotonic) passed."""
     poller = select.poll()
@@ -70,7 +69,6 @@ def read_frame(fd: int, timeout_s: float | None = None) -> bytes | None:
         return None
     (size,) = _LEN.unpack(head)
     return _read_exact(fd, size, timeout_s)
-
 
 
 def encode_item(item: InputItem) -> list[Any]:
