@@ -66,6 +66,18 @@ class ParsedInfer:
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
 
+    def with_inputs(self, inputs: list[WireTensor]) -> ParsedInfer:
+        """This request with these inputs, sharing nothing mutable with it but its regions (the caches of
+        decoded requests keep none: gateway/known_requests.py). Every field by name: dataclasses.replace
+        would take twice as long as the rest of a cache hit; the caches' property tests compare every
+        field with the decoders', so one added here and left out below fails them."""
+        return ParsedInfer(client_id=self.client_id, inputs=inputs,
+                           outputs=None if self.outputs is None else list(self.outputs),
+                           binary_outputs=self.binary_outputs, binary_default=self.binary_default,
+                           parameters=dict(self.parameters), priority=self.priority, timeout_us=self.timeout_us,
+                           shm_outputs=dict(self.shm_outputs), sequence=self.sequence,
+                           classification=dict(self.classification))
+
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
     """(JSON header, binary tail) as framed by Inference-Header-Content-Length."""

@@ -13,28 +13,16 @@ output into a region (a region's registration and contents change), no BYTES inp
 checked in the data), no request id and no sequence (both differ from request to request, so an entry
 would never be used again). A tail of another length than the header's sizes add up to is parsed anew, for
 parse_infer's own error. A reload (another config object) replaces the entry. The least recently used
-entry goes when the cache is full.
+entry goes when the cache is full (gateway/known_requests.py keeps the entries, as it does gRPC's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from fleet.envelope import WireTensor
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read, split_body
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 from fleet.tensor_regions import Regions
-
-CAPACITY = 256  # entries; a header of a few hundred bytes each
-LONGEST_HEADER_BYTES = 4096  # a longer header is parsed each time (no large keys kept)
-
-
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    spec: ModelSpec  # the config it was checked against
-    request: ParsedInfer  # its inputs' data empty
-    sizes: tuple[int, ...]  # each input's bytes, in the tail's order (they add up to the tail's)
+from gateway.known_requests import CAPACITY, KnownRequests
 
 
 class HeaderCache:
@@ -42,29 +30,27 @@ class HeaderCache:
     it can. One per gateway process (its event loop's: not thread-safe)."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self._capacity = capacity
-        self._entries: dict[tuple[str, bytes], _Parsed] = {}
+        self._known = KnownRequests(capacity)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._known)
 
     def parse(self, body: bytes, header_length: str | None, spec: ModelSpec, regions: Regions | None) -> ParsedInfer:
         """parse_infer(body, header_length, spec, regions), from a known header when it can be."""
         if header_length is None:  # JSON alone: its data is in the header
             return parse_infer(body, header_length, spec, regions)
         header, binary = split_body(body, header_length)
-        key = (spec.name, header)
-        known = self._entries.get(key)
-        if known is not None and known.spec is spec and len(binary) == sum(known.sizes):
-            self._entries[key] = self._entries.pop(key)  # the most recently used last
-            return _with_tail(known, binary)
+        known = self._known.get(spec.name, header, spec)
+        if known is not None and len(binary) == sum(known.sizes):
+            data: list[bytes | memoryview] = []
+            offset = 0
+            for size in known.sizes:
+                data.append(binary[offset:offset + size])
+                offset += size
+            return known.with_data(data)
         request = parse_infer_read(header, load_json(header), spec, binary, regions)
-        if len(header) <= LONGEST_HEADER_BYTES and _reusable(request, binary):
-            if known is None and len(self._entries) >= self._capacity:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = _Parsed(
-                spec, _with_inputs(request, [WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]),
-                tuple(len(t.data) for t in request.inputs))
+        if _reusable(request, binary):
+            self._known.keep(spec.name, header, spec, request)
         return request
 
 
@@ -74,23 +60,3 @@ def _reusable(request: ParsedInfer, binary: memoryview) -> bool:
     return (request.client_id == "" and request.sequence is None and not request.shm_outputs
             and all(t.datatype != "BYTES" and isinstance(t.data, memoryview) and t.data.obj is binary.obj
                     for t in request.inputs))
-
-
-def _with_tail(known: _Parsed, binary: memoryview) -> ParsedInfer:
-    inputs = []
-    offset = 0
-    for t, size in zip(known.request.inputs, known.sizes, strict=True):
-        inputs.append(WireTensor(t.name, t.datatype, t.shape, binary[offset:offset + size]))
-        offset += size
-    return _with_inputs(known.request, inputs)
-
-
-def _with_inputs(request: ParsedInfer, inputs: list[WireTensor]) -> ParsedInfer:
-    """`request` with these inputs, sharing nothing mutable with it (shm_outputs is empty, sequence None).
-    Every field by name (dataclasses.replace would take twice as long as the rest of a hit); the property
-    test compares every field with parse_infer's, so one added to ParsedInfer and left out here fails it."""
-    return ParsedInfer(client_id=request.client_id, inputs=inputs,
-                       outputs=None if request.outputs is None else list(request.outputs),
-                       binary_outputs=request.binary_outputs, binary_default=request.binary_default,
-                       parameters=dict(request.parameters), priority=request.priority, timeout_us=request.timeout_us,
-                       shm_outputs={}, sequence=None, classification=dict(request.classification))

@@ -31,7 +31,8 @@ from fleet.trace_points import (
 )
 from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
-from gateway.grpc.codec import decode_infer, encode_infer, request_version
+from gateway.grpc.codec import encode_infer, request_version
+from gateway.grpc.request_heads import RequestHeads
 from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.grpc.stream import StreamAnswer, StreamSessions
 from gateway.routes import EXTENSIONS, SERVER_VERSION
@@ -43,6 +44,7 @@ class InferenceService:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.streams = StreamSessions(self.infer_stream, state.dataplane)
+        self.heads = RequestHeads()  # ModelInferRequests decoded once per head (gateway/grpc/request_heads.py)
 
     def drain(self) -> None:
         """The server is stopping: open streams read no more requests and end once theirs are answered."""
@@ -175,7 +177,7 @@ class InferenceService:
             trace.stamp(REQUEST_START)
         view, v = catalog.resolve(request.model_name, request_version(request.model_version))
         spec = view.entry.spec
-        req = decode_infer(request, spec, dataplane.regions)
+        req = self.heads.decode(request, spec, dataplane.regions)
         reply = await dataplane.run(request.model_name, v, spec, req, trace, caller_timeout_s=timeout_s)
         response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
         if trace is not None:
@@ -200,7 +202,7 @@ class InferenceService:
             # tritonserver 2.51 marks a non-decoupled model's one stream response final, flag or not.
             yield StreamAnswer(_marked(await self.infer(request, timeout_s), True), None, True)
             return
-        req = decode_infer(request, spec, dataplane.regions)
+        req = self.heads.decode(request, spec, dataplane.regions)
         async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):
             if not reply.ok:
                 yield StreamAnswer(None, reply.error_message, reply.final)

@@ -1,0 +1,66 @@
+"""Infer requests already decoded and checked, kept by model and the bytes that decided them.
+
+A client sends every request of the same shapes with the same request head: perf_analyzer, tritonclient, a
+service calling one model. Only its tensors' bytes differ. Decoding that head and checking it against the
+config is a function of the head and the config alone when every input's data comes from the bytes that
+follow it, so each protocol keeps the result here once and hands each later request its own data:
+HTTP's JSON header (gateway/header_cache.py), gRPC's request without its raw contents
+(gateway/grpc/request_heads.py).
+
+An entry holds the request with its inputs' data empty, the config object it was checked against (a reload
+makes another, and the entry is checked anew) and each input's size in bytes. The least recently used entry
+goes when the store is full; a key longer than LONGEST_KEY_BYTES is not kept (no large keys held). One per
+gateway process and protocol: its event loop's, not thread-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleet.envelope import WireTensor
+from fleet.kserve import ParsedInfer
+from fleet.model_spec import ModelSpec
+
+CAPACITY = 256  # entries; a head of a few hundred bytes each
+LONGEST_KEY_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    spec: ModelSpec  # the config it was checked against
+    request: ParsedInfer  # its inputs' data empty
+    sizes: tuple[int, ...]  # each input's bytes, in input order
+
+    def with_data(self, data: list[bytes | memoryview]) -> ParsedInfer:
+        """The request with each input's data (as many as `sizes`, each of its size: the caller's check)."""
+        return self.request.with_inputs([WireTensor(t.name, t.datatype, t.shape, d)
+                                         for t, d in zip(self.request.inputs, data, strict=True)])
+
+
+class KnownRequests:
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self._capacity = capacity
+        self._entries: dict[tuple[str, bytes], Known] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, model: str, key: bytes, spec: ModelSpec) -> Known | None:
+        """The entry of `key`, if it was checked against `spec` itself."""
+        entry = (model, key)
+        known = self._entries.get(entry)
+        if known is None or known.spec is not spec:
+            return None
+        self._entries[entry] = self._entries.pop(entry)  # the most recently used last
+        return known
+
+    def keep(self, model: str, key: bytes, spec: ModelSpec, request: ParsedInfer) -> None:
+        """`request`, decoded from `key` and checked against `spec`, for the requests with the same key."""
+        if len(key) > LONGEST_KEY_BYTES:
+            return
+        entry = (model, key)
+        if entry not in self._entries and len(self._entries) >= self._capacity:
+            del self._entries[next(iter(self._entries))]
+        self._entries[entry] = Known(
+            spec, request.with_inputs([WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]),
+            tuple(len(t.data) for t in request.inputs))
