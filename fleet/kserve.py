@@ -67,10 +67,11 @@ class ParsedInfer:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
 
     def with_inputs(self, inputs: list[WireTensor]) -> ParsedInfer:
-        """This request with these inputs, sharing nothing mutable with it but its regions (the caches of
-        decoded requests keep none: gateway/known_requests.py). Every field by name: dataclasses.replace
-        would take twice as long as the rest of a cache hit; the caches' property tests compare every
-        field with the decoders', so one added here and left out below fails them."""
+        """This request with these inputs, sharing nothing mutable with it but its regions' slices (the
+        caches of decoded requests, gateway/known_requests.py, keep none). Every field by name:
+        dataclasses.replace would take twice as long as the rest of a cache hit. The caches' property tests
+        compare every field with the decoders', so a field added to ParsedInfer and left out here fails them
+        where they draw a value for it other than its default."""
         return ParsedInfer(client_id=self.client_id, inputs=inputs,
                            outputs=None if self.outputs is None else list(self.outputs),
                            binary_outputs=self.binary_outputs, binary_default=self.binary_default,

@@ -15,6 +15,7 @@ gateway process and protocol: its event loop's, not thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fleet.envelope import WireTensor
@@ -27,17 +28,22 @@ LONGEST_KEY_BYTES = 4096
 
 @dataclass(frozen=True, slots=True)
 class Known:
+    """One request head's decoding: what every request with that head and config decodes to, but its data."""
+
     spec: ModelSpec  # the config it was checked against
     request: ParsedInfer  # its inputs' data empty
     sizes: tuple[int, ...]  # each input's bytes, in input order
 
-    def with_data(self, data: list[bytes | memoryview]) -> ParsedInfer:
+    def with_data(self, data: Sequence[bytes | memoryview]) -> ParsedInfer:
         """The request with each input's data (as many as `sizes`, each of its size: the caller's check)."""
         return self.request.with_inputs([WireTensor(t.name, t.datatype, t.shape, d)
                                          for t, d in zip(self.request.inputs, data, strict=True)])
 
 
 class KnownRequests:
+    """The entries of one protocol's cache, by model and key; an entry answers only for the config object it
+    was checked against."""
+
     def __init__(self, capacity: int = CAPACITY) -> None:
         self._capacity = capacity
         self._entries: dict[tuple[str, bytes], Known] = {}

@@ -21,7 +21,7 @@ its place with an empty entry.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -183,9 +183,11 @@ def _outputs(request: Any, spec: ModelSpec, regions: Regions | None
     return names, in_regions, classes
 
 
-def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> ParsedInfer:
+def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None,
+                 raw_contents: Sequence[bytes] | None = None) -> ParsedInfer:
     """A ModelInferRequest for the model of `spec` as the ParsedInfer HTTP's parser would produce for the
-    same request; raises InvalidInput / Unsupported."""
+    same request; raises InvalidInput / Unsupported. `raw_contents`: its raw_input_contents, when they were
+    taken out of it (gateway/grpc/request_heads.py)."""
     client_id = request.id
     if len(client_id) > MAX_ID_CHARS:
         raise InvalidInput(f"the request id is longer than {MAX_ID_CHARS} characters")
@@ -197,7 +199,8 @@ def decode_infer(request: Any, spec: ModelSpec, regions: Regions | None) -> Pars
     check_input_names(spec, [t.name for t in request.inputs], tag)
     if not request.inputs:  # (a model whose inputs are all optional: still one input to batch by)
         raise InvalidInput("the request must have a non-empty 'inputs' array")
-    raw_contents = request.raw_input_contents
+    if raw_contents is None:
+        raw_contents = request.raw_input_contents
     has_raw = len(raw_contents) > 0
     raw = iter(raw_contents)
     inputs: list[WireTensor] = []
