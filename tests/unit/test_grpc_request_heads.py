@@ -1,10 +1,9 @@
 """gateway/grpc/request_heads.py: a ModelInferRequest decoded from a known head is what decode_infer makes of
 it, error or result, whatever its fields and raw contents; only heads whose result depends on them alone
-are kept, and the request is left as it came."""
+are kept, and the request keeps every field but its raw contents."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -13,22 +12,12 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from fleet.errors import ServingError
-from fleet.kserve import ParsedInfer
 from fleet.model_config import parse_config
 from fleet.tensor_regions import RegionRef
 from gateway.grpc.codec import decode_infer
 from gateway.grpc.request_heads import RequestHeads
+from tests.support.parsed_infer import CONFIG, SPEC, outcome, same
 
-CONFIG = """
-name: "m"
-backend: "python"
-max_batch_size: 8
-input [ { name: "A", data_type: TYPE_FP32, dims: [ 4 ] },
-        { name: "B", data_type: TYPE_INT32, dims: [ -1 ] },
-        { name: "S", data_type: TYPE_STRING, dims: [ 1 ], optional: true } ]
-output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "Z", data_type: TYPE_INT32, dims: [ -1 ] } ]
-"""
-SPEC = parse_config(CONFIG, source="test", model_name="m")
 Tensor = pb.ModelInferRequest.InferInputTensor
 
 
@@ -40,28 +29,6 @@ def _two(rows: int = 1, width: int = 2) -> list[Any]:
     return [Tensor(name="A", datatype="FP32", shape=[rows, 4]), Tensor(name="B", datatype="INT32", shape=[rows, width])]
 
 
-def _outcome(decode: Any) -> ParsedInfer | tuple[type, str]:
-    try:
-        return decode()  # type: ignore[no-any-return]
-    except ServingError as exc:
-        return type(exc), exc.message
-
-
-def _same(got: ParsedInfer | tuple[type, str], want: ParsedInfer | tuple[type, str]) -> None:
-    """The same result (every field of it; inputs by their bytes) or the same error."""
-    assert type(got) is type(want)
-    if isinstance(got, ParsedInfer):
-        assert isinstance(want, ParsedInfer)
-        for f in fields(ParsedInfer):
-            if f.name == "inputs":
-                assert [(t.name, t.datatype, t.shape, bytes(t.data)) for t in got.inputs] == \
-                    [(t.name, t.datatype, t.shape, bytes(t.data)) for t in want.inputs]
-            else:
-                assert getattr(got, f.name) == getattr(want, f.name), f.name
-    else:
-        assert got == want
-
-
 def _copy(request: Any) -> Any:
     return pb.ModelInferRequest.FromString(request.SerializeToString())
 
@@ -69,11 +36,11 @@ def _copy(request: Any) -> Any:
 def _check(heads: RequestHeads, request: Any) -> None:
     """Decoded through `heads` as decode_infer decodes it. A request with raw contents and no id leaves without
     them (they are in the result); nothing else of it changes."""
-    want = _outcome(lambda: decode_infer(_copy(request), SPEC, None))
+    want = outcome(lambda: decode_infer(_copy(request), SPEC, None))
     after = _copy(request)
     if after.raw_input_contents and not after.id:
         after.ClearField("raw_input_contents")
-    _same(_outcome(lambda: heads.decode(request, SPEC, None)), want)
+    same(outcome(lambda: heads.decode(request, SPEC, None)), want)
     assert request.SerializeToString(deterministic=True) == after.SerializeToString(deterministic=True)  # (map order)
 
 
@@ -88,7 +55,7 @@ def test_a_known_head_gives_each_request_its_own_inputs() -> None:
     want = decode_infer(_copy(later), SPEC, None)
     second = heads.decode(later, SPEC, None)
     assert len(heads) == 1
-    _same(second, want)
+    same(second, want)
     assert bytes(first.inputs[0].data) == bytes(range(16)) and bytes(second.inputs[1].data) == bytes(range(116, 124))
     # Nothing mutable is shared between the requests made from one entry.
     second.parameters["x"] = 1

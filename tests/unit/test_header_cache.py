@@ -4,7 +4,6 @@ result, whatever the header and the tail; only headers whose result depends on t
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -12,20 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.errors import ServingError
-from fleet.kserve import ParsedInfer, parse_infer
+from fleet.kserve import parse_infer
 from fleet.model_config import parse_config
 from gateway.header_cache import HeaderCache
-
-CONFIG = """
-name: "m"
-backend: "python"
-max_batch_size: 8
-input [ { name: "A", data_type: TYPE_FP32, dims: [ 4 ] },
-        { name: "B", data_type: TYPE_INT32, dims: [ -1 ] },
-        { name: "S", data_type: TYPE_STRING, dims: [ 1 ], optional: true } ]
-output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "Z", data_type: TYPE_INT32, dims: [ -1 ] } ]
-"""
-SPEC = parse_config(CONFIG, source="test", model_name="m")
+from tests.support.parsed_infer import CONFIG, SPEC, outcome, same
 
 
 def _body(doc: dict[str, Any], tail: bytes) -> tuple[bytes, str]:
@@ -37,28 +26,6 @@ def _binary(name: str, datatype: str, shape: list[int], size: int, **params: Any
     return {"name": name, "datatype": datatype, "shape": shape, "parameters": {"binary_data_size": size, **params}}
 
 
-def _outcome(parse: Any) -> ParsedInfer | tuple[type, str]:
-    try:
-        return parse()  # type: ignore[no-any-return]
-    except ServingError as exc:
-        return type(exc), exc.message
-
-
-def _same(got: ParsedInfer | tuple[type, str], want: ParsedInfer | tuple[type, str]) -> None:
-    """The same result (every field of it; inputs by their bytes) or the same error."""
-    assert type(got) is type(want)
-    if isinstance(got, ParsedInfer):
-        assert isinstance(want, ParsedInfer)
-        for f in fields(ParsedInfer):
-            if f.name == "inputs":
-                assert [(t.name, t.datatype, t.shape, bytes(t.data)) for t in got.inputs] == \
-                    [(t.name, t.datatype, t.shape, bytes(t.data)) for t in want.inputs]
-            else:
-                assert getattr(got, f.name) == getattr(want, f.name), f.name
-    else:
-        assert got == want
-
-
 def test_a_known_header_gives_each_tail_its_own_inputs() -> None:
     cache = HeaderCache()
     doc = {"inputs": [_binary("A", "FP32", [1, 4], 16), _binary("B", "INT32", [1, 2], 8)],
@@ -66,13 +33,13 @@ def test_a_known_header_gives_each_tail_its_own_inputs() -> None:
     first = cache.parse(*_body(doc, bytes(range(24))), SPEC, None)
     assert len(cache) == 1
     second = cache.parse(*_body(doc, bytes(range(100, 124))), SPEC, None)
-    _same(second, parse_infer(*_body(doc, bytes(range(100, 124))), SPEC))
+    same(second, parse_infer(*_body(doc, bytes(range(100, 124))), SPEC))
     assert bytes(first.inputs[0].data) == bytes(range(16)) and bytes(second.inputs[1].data) == bytes(range(116, 124))
     # Nothing mutable is shared between the requests made from one entry.
     second.parameters["x"] = 1
     assert second.outputs is not None
     second.outputs.append("Z")
-    _same(cache.parse(*_body(doc, bytes(24)), SPEC, None), parse_infer(*_body(doc, bytes(24)), SPEC))
+    same(cache.parse(*_body(doc, bytes(24)), SPEC, None), parse_infer(*_body(doc, bytes(24)), SPEC))
 
 
 def test_a_tail_of_another_length_gets_parse_infers_error() -> None:
@@ -80,8 +47,8 @@ def test_a_tail_of_another_length_gets_parse_infers_error() -> None:
     doc = {"inputs": [_binary("A", "FP32", [1, 4], 16), _binary("B", "INT32", [1, 2], 8)]}
     cache.parse(*_body(doc, bytes(24)), SPEC, None)
     for tail in (bytes(23), bytes(25), b""):
-        _same(_outcome(lambda t=tail: cache.parse(*_body(doc, t), SPEC, None)),  # type: ignore[misc]
-              _outcome(lambda t=tail: parse_infer(*_body(doc, t), SPEC)))  # type: ignore[misc]
+        same(outcome(lambda t=tail: cache.parse(*_body(doc, t), SPEC, None)),  # type: ignore[misc]
+              outcome(lambda t=tail: parse_infer(*_body(doc, t), SPEC)))  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("doc, tail", [
@@ -97,7 +64,7 @@ def test_headers_whose_result_depends_on_more_are_parsed_each_time(doc: dict[str
     cache = HeaderCache()
     body, length = _body(doc, tail)
     got = cache.parse(body, length if tail else None, SPEC, None)
-    _same(got, parse_infer(body, length if tail else None, SPEC))
+    same(got, parse_infer(body, length if tail else None, SPEC))
     assert len(cache) == 0
 
 
@@ -163,8 +130,8 @@ def test_every_request_parses_as_parse_infer_parses_it(doc: dict[str, Any], tail
     cache = HeaderCache()
     for tail in [*fitting, *tails]:
         body, length = _body(doc, tail)
-        _same(_outcome(lambda b=body, n=length: cache.parse(b, n, SPEC, None)),  # type: ignore[misc]
-              _outcome(lambda b=body, n=length: parse_infer(b, n, SPEC)))  # type: ignore[misc]
+        same(outcome(lambda b=body, n=length: cache.parse(b, n, SPEC, None)),  # type: ignore[misc]
+              outcome(lambda b=body, n=length: parse_infer(b, n, SPEC)))  # type: ignore[misc]
         # The same tail again, through the entry it may have made.
-        _same(_outcome(lambda b=body, n=length: cache.parse(b, n, SPEC, None)),  # type: ignore[misc]
-              _outcome(lambda b=body, n=length: parse_infer(b, n, SPEC)))  # type: ignore[misc]
+        same(outcome(lambda b=body, n=length: cache.parse(b, n, SPEC, None)),  # type: ignore[misc]
+              outcome(lambda b=body, n=length: parse_infer(b, n, SPEC)))  # type: ignore[misc]
