@@ -65,8 +65,8 @@ class KnownRequests:
         if len(key) > LONGEST_KEY_BYTES:
             return
         entry = (model, key)
-        if entry not in self._entries and len(self._entries) >= self._capacity:
+        if self._entries.pop(entry, None) is None and len(self._entries) >= self._capacity:
             del self._entries[next(iter(self._entries))]
-        self._entries[entry] = Known(
+        self._entries[entry] = Known(  # the most recently used last (a reloaded config's replaces its entry)
             spec, request.with_inputs([WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]),
             tuple(len(t.data) for t in request.inputs))

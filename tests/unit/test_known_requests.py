@@ -60,6 +60,15 @@ def test_the_least_recently_used_goes_first() -> None:
     assert known.get("m", b"a", SPEC) is not None and known.get("m", b"c", SPEC) is not None
 
 
+def test_an_entry_kept_again_is_the_most_recently_used() -> None:
+    known = KnownRequests(capacity=2)
+    known.keep("m", b"a", SPEC, _request())
+    known.keep("m", b"b", SPEC, _request())
+    known.keep("m", b"a", parse_config(CONFIG, source="test", model_name="m"), _request())  # a reload's
+    known.keep("m", b"c", SPEC, _request())
+    assert len(known) == 2 and known.get("m", b"b", SPEC) is None
+
+
 def test_long_keys_are_not_kept() -> None:
     known = KnownRequests()
     known.keep("m", bytes(LONGEST_KEY_BYTES + 1), SPEC, _request())
