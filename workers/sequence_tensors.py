@@ -77,7 +77,10 @@ class SequenceTensors:
         for st in self.spec.states:
             wire = (result.wire_outputs or {}).get(st.output_name)
             if wire is not None:
-                out[st.input_name] = WireTensor(st.input_name, wire.datatype, wire.shape, wire.data)
+                # Its own bytes: a framework backend's outputs are views of the whole batch's, which a
+                # state kept until the sequence's next request would keep alive.
+                data = wire.data if type(wire.data) is bytes else bytes(wire.data)
+                out[st.input_name] = WireTensor(st.input_name, wire.datatype, wire.shape, data)
                 continue
             array = (result.outputs or {}).get(st.output_name)
             if array is None:

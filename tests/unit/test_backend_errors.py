@@ -10,6 +10,7 @@ import pytest
 from fleet.errors import ErrorCode, InvalidInput
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
+from tests.support.item_results import output_array
 from workers.backends.base import InferenceItem, run_merged
 
 
@@ -33,7 +34,7 @@ def test_only_the_request_at_fault_gets_the_error(max_batch_size: int) -> None:
     shape = (1, 1) if max_batch_size else (1,)
     items = [InferenceItem(inputs={"X": np.full(shape, v, np.float32)}) for v in (1.0, -1.0, 2.0, 500.0, 3.0)]
     results = run_merged(spec(max_batch_size), items, run)
-    assert [r.outputs["Y"].item() if r.outputs is not None else None for r in results] == [2.0, None, 4.0, None, 6.0]
+    assert [output_array(r, "Y").item() if r.error is None else None for r in results] == [2.0, None, 4.0, None, 6.0]
     assert results[1].error is not None and results[1].error.code is ErrorCode.INVALID_ARG
     assert results[1].error.message == "negative values are refused"
     assert results[3].error is not None and results[3].error.code is ErrorCode.INTERNAL

@@ -12,6 +12,7 @@ import pytest
 from fleet.errors import ConfigError
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
+from tests.support.item_results import output_array
 from workers.backends import load_backend
 from workers.backends.base import InferenceItem, LoadContext
 
@@ -36,7 +37,7 @@ def test_outputs_are_inputs_and_a_batch_takes_base_plus_per_row() -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     results = backend.execute(items)  # type: ignore[attr-defined]
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert [r.outputs["OUT"].tolist() for r in results] == [[[1.0] * 4], [[3.0] * 4] * 3]
+    assert [output_array(r, "OUT").tolist() for r in results] == [[[1.0] * 4], [[3.0] * 4] * 3]
     assert 0.040 <= wall < 0.5  # 20 ms + 4 rows x 5 ms
     assert cpu < 0.02  # the delay is a sleep, not a spin
 

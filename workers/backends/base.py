@@ -229,13 +229,56 @@ def _split_outputs(
     return [{k: scattered[k][i] if k in scattered else plain[i][k] for k in outputs} for i in range(len(items))]
 
 
+# Output types whose wire bytes are not the array's own (BYTES is length-prefixed, BF16 converted).
+_CONVERTED = frozenset({"BYTES", "BF16"})
+
+
+def _wire_outputs(spec: ModelSpec, outputs: dict[str, np.ndarray],
+                  items: list[InferenceItem]) -> list[dict[str, WireTensor]] | None:
+    """Each request's outputs in wire form, cut as views from one copy of each batch output: one copy and a
+    few calls a batch, where splitting into arrays and encoding each (workers/execute.py) takes a copy
+    and ~1.5 µs a request (bench/RESULTS.md, stop 63). Only outputs some request wants are copied. A copy,
+    not a view of the array: the replies are written later, while the instance runs on, and a model may
+    hand back memory it changes again. None (split as arrays, cast or refused per request) unless the
+    batch is split by rows alone (no `batch_output`) and every output is exactly its declared type, with
+    the batch's rows."""
+    if spec.max_batch_size <= 0 or spec.batch_outputs:
+        return None
+    rows = [next(iter(i.inputs.values())).shape[0] for i in items]
+    total = sum(rows)
+    wanted: set[str] | None = None
+    if all(item.requested_outputs is not None for item in items):
+        wanted = {name for item in items for name in item.requested_outputs or ()}
+    parts: list[dict[str, WireTensor]] = [{} for _ in items]
+    for name, array in outputs.items():
+        ts = spec.output(name)
+        if (ts is None or type(array) is not np.ndarray or array.dtype != ts.datatype.numpy
+                or ts.datatype.name in _CONVERTED or array.ndim == 0 or array.shape[0] != total):
+            return None
+        if wanted is not None and name not in wanted:
+            continue
+        data = memoryview(array.tobytes())
+        row = data.nbytes // total
+        rest = array.shape[1:]
+        datatype = ts.datatype.name
+        start = 0
+        for part, count in zip(parts, rows, strict=True):
+            part[name] = WireTensor(name, datatype, (count, *rest), data[start * row:(start + count) * row])
+            start += count
+    return parts
+
+
 def _run_group(spec: ModelSpec, group: list[InferenceItem],
                run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]) -> list[ItemResult]:
     batch = merge([i.inputs for i in group], spec.ragged_inputs)
     if spec.batch_inputs:
         parts = batch_tensors(spec, [{k: v.shape for k, v in i.inputs.items()} for i in group])
         batch.update(merge(parts))
-    return [ItemResult(outputs=o) for o in _split_outputs(spec, run(batch), group)]
+    outputs = run(batch)
+    wire = _wire_outputs(spec, outputs, group)
+    if wire is not None:
+        return [ItemResult(wire_outputs=w) for w in wire]
+    return [ItemResult(outputs=o) for o in _split_outputs(spec, outputs, group)]
 
 
 def run_merged(
