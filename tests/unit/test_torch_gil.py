@@ -142,3 +142,39 @@ output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1, 2 ] }, { name: "S", data_
     finally:
         backend.close()
     assert out["Y"].tolist() == [[2.0, 4.0]] and out["S"].tolist() == [[3.0, 3.0]]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_forward_runs_in_inference_mode_unoptimized_and_the_thread_gets_its_modes_back(
+        tmp_path: Path, fails: bool) -> None:
+    """The modes are set with torch's C calls for the forward's length and put back after it, however it ends;
+    the thread's list that holds the inputs for the call holds nothing after it."""
+    torch = pytest.importorskip("torch")
+    backend = _backend(tmp_path)
+    module = backend._module
+    seen: list[tuple[bool, bool]] = []
+    inputs: list[Any] = []
+
+    def recording(*args: Any) -> Any:
+        seen.append((torch.is_inference_mode_enabled(), torch._C._get_graph_executor_optimize()))
+        inputs.extend(args)
+        if fails:
+            raise RuntimeError("the model failed")
+        return module(*args)
+
+    backend._module = recording
+    x = np.random.default_rng(0).random((2, 256), dtype=np.float32)
+    try:
+        for optimized in (True, False):  # whatever the thread had, it has again
+            torch._C._set_graph_executor_optimize(optimized)
+            try:
+                backend._run({"INPUT0": x})
+            except RuntimeError as exc:
+                assert fails and str(exc) == "the model failed"
+            assert (torch.is_inference_mode_enabled(), torch._C._get_graph_executor_optimize()) == (False, optimized)
+            assert len(backend._configured.held) == 0
+    finally:
+        torch._C._set_graph_executor_optimize(True)
+        backend.close()
+    assert seen == [(True, False), (True, False)]
+    assert inputs[0].shape == (2, 256) and inputs[0] is not inputs[1]

@@ -54,9 +54,11 @@ class TorchBackend(InProcessBackend):
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
-        if not getattr(self._configured, "done", False):
+        held = getattr(self._configured, "held", None)
+        if held is None:  # this thread's first batch
             torch.set_num_threads(self._threads)
-            self._configured.done = True
+            held = self._configured.held = torch._C.ScriptList([torch.empty(0)])  # a list of tensors...
+            held.pop()  # ...empty
         args = []
         for name in self._arg_names:
             arr = inputs[name]
@@ -71,11 +73,26 @@ class TorchBackend(InProcessBackend):
         # middle of the forward: from the worker's event loop, which holds it through its own work (up to
         # the switch interval, or through a long socket write). Measured beside a busy Python thread: two
         # waits for the GIL a forward without it, one (at the end) with it (bench/RESULTS.md, stop 46).
-        _held = torch._C.ScriptList(args)
-        # optimized_execution(False): TorchScript's profiling executor re-specialises on new batch
-        # shapes (a 25 ms stall on first sight of each); the plain interpreter is as fast here.
-        with torch.inference_mode(), torch.jit.optimized_execution(False):
+        # The thread's own list, made once: a new ScriptList a batch (its type inferred from the elements)
+        # took 85 µs with the caches cold, as they are between served batches, against 8 to append to
+        # this one; and, as the modes below, the C calls rather than torch's Python context managers
+        # (inference_mode, optimized_execution): ~100 µs of a served batch before its forward and ~25 after
+        # became ~35 in all (bench/RESULTS.md, stop 63).
+        for arg in args:
+            held.append(arg)
+        # Not optimized: TorchScript's profiling executor re-specialises on new batch shapes (a 25 ms stall
+        # on first sight of each); the plain interpreter is as fast here. Both modes are the thread's own,
+        # set for the call and put back after it, as the context managers do.
+        optimized = torch._C._get_graph_executor_optimize()
+        torch._C._set_graph_executor_optimize(False)
+        inference = torch._C._InferenceMode(True)  # torch.inference_mode()'s guard: on until deleted
+        try:
             out: Any = self._module(*args)
+        finally:
+            del inference
+            torch._C._set_graph_executor_optimize(optimized)
+            for _ in args:
+                held.pop()
         if isinstance(out, torch.Tensor):
             out = (out,)
         # An output on the CPU is read as it is: no detach() or cpu() call, each of which lets go of the
