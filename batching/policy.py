@@ -63,7 +63,7 @@ class BatchPolicy:
 
 # Not frozen, though never changed in place (a new one is made with dataclasses.replace): one is made for
 # every request a worker reads, and a frozen dataclass's __init__ (object.__setattr__ field by field) took
-# 1.3 µs against 0.5 (bench/RESULTS.md, stop 63).
+# 1.3 µs against 0.5 (bench/RESULTS.md, stop 63). So it is not hashable, nor are the plans that hold it.
 @dataclass(slots=True)
 class Pending:
     """One queued request, as the policy sees it.

@@ -157,6 +157,7 @@ def test_the_forward_runs_in_inference_mode_unoptimized_and_the_thread_gets_its_
 
     def recording(*args: Any) -> Any:
         seen.append((torch.is_inference_mode_enabled(), torch._C._get_graph_executor_optimize()))
+        assert len(backend._configured.held) == len(args) == 1  # held for the call
         inputs.extend(args)
         if fails:
             raise RuntimeError("the model failed")
@@ -169,12 +170,14 @@ def test_the_forward_runs_in_inference_mode_unoptimized_and_the_thread_gets_its_
             torch._C._set_graph_executor_optimize(optimized)
             try:
                 backend._run({"INPUT0": x})
-            except RuntimeError as exc:
+            except RuntimeError as exc:  # (checked here, while the exception still holds the call's frame)
                 assert fails and str(exc) == "the model failed"
+                assert (torch.is_inference_mode_enabled(), torch._C._get_graph_executor_optimize()) == \
+                    (False, optimized)
             assert (torch.is_inference_mode_enabled(), torch._C._get_graph_executor_optimize()) == (False, optimized)
             assert len(backend._configured.held) == 0
     finally:
         torch._C._set_graph_executor_optimize(True)
         backend.close()
     assert seen == [(True, False), (True, False)]
-    assert inputs[0].shape == (2, 256) and inputs[0] is not inputs[1]
+    assert [tuple(i.shape) for i in inputs] == [(2, 256), (2, 256)]

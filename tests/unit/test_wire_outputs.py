@@ -17,6 +17,7 @@ from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, _split_outputs, run_merged
 from workers.execute import run_batch
+from workers.sequence_tensors import SequenceTensors
 
 # name, config type, numpy type, the shape of a row the model returns (U: a variable dim, empty here)
 OUTPUTS = [("F", "TYPE_FP32", np.float32, (3,)), ("I", "TYPE_INT64", np.int64, (2, 2)),
@@ -154,3 +155,29 @@ def test_replies_carry_each_requests_rows() -> None:
     assert b.outputs is not None and b.outputs[0].shape == (2, 2)
     assert struct.unpack("<4f", b.outputs[0].data) == (6.0, 8.0, 10.0, 12.0)
     assert c.error_code == "INTERNAL" and "did not produce output 'Z'" in c.error_message
+
+
+def test_a_sequence_models_state_is_kept_when_every_request_names_its_outputs() -> None:
+    """The state outputs are the model's, never a client's: kept for the sequence's next request however the
+    requests name their outputs (a gRPC client names them)."""
+    seq = parse_config('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+                       'input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+                       'output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+                       'sequence_batching { state [ { input_name: "S_IN" output_name: "S_OUT" data_type: TYPE_FP32'
+                       ' dims: [ 2 ] } ] }', source="m", model_name="m")
+    assert seq.sequence is not None
+    facing = seq.model_facing()  # what the backend runs: the state's output among the outputs
+    states = SequenceTensors(seq.sequence, batched=True)
+
+    def stateful(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = batch["X"]
+        return {"Y": x * 2, "S_OUT": np.concatenate([x, x + 1], axis=1)}
+
+    items = [InferenceItem(inputs={"X": np.full((1, 1), v, np.float32)}, requested_outputs=["Y"]) for v in (1, 5)]
+    results = run_merged(facing, items, stateful)
+    assert all(r.wire_outputs is not None and list(r.wire_outputs) == ["Y", "S_OUT"] for r in results)
+    kept = [states.state_of(r) for r in results]
+    assert all(isinstance(state, dict) for state in kept)
+    assert [np.frombuffer(state["S_IN"].data, np.float32).tolist() for state in kept  # type: ignore[index]
+            ] == [[1.0, 2.0], [5.0, 6.0]]
+    assert all(type(state["S_IN"].data) is bytes for state in kept)  # type: ignore[index]  # its own bytes

@@ -49,7 +49,8 @@ class ItemResult:
     outputs: dict[str, np.ndarray] | None = None  # in the order the model produced them
     error: ServingError | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
-    # Outputs already in wire form (the Python backend's stub encodes them): passed through as bytes.
+    # Outputs already in wire form, passed through as bytes where they are their declared type: the Python
+    # backend's stub encodes them, and framework backends cut them from one copy of the batch's (`_wire_outputs`).
     wire_outputs: dict[str, WireTensor] | None = None
     # A decoupled model's last word was the final flag alone: the request's final reply carries nothing.
     empty: bool = False
@@ -237,18 +238,25 @@ def _wire_outputs(spec: ModelSpec, outputs: dict[str, np.ndarray],
                   items: list[InferenceItem]) -> list[dict[str, WireTensor]] | None:
     """Each request's outputs in wire form, cut as views from one copy of each batch output: one copy and a
     few calls a batch, where splitting into arrays and encoding each (workers/execute.py) takes a copy
-    and ~1.5 µs a request (bench/RESULTS.md, stop 63). Only outputs some request wants are copied. A copy,
-    not a view of the array: the replies are written later, while the instance runs on, and a model may
-    hand back memory it changes again. None (split as arrays, cast or refused per request) unless the
-    batch is split by rows alone (no `batch_output`) and every output is exactly its declared type, with
-    the batch's rows."""
+    and ~1.3 µs a request (bench/RESULTS.md, stop 63). A copy, not a view of the array: the replies are
+    written later, while the instance runs on, and a model may hand back memory it changes again. Only the
+    outputs some request may want are copied: those it names (all, if one names none), and a sequence
+    model's state outputs (workers/sequence_tensors.py takes the next request's state from them).
+
+    None (split as arrays, then cast, refused or scattered per request as before) unless the model batches,
+    the batch is split by rows alone (no `batch_output`), and every output is exactly its declared type
+    (not BYTES or BF16, whose wire bytes are not the array's) with the batch's rows."""
     if spec.max_batch_size <= 0 or spec.batch_outputs:
         return None
     rows = [next(iter(i.inputs.values())).shape[0] for i in items]
     total = sum(rows)
+    if total <= 0:
+        return None
     wanted: set[str] | None = None
     if all(item.requested_outputs is not None for item in items):
         wanted = {name for item in items for name in item.requested_outputs or ()}
+        if spec.sequence is not None:
+            wanted.update(st.output_name for st in spec.sequence.states)
     parts: list[dict[str, WireTensor]] = [{} for _ in items]
     for name, array in outputs.items():
         ts = spec.output(name)

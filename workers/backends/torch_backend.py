@@ -78,21 +78,23 @@ class TorchBackend(InProcessBackend):
         # this one; and, as the modes below, the C calls rather than torch's Python context managers
         # (inference_mode, optimized_execution): ~100 µs of a served batch before its forward and ~25 after
         # became ~35 in all (bench/RESULTS.md, stop 63).
-        for arg in args:
-            held.append(arg)
         # Not optimized: TorchScript's profiling executor re-specialises on new batch shapes (a 25 ms stall
         # on first sight of each); the plain interpreter is as fast here. Both modes are the thread's own,
-        # set for the call and put back after it, as the context managers do.
+        # set for the call and put back after it, as the context managers do (`torch.inference_mode()` enters
+        # and exits the same guard).
         optimized = torch._C._get_graph_executor_optimize()
-        torch._C._set_graph_executor_optimize(False)
-        inference = torch._C._InferenceMode(True)  # torch.inference_mode()'s guard: on until deleted
+        inference = torch._C._InferenceMode(True)
+        inference.__enter__()
         try:
+            torch._C._set_graph_executor_optimize(False)
+            for arg in args:
+                held.append(arg)
             out: Any = self._module(*args)
         finally:
-            del inference
-            torch._C._set_graph_executor_optimize(optimized)
-            for _ in args:
+            for _ in range(len(held)):
                 held.pop()
+            torch._C._set_graph_executor_optimize(optimized)
+            inference.__exit__(None, None, None)
         if isinstance(out, torch.Tensor):
             out = (out,)
         # An output on the CPU is read as it is: no detach() or cpu() call, each of which lets go of the
