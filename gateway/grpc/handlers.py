@@ -103,7 +103,8 @@ def _unary(impl: Callable[[Any, Any], Awaitable[Any]], request_type: Any, area: 
             if guarded:
                 access.check(area, context.authorization)
             response = await impl(parse_message(request_type, raw), context)
-            return bytes(response.SerializeToString())
+            # (ModelInfer may answer with the response serialized already: gateway/grpc/response_heads.py)
+            return response if type(response) is bytes else bytes(response.SerializeToString())
         except ServingError as exc:
             raise RpcError(grpc_status_for(exc.code), exc.message) from None
 

@@ -33,6 +33,7 @@ from gateway import model_info
 from gateway.grpc import settings_rpcs, shm_rpcs
 from gateway.grpc.codec import encode_infer, request_version
 from gateway.grpc.request_heads import RequestHeads
+from gateway.grpc.response_heads import ResponseHeads
 from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.grpc.stream import StreamAnswer, StreamSessions
 from gateway.routes import EXTENSIONS, SERVER_VERSION
@@ -45,6 +46,7 @@ class InferenceService:
         self.state = state
         self.streams = StreamSessions(self.infer_stream, state.dataplane)
         self.heads = RequestHeads()  # ModelInferRequests decoded once per head (gateway/grpc/request_heads.py)
+        self.responses = ResponseHeads()  # and their responses serialized from one (gateway/grpc/response_heads.py)
 
     def drain(self) -> None:
         """The server is stopping: open streams read no more requests and end once theirs are answered."""
@@ -119,7 +121,7 @@ class InferenceService:
                 trace.finish()
             raise
         try:
-            return await self.infer(request, context.time_remaining(), trace)
+            return await self.infer(request, context.time_remaining(), trace, serialized=True)
         except ServingError as exc:
             # The request's expiry is the caller's deadline, so a worker or the gateway may answer
             # "Request timeout expired" just as the deadline passes: the caller's own deadline is the
@@ -167,8 +169,11 @@ class InferenceService:
     async def TraceSetting(self, request: Any, context: Any) -> Any:
         return await settings_rpcs.trace_setting(self.state.runtime, request)
 
-    async def infer(self, request: Any, timeout_s: float | None, trace: Trace | None = None) -> Any:
-        """One ModelInferRequest through the data path; `timeout_s`: how long its caller still waits."""
+    async def infer(self, request: Any, timeout_s: float | None, trace: Trace | None = None, *,
+                    serialized: bool = False) -> Any:
+        """One ModelInferRequest through the data path; `timeout_s`: how long its caller still waits. Its
+        ModelInferResponse, or (`serialized`) the response's bytes, from a known head where one makes them
+        (gateway/grpc/response_heads.py)."""
         catalog, dataplane = self.state.catalog, self.state.dataplane
         # Not unbound: each request is a task of its own (calls.py, stream.py), whose failure line, logged
         # after this returns, names the request too.
@@ -179,7 +184,11 @@ class InferenceService:
         spec = view.entry.spec
         req = self.heads.decode(request, spec, dataplane.regions)
         reply = await dataplane.run(request.model_name, v, spec, req, trace, caller_timeout_s=timeout_s)
-        response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
+        response: Any = None
+        if serialized:
+            response = self.responses.serialize(request.model_name, v, req, reply.outputs or [], reply.parameters)
+        if response is None:
+            response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
         if trace is not None:
             trace.stamp(REQUEST_END)
         return response
