@@ -1,17 +1,17 @@
 """ModelInferResponses serialized from a head kept per model, version and outputs: the twin of
 gateway/grpc/request_heads.py on the way out.
 
-A response carries every output's bytes in `raw_output_contents`, field 6, the message's last, and protobuf
-writes a message's fields in the order of their numbers. So the response serialized is the rest of it
-serialized (its head: model name, version, id, the outputs' names, datatypes and shapes), then each output's
-bytes as one field-6 entry: its tag, its length, the bytes. The head is what protobuf serializes for the
-response without its raw contents, kept for the next reply of the same model, version and outputs. In process,
-for `mlp`'s reply (one 1 KiB output): 3.5 µs built and serialized by protobuf, ~1 from a known head
-(bench/RESULTS.md, stop 63).
+A response carries every output's bytes in `raw_output_contents`, field 6, the message's last; protobuf's
+implementations write a message's fields in the order of their numbers (the installed one, upb, does; any
+parser takes them in any order). So the response serialized is its head serialized (model name, version,
+the outputs' names, datatypes and shapes), then each output's bytes as one field-6 entry: its tag, its
+length, the bytes. The head is what protobuf serializes for the response without its raw contents, kept for
+the next reply of the same model, version and outputs. In process, for `mlp`'s reply (one 1 KiB output):
+3.4 µs built and serialized by protobuf, 1.25 from a known head (bench/RESULTS.md, stop 63).
 
-Only for what the head and the bytes are all of: no response parameters, no output written into a shared
-memory region, and no request id (an id is never seen twice: it would only fill the store). Anything else is
-built by codec.py's encode_infer and serialized by protobuf, as before.
+Only for what a head and the bytes are all of: no response parameters, no output written into a shared
+memory region, no request id (an id is never seen twice: it would only fill the store), and every output's
+bytes contiguous. Anything else is built by codec.py's encode_infer and serialized by protobuf, as before.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from fleet.envelope import WireTensor
 from fleet.kserve import ParsedInfer
 from gateway.grpc.service_proto import service_pb2 as pb
 
-# Heads kept at most: one a model, version and output shapes (a model with variable output dims has one a
-# shape it answers with). The oldest goes first.
+# Heads kept at most: one a model, version and output shapes, the batch dim included (one a batch size its
+# clients send, and a shape a model with variable output dims answers with). The least recently used goes first.
 CAPACITY = 1024
 _RAW_TAG = b"\x32"  # field 6 (raw_output_contents), wire type 2 (length-delimited)
 
@@ -58,22 +58,29 @@ class ResponseHeads:
         request id): the caller builds the message (codec.py's encode_infer)."""
         if parameters or req.shm_outputs or req.client_id:
             return None
-        key = (model, version, *[(t.name, t.datatype, t.shape) for t in outputs])
-        head = self._heads.get(key)
-        if head is None:
-            head = self._keep(key, model, version, outputs)
-        pieces: list[bytes | memoryview] = [head]
+        pieces: list[bytes | memoryview] = []
         for t in outputs:
             data = t.data
-            pieces += (_RAW_TAG, varint(len(data) if type(data) is bytes else memoryview(data).nbytes), data)
-        return b"".join(pieces)
+            if type(data) is bytes:
+                pieces += (_RAW_TAG, varint(len(data)), data)
+            else:
+                view = memoryview(data)
+                if not view.c_contiguous:  # (join takes contiguous buffers only; protobuf copies any)
+                    return None
+                pieces += (_RAW_TAG, varint(view.nbytes), view)
+        key = (model, version, *[(t.name, t.datatype, t.shape) for t in outputs])
+        head = self._heads.pop(key, None)  # (put back last: the most recently used)
+        if head is None:
+            head = self._head(model, version, outputs)
+            if len(self._heads) >= self._capacity:
+                del self._heads[next(iter(self._heads))]
+        self._heads[key] = head
+        return b"".join([head, *pieces])
 
-    def _keep(self, key: tuple[Any, ...], model: str, version: int, outputs: Sequence[WireTensor]) -> bytes:
+    @staticmethod
+    def _head(model: str, version: int, outputs: Sequence[WireTensor]) -> bytes:
         response = pb.ModelInferResponse(model_name=model, model_version=str(version), outputs=[
             pb.ModelInferResponse.InferOutputTensor(name=t.name, datatype=t.datatype, shape=t.shape)
             for t in outputs])
         head: bytes = response.SerializeToString()
-        if len(self._heads) >= self._capacity:
-            del self._heads[next(iter(self._heads))]
-        self._heads[key] = head
         return head

@@ -3,6 +3,7 @@ protobuf serializes for the message codec.py's encode_infer builds; what a head 
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from hypothesis import given, settings
@@ -25,8 +26,17 @@ def protobufs(model: str, version: int, req: ParsedInfer, outputs: list[WireTens
 
 
 names = st.text(min_size=1, max_size=12)
-# Lengths across one, two and three varint bytes (128, 16,384), as bytes or as a view of a larger buffer.
-datas = st.integers(0, 20_000).flatmap(lambda n: st.sampled_from([b"\x07" * n, memoryview(b"\x01" + b"\x09" * n)[1:]]))
+# Lengths across one, two and three varint bytes (128, 16,384), as bytes, as a view of a larger buffer, or as a
+# view of 4-byte floats (its length in elements, not bytes).
+def _data(n: int, kind: int) -> bytes | memoryview:
+    if kind == 0:
+        return b"\x07" * n
+    if kind == 1:
+        return memoryview(b"\x01" + b"\x09" * n)[1:]
+    return memoryview(array("f", [1.5] * (n // 4)))
+
+
+datas = st.builds(_data, st.integers(0, 20_000), st.integers(0, 2))
 tensors = st.builds(WireTensor, names, st.sampled_from(["FP32", "INT64", "BYTES", "BOOL"]),
                     st.lists(st.integers(0, 2 ** 40), max_size=4).map(tuple), datas)
 
@@ -41,6 +51,7 @@ def test_the_bytes_are_protobufs_first_seen_or_known(model: str, version: int,
         assert got == protobufs(model, version, parsed(), outputs)
         response = pb.ModelInferResponse.FromString(got)
         assert [bytes(t.data) for t in outputs] == list(response.raw_output_contents)
+    assert len(heads) == len({tuple((t.name, t.datatype, t.shape) for t in outputs) for outputs in replies})
 
 
 def test_a_head_is_kept_per_model_version_and_outputs() -> None:
@@ -61,13 +72,20 @@ def test_what_a_head_does_not_make_is_left_to_protobuf() -> None:
     assert len(heads) == 0
 
 
-def test_the_oldest_head_goes_first_past_the_capacity() -> None:
+def test_the_least_recently_used_head_goes_first_past_the_capacity() -> None:
     heads = ResponseHeads(capacity=2)
     outputs = [WireTensor("Y", "FP32", (1,), b"\x00" * 4)]
-    for model in ("a", "b", "c"):
+    for model in ("a", "b", "a", "c"):  # "a" used again after "b": "b" goes
         heads.serialize(model, 1, parsed(), outputs, {})
-    assert len(heads) == 2 and set(key[0] for key in heads._heads) == {"b", "c"}
-    assert heads.serialize("a", 1, parsed(), outputs, {}) == protobufs("a", 1, parsed(), outputs)
+    assert len(heads) == 2 and set(key[0] for key in heads._heads) == {"a", "c"}
+    assert heads.serialize("b", 1, parsed(), outputs, {}) == protobufs("b", 1, parsed(), outputs)
+
+
+def test_a_view_that_is_not_contiguous_is_left_to_protobuf() -> None:
+    strided = memoryview(b"\x00\x01" * 8)[::2]
+    outputs = [WireTensor("Y", "UINT8", (8,), strided)]
+    assert ResponseHeads().serialize("m", 1, parsed(), outputs, {}) is None
+    assert pb.ModelInferResponse.FromString(protobufs("m", 1, parsed(), outputs)).raw_output_contents == [b"\x00" * 8]
 
 
 @given(st.integers(0, 2 ** 63))
