@@ -7,7 +7,7 @@ parser takes them in any order). So the response serialized is its head serializ
 the outputs' names, datatypes and shapes), then each output's bytes as one field-6 entry: its tag, its
 length, the bytes. The head is what protobuf serializes for the response without its raw contents, kept for
 the next reply of the same model, version and outputs. In process, for `mlp`'s reply (one 1 KiB output):
-3.4 µs built and serialized by protobuf, 1.25 from a known head (bench/RESULTS.md, stop 63).
+3.4-3.6 µs built and serialized by protobuf, 1.4-1.5 from a known head (bench/RESULTS.md, stop 63).
 
 Only for what a head and the bytes are all of: no response parameters, no output written into a shared
 memory region, no request id (an id is never seen twice: it would only fill the store), and every output's
