@@ -15,8 +15,3 @@ def output_array(result: ItemResult, name: str) -> np.ndarray:
         return tensors.from_bytes(wire.data, tensors.lookup(wire.datatype), wire.shape)
     assert result.outputs is not None, result.error
     return result.outputs[name]
-
-
-def output_names(result: ItemResult) -> list[str]:
-    """In the model's order."""
-    return list(result.wire_outputs if result.wire_outputs is not None else result.outputs or {})

@@ -75,9 +75,10 @@ class TorchBackend(InProcessBackend):
         # waits for the GIL a forward without it, one (at the end) with it (bench/RESULTS.md, stop 46).
         # The thread's own list, made once: a new ScriptList a batch (its type inferred from the elements)
         # took 85 µs with the caches cold, as they are between served batches, against 8 to append to
-        # this one; and, as the modes below, the C calls rather than torch's Python context managers
-        # (inference_mode, optimized_execution): ~100 µs of a served batch before its forward and ~25 after
-        # became ~35 in all (bench/RESULTS.md, stop 63).
+        # this one. With the modes below set by torch's C calls rather than its Python context managers
+        # (inference_mode, optimized_execution), what a batch spends around its forward went, caches flushed,
+        # from ~100 µs before it and ~25 after to ~35 in all; in a served worker, from 70-113 µs before it to
+        # 30-57 (bench/RESULTS.md, stop 63).
         # Not optimized: TorchScript's profiling executor re-specialises on new batch shapes (a 25 ms stall
         # on first sight of each); the plain interpreter is as fast here. Both modes are the thread's own,
         # set for the call and put back after it, as the context managers do (`torch.inference_mode()` enters
