@@ -15,8 +15,9 @@ gateway process and protocol: its event loop's, not thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from fleet.envelope import WireTensor
 from fleet.kserve import ParsedInfer
@@ -24,6 +25,41 @@ from fleet.model_spec import ModelSpec
 
 CAPACITY = 256  # entries; a head of a few hundred bytes each
 LONGEST_KEY_BYTES = 4096
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class LeastRecentlyUsed(Generic[K, V]):
+    """Values by key, the least recently used dropped past `capacity` (the caches of decoded requests here,
+    gateway/grpc/response_heads.py's serialized heads). One event loop's: not thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: dict[K, V] = {}  # the least recently used first
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[K]:
+        """The least recently used first."""
+        return list(self._items)
+
+    def peek(self, key: K) -> V | None:
+        return self._items.get(key)
+
+    def get(self, key: K) -> V | None:
+        """The value of `key`, now the most recently used."""
+        value = self._items.pop(key, None)
+        if value is not None:
+            self._items[key] = value
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        """`value` for `key`, the most recently used (replacing what `key` had)."""
+        if self._items.pop(key, None) is None and len(self._items) >= self._capacity:
+            del self._items[next(iter(self._items))]
+        self._items[key] = value
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +81,7 @@ class KnownRequests:
     was checked against."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self._capacity = capacity
-        self._entries: dict[tuple[str, bytes], Known] = {}
+        self._entries: LeastRecentlyUsed[tuple[str, bytes], Known] = LeastRecentlyUsed(capacity)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,19 +89,16 @@ class KnownRequests:
     def get(self, model: str, key: bytes, spec: ModelSpec) -> Known | None:
         """The entry of `key`, if it was checked against `spec` itself."""
         entry = (model, key)
-        known = self._entries.get(entry)
+        known = self._entries.peek(entry)
         if known is None or known.spec is not spec:
             return None
-        self._entries[entry] = self._entries.pop(entry)  # the most recently used last
-        return known
+        return self._entries.get(entry)
 
     def keep(self, model: str, key: bytes, spec: ModelSpec, request: ParsedInfer) -> None:
-        """`request`, decoded from `key` and checked against `spec`, for the requests with the same key."""
+        """`request`, decoded from `key` and checked against `spec`, for the requests with the same key (a
+        reloaded config's replaces its entry)."""
         if len(key) > LONGEST_KEY_BYTES:
             return
-        entry = (model, key)
-        if self._entries.pop(entry, None) is None and len(self._entries) >= self._capacity:
-            del self._entries[next(iter(self._entries))]
-        self._entries[entry] = Known(  # the most recently used last (a reloaded config's replaces its entry)
+        self._entries.put((model, key), Known(
             spec, request.with_inputs([WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]),
-            tuple(len(t.data) for t in request.inputs))
+            tuple(len(t.data) for t in request.inputs)))

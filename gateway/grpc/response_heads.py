@@ -22,6 +22,7 @@ from typing import Any
 from fleet.envelope import WireTensor
 from fleet.kserve import ParsedInfer
 from gateway.grpc.service_proto import service_pb2 as pb
+from gateway.known_requests import LeastRecentlyUsed
 
 # Heads kept at most: one a model, version and output shapes, the batch dim included (one a batch size its
 # clients send, and a shape a model with variable output dims answers with). The least recently used goes first.
@@ -46,8 +47,7 @@ class ResponseHeads:
     encode_infer builds, from a known head when it can. One per gateway process (its event loop's)."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self._capacity = capacity
-        self._heads: dict[tuple[Any, ...], bytes] = {}
+        self._heads: LeastRecentlyUsed[tuple[Any, ...], bytes] = LeastRecentlyUsed(capacity)
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -69,12 +69,10 @@ class ResponseHeads:
                     return None
                 pieces += (_RAW_TAG, varint(view.nbytes), view)
         key = (model, version, *[(t.name, t.datatype, t.shape) for t in outputs])
-        head = self._heads.pop(key, None)  # (put back last: the most recently used)
+        head = self._heads.get(key)
         if head is None:
             head = self._head(model, version, outputs)
-            if len(self._heads) >= self._capacity:
-                del self._heads[next(iter(self._heads))]
-        self._heads[key] = head
+            self._heads.put(key, head)
         return b"".join([head, *pieces])
 
     @staticmethod

@@ -77,7 +77,7 @@ def test_the_least_recently_used_head_goes_first_past_the_capacity() -> None:
     outputs = [WireTensor("Y", "FP32", (1,), b"\x00" * 4)]
     for model in ("a", "b", "a", "c"):  # "a" used again after "b": "b" goes
         heads.serialize(model, 1, parsed(), outputs, {})
-    assert len(heads) == 2 and set(key[0] for key in heads._heads) == {"a", "c"}
+    assert len(heads) == 2 and set(key[0] for key in heads._heads.keys()) == {"a", "c"}
     assert heads.serialize("b", 1, parsed(), outputs, {}) == protobufs("b", 1, parsed(), outputs)
 
 

@@ -213,6 +213,11 @@ def _scatter_shapes(spec: ModelSpec, output: str, source: str, items: list[Infer
     return shapes
 
 
+def _rows(items: list[InferenceItem]) -> list[int]:
+    """Each request's rows of a batch that is split by rows (its first input's first dim)."""
+    return [next(iter(i.inputs.values())).shape[0] for i in items]
+
+
 def _split_outputs(
     spec: ModelSpec, outputs: dict[str, np.ndarray], items: list[InferenceItem]
 ) -> list[dict[str, np.ndarray]]:
@@ -222,7 +227,7 @@ def _split_outputs(
             if name in outputs:
                 scattered[name] = scatter(outputs[name], _scatter_shapes(spec, name, bo.source_input, items))
     if spec.max_batch_size > 0:
-        rows = [next(iter(i.inputs.values())).shape[0] for i in items]
+        rows = _rows(items)
         plain = split({k: v for k, v in outputs.items() if k not in scattered}, rows)
     else:
         plain = [{k: v for k, v in outputs.items() if k not in scattered}]
@@ -248,7 +253,7 @@ def _wire_outputs(spec: ModelSpec, outputs: dict[str, np.ndarray],
     (not BYTES or BF16, whose wire bytes are not the array's) with the batch's rows."""
     if spec.max_batch_size <= 0 or spec.batch_outputs:
         return None
-    rows = [next(iter(i.inputs.values())).shape[0] for i in items]
+    rows = _rows(items)
     total = sum(rows)
     if total <= 0:
         return None
