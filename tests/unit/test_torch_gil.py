@@ -181,3 +181,39 @@ def test_the_forward_runs_in_inference_mode_unoptimized_and_the_thread_gets_its_
         backend.close()
     assert seen == [(True, False), (True, False)]
     assert [tuple(i.shape) for i in inputs] == [(2, 256), (2, 256)]
+
+
+def test_a_read_only_input_is_copied_without_letting_go_of_the_gil() -> None:
+    """numpy lets go of the GIL to copy a large array, and the instance's thread then waits for the worker's loop
+    to give it back (bench/RESULTS.md, stop 64). The backend's copy of a read-only input keeps it: a thread that
+    runs only while this one lets go never runs during the copy. The copy is the input's, writable, and apart."""
+    from workers.backends.torch_backend import _own_copy
+
+    source = np.frombuffer(np.arange(1 << 22, dtype=np.float32).tobytes(), dtype=np.float32).reshape(-1, 256)
+    turns = [0]
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+            time.sleep(0)  # lets go of the GIL every turn
+
+    thread = threading.Thread(target=other, daemon=True)
+    switch = sys.getswitchinterval()
+    thread.start()
+    try:
+        while turns[0] == 0:
+            time.sleep(0.001)
+        sys.setswitchinterval(1000.0)  # from here this thread keeps the GIL until it lets go of it
+        before = turns[0]
+        copy = _own_copy(source)
+        during = turns[0] - before
+    finally:
+        sys.setswitchinterval(switch)
+        stop.set()
+        thread.join(10)
+    assert during == 0
+    assert copy.flags.writeable and copy.dtype == source.dtype and copy.shape == source.shape
+    assert np.array_equal(copy, source)
+    copy[0, 0] = -1.0
+    assert source[0, 0] == 0.0
