@@ -57,5 +57,8 @@ class CoalescingTransport:
         self._flush()
         self._transport.close()
 
+    def is_closing(self) -> bool:  # asked as every response completes: not through __getattr__
+        return self._transport.is_closing()
+
     def __getattr__(self, name: str) -> Any:  # everything else is the real transport's
         return getattr(self._transport, name)

@@ -35,6 +35,7 @@ from tests.support.system import in_process_system
 KEY = "k-7f3a"
 SLOW_S = 2.0  # the `slow` model's execute()
 LONG = 40_000  # floats in the long binary case
+BRIEF_KEEP_ALIVE_S = 1
 
 
 @dataclass
@@ -98,7 +99,8 @@ class TritonPythonModel:
 
 
 def _serve(redis_url: str, prefix: str, repository: Path, port: int, ready: threading.Event,
-           stop: threading.Event, gateway: Gateway, failure: list[BaseException], overrides: dict[str, Any]) -> None:
+           stop: threading.Event, gateway: Gateway, failure: list[BaseException], overrides: dict[str, Any],
+           keep_alive_s: int) -> None:
     counts = gateway.counts
 
     async def main() -> None:
@@ -124,7 +126,8 @@ def _serve(redis_url: str, prefix: str, repository: Path, port: int, ready: thre
             # As gateway/server.py configures it (no Date header: two answers a second apart stay equal).
             server = uvicorn.Server(uvicorn.Config(s.app, host="127.0.0.1", port=port, http=Counting, ws="none",
                                                    lifespan="off", log_config=None, log_level="warning",
-                                                   access_log=False, server_header=False, date_header=False))
+                                                   access_log=False, server_header=False, date_header=False,
+                                                   timeout_keep_alive=keep_alive_s))
             task = asyncio.create_task(server.serve())
             while not server.started:
                 await asyncio.sleep(0.02)
@@ -151,15 +154,21 @@ def keyed(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) -
     yield from _gateway(redis_server, "inferkeyed", tmp_path_factory, {"api_keys": KEY})
 
 
+@pytest.fixture(scope="module")
+def brief(redis_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A keep-alive timeout of BRIEF_KEEP_ALIVE_S (uvicorn's, which the gateway keeps: 5 s)."""
+    yield from _gateway(redis_server, "inferbrief", tmp_path_factory, {}, BRIEF_KEEP_ALIVE_S)
+
+
 def _gateway(redis_server: LocalServer, prefix: str, tmp_path_factory: pytest.TempPathFactory,
-             overrides: dict[str, Any]) -> Iterator[Gateway]:
+             overrides: dict[str, Any], keep_alive_s: int = 5) -> Iterator[Gateway]:
     port = free_port()
     ready, stop = threading.Event(), threading.Event()
     gateway = Gateway(port, {"protocol": 0, "app": 0}, {})
     failure: list[BaseException] = []
     repository = _repository(tmp_path_factory.mktemp("models"))
     thread = threading.Thread(target=_serve, args=(redis_server.url, prefix, repository, port, ready, stop, gateway,
-                                                   failure, overrides), daemon=True)
+                                                   failure, overrides, keep_alive_s), daemon=True)
     thread.start()
     assert ready.wait(120), "the gateway did not start"
     if failure:
@@ -274,6 +283,38 @@ def test_keep_alive_pipelining_and_bodies_that_arrive_later(gateway: Gateway) ->
                            % (len(body), body))
     assert closed and answers(raw)[0].json()["outputs"][0]["data"] == [6, 8]
     gateway.idle()
+
+
+def test_an_idle_connection_is_closed_the_keep_alive_timeout_after_its_last_answer(brief: Gateway) -> None:
+    """The keep-alive timeout counts from the last answer (gateway/http_protocol.py keeps one timer per idle
+    stretch, not one per request): requests that keep a connection busy past the timeout of its first idle
+    stretch keep it open, and once it idles it is closed that timeout after its last answer."""
+    request = _request(b"POST", b"/v2/models/doubler/infer", _json(fp32_request([[1]])), b"", close=False)
+
+    async def main() -> tuple[list[float], float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", brief.port)
+        answered = []
+        try:
+            for i in range(3):
+                if i:
+                    await asyncio.sleep(0.7 * BRIEF_KEEP_ALIVE_S)  # the second gap ends past the first's timeout
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:")))
+                await asyncio.wait_for(reader.readexactly(length), 10)
+                answered.append(time.monotonic())
+            rest = await asyncio.wait_for(reader.read(), 10 * BRIEF_KEEP_ALIVE_S)  # until the server closes
+            assert rest == b""
+            return answered, time.monotonic()
+        finally:
+            writer.close()
+
+    answered, closed = asyncio.run(main())
+    assert answered[2] - answered[0] > BRIEF_KEEP_ALIVE_S  # busy past its first stretch's timeout: kept open
+    assert BRIEF_KEEP_ALIVE_S - 0.1 <= closed - answered[2] <= BRIEF_KEEP_ALIVE_S + 1.5, closed - answered[2]
+    brief.idle()
 
 
 def test_a_target_that_is_not_ascii_is_a_400_that_gives_back_its_body_bytes(gateway: Gateway) -> None:
