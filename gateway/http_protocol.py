@@ -298,7 +298,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._keep_timer = self.loop.call_at(now + self.timeout_keep_alive, self._keep_alive_due)
 
     def _unset_keepalive_if_required(self) -> None:
-        """uvicorn's, called as bytes arrive (and as the connection is lost): not idle any more."""
+        """uvicorn's, which its connection_lost calls (data_received does the same inline): not idle."""
         self._idle_since = -1.0
 
     def _keep_alive_due(self) -> None:
@@ -407,6 +407,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         if answer:
             self.transport.write(answer)
+        self._idle_since = -1.0  # the lingering close below is the connection's end, not the keep-alive timeout
         self.flow.resume_reading()  # to read and drop what the client still sends
         if self.transport.can_write_eof():
             self.transport.write_eof()

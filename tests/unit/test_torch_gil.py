@@ -200,11 +200,13 @@ def test_a_read_only_input_is_copied_without_letting_go_of_the_gil() -> None:
 
     thread = threading.Thread(target=other, daemon=True)
     switch = sys.getswitchinterval()
+    # From here a thread keeps the GIL until it lets go of it (set before the other starts waiting for it, so
+    # that no wait begun under the usual interval can force a switch later).
+    sys.setswitchinterval(1000.0)
     thread.start()
     try:
         while turns[0] == 0:
             time.sleep(0.001)
-        sys.setswitchinterval(1000.0)  # from here this thread keeps the GIL until it lets go of it
         before = turns[0]
         copy = _own_copy(source)
         during = turns[0] - before
@@ -217,3 +219,20 @@ def test_a_read_only_input_is_copied_without_letting_go_of_the_gil() -> None:
     assert np.array_equal(copy, source)
     copy[0, 0] = -1.0
     assert source[0, 0] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bool", "int8", "int16", "int32", "int64",
+                                   "uint8", "uint16", "uint32", "uint64"])
+def test_the_copy_of_a_read_only_input_is_its_values_in_every_layout(dtype: str) -> None:
+    """Whatever a model's input may be: contiguous or strided (transposed, reversed, sliced), empty, or 0-d
+    (a 0-d integer array is a size to bytearray() itself)."""
+    from workers.backends.torch_backend import _own_copy
+
+    base = (np.arange(24) % 7 + 1).astype(dtype).reshape(4, 6)
+    frozen = np.frombuffer(base.tobytes(), dtype=base.dtype).reshape(base.shape)  # read-only, as decoded
+    for arr in (frozen, frozen.T, frozen[::-1, ::2], frozen[1:3], frozen[:0], frozen[:, :0], frozen[2, 3:4].reshape(()),
+                np.frombuffer(np.array(8, dtype=dtype).tobytes(), dtype=dtype).reshape(())):
+        copy = _own_copy(arr)
+        assert copy.dtype == arr.dtype and copy.shape == arr.shape and copy.flags.writeable
+        assert copy.flags.c_contiguous and np.array_equal(copy, arr)
+        assert not np.shares_memory(copy, frozen)

@@ -25,11 +25,13 @@ from workers.backends.base import (
 
 
 def _own_copy(arr: np.ndarray) -> np.ndarray:
-    """A writable copy of `arr` made without letting go of the GIL. numpy's copy of more than a few hundred
-    elements lets go of it, and this thread then waits to get it back from the worker's event loop, which
-    holds it through its own work (up to the switch interval, workers/gil.py): on a bulk job's 64-row
-    batches the copy took 60 µs a batch on average, 26 of them copying (bench/RESULTS.md, stop 64)."""
-    return np.frombuffer(bytearray(arr), dtype=arr.dtype).reshape(arr.shape)
+    """A writable copy of `arr`, in C order, made without letting go of the GIL. numpy's copy of more than a
+    few hundred elements lets go of it, and this thread then waits to get it back from the worker's event
+    loop, which holds it through its own work (up to the switch interval, workers/gil.py): in a served worker
+    on a bulk job's 64-row batches, 45-60 µs a batch on average (19-22 of them the thread's CPU), against 6-8
+    this way (bench/RESULTS.md, stop 64). Through the array's memoryview (`.data`): bytearray() of a 0-d
+    integer array would take it for a size."""
+    return np.frombuffer(bytearray(arr.data), dtype=arr.dtype).reshape(arr.shape)
 
 
 class TorchBackend(InProcessBackend):
@@ -70,7 +72,9 @@ class TorchBackend(InProcessBackend):
         args = []
         for name in self._arg_names:
             arr = inputs[name]
-            if not arr.flags.writeable:  # torch.from_numpy refuses read-only buffers (zero-copy decode)
+            if not arr.flags.writeable:
+                # A view of the request's bytes (zero-copy decode): torch.from_numpy would share it (with a
+                # warning), and a model that writes its input in place would write into an immutable bytes.
                 arr = _own_copy(arr)
             tensor = torch.from_numpy(arr)
             # On the CPU, no .to(): it would return the same tensor, after letting go of the GIL (below).
