@@ -13,8 +13,8 @@ and reads a body whatever its announced length. Here, before anything reaches th
 - Read timeouts, Apache mod_reqtimeout's model: a head must arrive within `read_timeout_s`, extended by
   1 s per `min_rate_bps` bytes received, never past `header_timeout_max_s`; a body likewise, uncapped
   (a large upload at a sane rate passes). Past it, 408. A new connection's first head is timed from
-  the accept; between requests uvicorn's keep-alive timeout applies; while the gateway itself is not
-  reading (flow control, a pipelined request waiting its turn) the clock starts again.
+  the accept; between requests uvicorn's keep-alive timeout applies (gateway/keep_alive.py); while the
+  gateway itself is not reading (flow control, a pipelined request waiting its turn) the clock starts again.
 - Body size: a Content-Length over the limit (`body_limit`; `max_upload_bytes` for job uploads) is
   413 from the header, before any body is read; a chunked body is counted as it arrives.
 - Body bytes in flight: the bodies the process holds, each counted from its head (its Content-Length,
@@ -40,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from fleet.settings import Settings
 from gateway.coalescing_transport import CoalescingTransport
 from gateway.http_limits import BodyBudget, EdgeLimits, Refused, error_answer
+from gateway.keep_alive import IdleKeepAlive
 
 UPLOADS = b"/v2/jobs/uploads"  # the one route whose bodies may be max_upload_bytes (streamed to disk)
 # After an error answer, what the client still sends is read and dropped this long before closing:
@@ -68,7 +69,7 @@ def protocol_class(settings: Settings) -> type[EdgeHttpProtocol]:
     return Configured
 
 
-class EdgeHttpProtocol(HttpToolsProtocol):
+class EdgeHttpProtocol(IdleKeepAlive):
     limits: ClassVar[EdgeLimits]
     budget: ClassVar[BodyBudget]
 
@@ -76,7 +77,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     # past them every attribute access of the protocol, uvicorn's included, gets slower.
     __slots__ = ("_phase", "_phase_start", "_phase_bytes", "_timer", "_timer_at", "_head_bytes", "_heads", "_open",
                  "_begun", "_mid_read", "_body_limit", "_body_left", "_counted", "_chunked", "_held", "_unanswered",
-                 "_closing", "_refusal", "_idle_since", "_keep_timer")
+                 "_closing", "_refusal")
 
     # Per request, on the hot path, this adds a few attribute updates in the parser callbacks, a pass
     # over the headers, and for a request with a body one Held; a request read in one piece (the
@@ -97,8 +98,6 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._body_left: int | None = None  # a chunked body's bytes still allowed
         self._counted = False  # the chunked body being read counts against the budget
         self._chunked: Held | None = None
-        self._idle_since = -1.0  # when the last response completed with nothing after it; -1: not idle
-        self._keep_timer: asyncio.TimerHandle | None = None  # the keep-alive timeout's, one per idle stretch
         self._held: deque[Held] = deque()  # requests whose bodies count in the budget, oldest first
         self._unanswered = 0  # requests running or waiting their turn (HTTP/1.1 answers in order)
         self._closing = False  # answered an error: nothing more is parsed
@@ -112,16 +111,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._keep_timer is not None:
-            self._keep_timer.cancel()
-            self._keep_timer = None
         self._release(everything=True)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return  # read only so that the error answer is not reset away; dropped
-        self._idle_since = -1.0  # not idle: what _unset_keepalive_if_required does, inline
+        self._unset_keepalive_if_required()
         self._begun = self._open
         n = len(data)
         if self._phase != BODY:  # a head begins or continues here: counted before the parser buffers it
@@ -273,43 +269,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             request = held.popleft()
             self.budget.held -= request[1]
             request[1] = RELEASED
-        self._response_complete()
+        super().on_response_complete()
         if self._refusal is not None and not self._unanswered:
             refusal, self._refusal = self._refusal, None
             self._answer_and_close(refusal)
-
-    def _response_complete(self) -> None:
-        """uvicorn's on_response_complete but for its keep-alive timer. uvicorn arms one (call_later) as each
-        response completes and cancels it as the next request's bytes arrive: two calls into the loop a
-        request, 1.1-2.2 µs in uvloop (warm). Here a response notes when the connection went idle, bytes
-        arriving note that it is not, and one timer per idle stretch closes it when the timeout has passed
-        since (`_keep_alive_due`): a busy connection arms one timer per keep-alive timeout, not one a request."""
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self._idle_since = -1.0
-        self.flow.resume_reading()
-        if self.pipeline:  # a pipelined request starts now
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-            return
-        self._idle_since = now = self.loop.time()
-        if self._keep_timer is None:
-            self._keep_timer = self.loop.call_at(now + self.timeout_keep_alive, self._keep_alive_due)
-
-    def _unset_keepalive_if_required(self) -> None:
-        """uvicorn's, which its connection_lost calls (data_received does the same inline): not idle."""
-        self._idle_since = -1.0
-
-    def _keep_alive_due(self) -> None:
-        self._keep_timer = None
-        if self._idle_since < 0 or self.transport.is_closing():
-            return  # busy since: the response that ends it arms the next
-        due = self._idle_since + self.timeout_keep_alive
-        if self.loop.time() < due:  # went idle again after a request since this was armed
-            self._keep_timer = self.loop.call_at(due, self._keep_alive_due)
-        else:
-            self.timeout_keep_alive_handler()
 
     # Limits
 
@@ -407,7 +370,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         if answer:
             self.transport.write(answer)
-        self._idle_since = -1.0  # the lingering close below is the connection's end, not the keep-alive timeout
+        self._unset_keepalive_if_required()  # the lingering close below ends it, not the keep-alive timeout
         self.flow.resume_reading()  # to read and drop what the client still sends
         if self.transport.can_write_eof():
             self.transport.write_eof()

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from fleet.errors import ConfigError
 from fleet.model_config import parse_config_proto, spec_from_proto
 from fleet.model_spec import ModelSpec
+from gateway.grpc.response_heads import varint  # protobuf's varint, which the ONNX file is written in
 from tests.support.model_repo import TRITON_EXAMPLES
 from workers.auto_complete import complete_config
 
@@ -48,22 +49,13 @@ def io_summary(ios: Any) -> list[tuple[str, str, list[int]]]:
 FLOAT, INT32 = 1, 6  # onnx.TensorProto element types
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _int(field: int, value: int) -> bytes:
-    return _varint(field << 3) + _varint(value)
+    return varint(field << 3) + varint(value)
 
 
 def _bytes(field: int, value: bytes | str) -> bytes:
     data = value.encode() if isinstance(value, str) else value
-    return _varint(field << 3 | 2) + _varint(len(data)) + data
+    return varint(field << 3 | 2) + varint(len(data)) + data
 
 
 def _value_info(name: str, elem_type: int, shape: list[int | str]) -> bytes:
