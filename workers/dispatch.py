@@ -22,7 +22,7 @@ from fleet.redis_time import RedisClock
 from fleet.trace_points import BATCH_FORMED
 from workers import gil
 from workers.custody import Custody
-from workers.execute import BatchOutcome, LoopRun, run_batch
+from workers.execute import BatchOutcome, Computed, LoopRun, compute_batch, run_batch
 from workers.held import HeldRequests, stamp
 from workers.inline import LONE_BATCHES, batch_cost, may_inline
 from workers.instance import Callbacks, Instance, Job
@@ -110,7 +110,8 @@ class Dispatch:
         instance = self.instances[version][index]
         self._lone_batches = self._lone_batches + 1 if len(batch.items) == 1 else 0
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
-        job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes))
+        job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes),
+                  functools.partial(compute_batch, self.spec, instance.backend, envs, state_of, lanes))
         if instance.loop_backend is not None:
             job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
         job.bulk = self._bulk_lane in map(_LANE, batch.items)
@@ -143,9 +144,15 @@ class Dispatch:
                           neighbours_hold=self._neighbours_hold(), sole=self.sole, others_running=others,
                           lone_batches=self._lone_batches, queued=queued)
 
-    def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | BaseException,
+    def _on_done(self, version: int, index: int, job: Job, result: BatchOutcome | Computed | BaseException,
                  started_us: int) -> None:
-        """On the loop, as soon as an instance has computed a batch."""
+        """On the loop, as soon as an instance has computed a batch (its replies encoded here if the thread
+        left them: `Computed`)."""
+        if isinstance(result, Computed):
+            try:
+                result = result.complete()
+            except Exception as exc:  # a bug in the encoding's plumbing: reported as the thread's would be
+                result = exc
         now = self._clock.now_us()
         self._custody.claim_timeout.observe((now - started_us) / 1000)
         batch: Batch = job.batch

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from batching.plan import Batch
 from fleet.model_spec import InstanceLimit
 from workers.backends.base import Backend, LoopBackend
-from workers.execute import BatchOutcome, LoopOutcome, LoopRun
+from workers.execute import BatchOutcome, Computed, LoopOutcome, LoopRun
 from workers.inline import Costs
 from workers.rate_limiter import RateLimiter
 
@@ -66,6 +66,9 @@ class Job:
     version: int
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome
     run: Callable[[], BatchOutcome]
+    # The same batch computed by the instance's thread up to its replies, which the loop encodes (`Computed`):
+    # the thread goes on to the next batch meanwhile. None: the thread runs `run`.
+    compute: Callable[[], Computed | BatchOutcome] | None = None
     on_loop: LoopRun | None = None  # the same batch run from the event loop, where the backend allows
     # Set where the event loop may call `run` itself (workers/inline.py): asked again when the loop gets to it.
     inline: Callable[[], bool] | None = None
@@ -74,7 +77,8 @@ class Job:
     on_the_loop: bool = False  # the loop computed it (`Instance._inline`): its cost is how long it held the loop
 
 
-Done = Callable[[Job, "BatchOutcome | BaseException", int], None]  # (job, outcome or error, started µs)
+# (job, outcome or error, started µs); a `Computed` from the thread is completed by `done` on the loop.
+Done = Callable[[Job, "BatchOutcome | Computed | BaseException", int], None]
 Refused = Callable[[Job], None]  # a staged job the thread would not start: back to the loop unstarted
 
 
@@ -173,6 +177,7 @@ class Instance:
         self.running_inline = job.on_the_loop = True
         try:
             result, started_us = self._run(job)
+            assert not isinstance(result, Computed)  # (only the thread leaves the replies to the loop)
         finally:
             self.running_inline = False
         self._computed(job, loop, callbacks, started_us, result)
@@ -225,12 +230,13 @@ class Instance:
         if began is not None:
             began.set()
         current: Job | None = job
+        result: BatchOutcome | Computed | BaseException
         while current is not None:
             if rest is not None:
                 result, started_us = self._finish(rest), rest_started_us
                 rest = None
             else:
-                result, started_us = self._run(current)
+                result, started_us = self._run(current, on_thread=True)
             loop.call_soon_threadsafe(callbacks.done, current, result, started_us)
             current = self._take_staged(callbacks, lambda job: loop.call_soon_threadsafe(callbacks.refused, job))
             if current is not None and current.on_loop is not None and current.on_loop.ready():
@@ -250,10 +256,11 @@ class Instance:
                 self.busy = False
             return current
 
-    def _run(self, job: Job) -> tuple[BatchOutcome | BaseException, int]:
+    def _run(self, job: Job, on_thread: bool = False) -> tuple[BatchOutcome | Computed | BaseException, int]:
+        """`job` computed (on the thread: up to its replies, where it can be, `Job.compute`) or its error."""
         held = None
         started_us = time.time_ns() // 1000
-        result: BatchOutcome | BaseException
+        result: BatchOutcome | Computed | BaseException
         try:
             waited_ns = -1
             if self.limiter is not None and self.limit is not None:
@@ -263,8 +270,11 @@ class Instance:
                 waited_ns = time.perf_counter_ns() - waiting_since
                 started_us = time.time_ns() // 1000
             self.running_since = time.monotonic()
-            result = job.run()
-            if isinstance(result, BatchOutcome):
+            if on_thread and job.compute is not None:
+                result = job.compute()
+            else:
+                result = job.run()
+            if isinstance(result, (BatchOutcome, Computed)):
                 result.resource_wait_ns = waited_ns
         except Exception as exc:  # reported to the loop; the thread keeps serving
             result = exc

@@ -7,12 +7,14 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from fleet.envelope import RequestEnvelope, WireTensor
 from fleet.errors import InvalidInput
 from fleet.model_config import parse_config
+from workers import execute
 from workers.backends.base import Backend, InferenceItem, InProcessBackend, ItemResult
-from workers.execute import run_batch
+from workers.execute import BatchOutcome, Computed, compute_batch, run_batch
 
 SPEC = parse_config('backend: "python"\nmax_batch_size: 4\n'
                     'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
@@ -137,3 +139,65 @@ def test_a_batch_counts_its_own_thread_s_cpu_not_its_waits_nor_other_threads() -
     assert 0 <= waited.cpu_ns < 25_000_000  # not the wall time, nor the other thread's 30 ms of CPU
     spun = run_batch(SPEC, Spinner(), [env("a", (1, 2))])
     assert spun.replies[0].ok and spun.cpu_ns >= 30_000_000  # what it computed is counted
+
+
+class SlowOut(ArrayDoubler):
+    """Its outputs take 30 ms to encode (a model that hands back an output of another type, cast per request),
+    so that where and when the encoding runs can be told apart from the compute."""
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        return [ItemResult(outputs={"OUT": (item.inputs["IN"] * 2).astype(np.float64)}) for item in items]
+
+
+def test_a_computed_batch_is_encoded_by_whoever_completes_it_and_times_only_that(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An instance's thread computes up to the results and leaves the replies to the loop (workers/instance.py):
+    the replies are run_batch's, encoded on the thread that calls complete(), and the wait between the two
+    counts as neither compute nor output time."""
+    encoded_on: list[int] = []
+    encode = execute._encode
+
+    def slow_encode(*args: object) -> object:
+        encoded_on.append(threading.get_ident())
+        time.sleep(0.03)  # the thing timed (an encoding this long), not a wait for something
+        return encode(*args)  # type: ignore[arg-type]
+
+    envs = [env("a", (1, 2)), env("n", (-1, 0.5))]
+    whole = run_batch(SPEC, ArrayDoubler(), envs)
+    monkeypatch.setattr(execute, "_encode", slow_encode)
+    computed: list[Computed | BatchOutcome] = []
+    worker = threading.Thread(target=lambda: computed.append(compute_batch(SPEC, SlowOut(), envs)))
+    worker.start()
+    worker.join()
+    assert encoded_on == []  # nothing encoded by the computing thread
+    (result,) = computed
+    assert isinstance(result, Computed)
+    time.sleep(0.1)  # the hand-over to the loop, as long as it may take
+    outcome = result.complete()
+    assert encoded_on == [threading.get_ident()] * 2
+    assert [(r.id, r.ok, r.outputs) for r in outcome.replies] == [(r.id, r.ok, r.outputs) for r in whole.replies]
+    assert outcome.compute_infer_ns < 50_000_000  # not the 100 ms hand-over
+    assert 60_000_000 <= outcome.compute_output_ns < 100_000_000  # the two encodings, not the hand-over
+    assert outcome.cpu_ns >= 0
+
+
+def test_outputs_past_the_loop_s_share_are_encoded_where_they_were_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs the encoding must copy (arrays, and wire-form outputs of another type than declared, cast),
+    past LOOP_ENCODE_MAX_BYTES in all, never go to the loop; outputs in wire form and of their declared type
+    (copied once a batch by the backend) do, however large."""
+    monkeypatch.setattr(execute, "LOOP_ENCODE_MAX_BYTES", 16)  # one request's 2 floats: 8 bytes, or 16 as FP64
+    one = compute_batch(SPEC, ArrayDoubler(), [env("a", (1, 2)), env("b", (3, 4))])
+    assert isinstance(one, Computed)
+    three = compute_batch(SPEC, ArrayDoubler(), [env("a", (1, 2)), env("b", (3, 4)), env("c", (5, 6))])
+    assert isinstance(three, BatchOutcome) and [r.ok for r in three.replies] == [True] * 3
+    cast = compute_batch(SPEC, WireEcho(), [env("a", (1, 2)), env("b", (3, 4))])  # FP64 wire outputs: cast
+    assert isinstance(cast, BatchOutcome) and [r.ok for r in cast.replies] == [True, True]
+
+    class WireSame(WireEcho):  # its input back, as FP32 wire bytes
+        def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+            return [ItemResult(wire_outputs={"OUT": WireTensor("OUT", "FP32", (1, 2), item.wire[0].data * 1)})
+                    for item in items]
+
+    wired = compute_batch(SPEC, WireSame(), [env(str(i), (i, i)) for i in range(4)])
+    assert isinstance(wired, Computed)
+    assert [r.ok for r in wired.complete().replies] == [True] * 4

@@ -7,6 +7,7 @@ that cannot take it reports the batch failed, leaving the instance free."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -19,9 +20,10 @@ from batching.plan import Batch
 from workers import instance as instance_module
 from workers.backends import load_backend
 from workers.backends.base import LoadContext
-from workers.execute import BatchOutcome
+from workers.execute import BatchOutcome, Computed, compute_batch, run_batch
 from workers.instance import Callbacks, Instance, Job
 
+from .test_execute import SPEC, ArrayDoubler, env
 from .test_sleep_backend import sleep_spec
 
 
@@ -147,3 +149,32 @@ def test_a_stub_call_goes_after_what_the_step_set_going() -> None:
 
     asyncio.run(scenario())
     assert order == ["start returned", "reply write", "stub call written"]
+
+
+def test_the_thread_leaves_its_batch_s_replies_to_the_loop() -> None:
+    """A batch computed on the thread reaches `done`, on the loop, computed but not encoded (a `Computed`, which
+    workers/dispatch.py completes there) while the thread goes on; a job without `compute` runs `run` whole."""
+    envs = [env("a", (1, 2)), env("b", (3, 4))]
+    reports: list[tuple[object, int]] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as executor:
+            instance = _instance(executor)
+            split = Job(1, Batch(0, ()), functools.partial(run_batch, SPEC, ArrayDoubler(), envs),
+                        functools.partial(compute_batch, SPEC, ArrayDoubler(), envs))
+            whole = Job(1, Batch(1, ()), functools.partial(run_batch, SPEC, ArrayDoubler(), envs))
+            for job in (split, whole):
+                idle = asyncio.Event()
+                callbacks = Callbacks(done=lambda _job, outcome, _started: reports.append((outcome,
+                                                                                         threading.get_ident())),
+                                      idle=functools.partial(lambda event, _: event.set(), idle),
+                                      refused=lambda _: None, custody_fresh=lambda: True)
+                instance.start(job, loop, callbacks)
+                await asyncio.wait_for(idle.wait(), 5)
+
+    asyncio.run(scenario())
+    (computed, on), (outcome, _) = reports
+    assert on == threading.get_ident()  # reported on the loop's thread
+    assert isinstance(computed, Computed) and isinstance(outcome, BatchOutcome)
+    assert [r.outputs for r in computed.complete().replies] == [r.outputs for r in outcome.replies]
