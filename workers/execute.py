@@ -40,10 +40,13 @@ class BatchOutcome:
     # Under the rate limiter: how long the instance waited for its resources before this batch (-1: it
     # executes at will). The wait is queue time too (the batch starts once the resources are held).
     resource_wait_ns: int = -1
-    # The CPU time of run_batch's own thread over the batch (-1: not run by run_batch, e.g. a stub's call made
-    # from the loop). The batch's cost only where the backend computes on that thread (`runs_inline`):
-    # workers/inline.py's `batch_cost`.
+    # The CPU time of run_batch's own thread over the batch, and of the loop's encoding if the thread left it
+    # to the loop (`Computed`) (-1: not run by run_batch, e.g. a stub's call made from the loop). The batch's
+    # cost only where the backend computes on that thread (`runs_inline`): workers/inline.py's `batch_cost`.
     cpu_ns: int = -1
+    # Between the backend's results and their encoding: the hand-over to the loop (`Computed`), in no compute
+    # time (the traces' COMPUTE_OUTPUT_START comes after it).
+    handed_over_ns: int = 0
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:
@@ -180,9 +183,9 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
         log_context.unbind(token)
 
 
-# The most output bytes a batch's replies may copy when the event loop encodes them (`compute_batch`): a copy
-# of this much takes the loop ~20-50 µs here. Outputs in wire form (what framework backends and the Python
-# backend's stub return) are not copied again.
+# What the event loop takes on for a batch computed on an instance's thread (`compute_batch`): at most this many
+# requests, and this many bytes of outputs to cast (wire-form outputs of another type than declared).
+LOOP_ENCODE_MAX_REQUESTS = 256
 LOOP_ENCODE_MAX_BYTES = 1 << 18
 
 
@@ -190,9 +193,8 @@ def compute_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]
                   state_of: Callable[[ItemResult], object] | None = None, lanes: list[int] | None = None
                   ) -> Computed | BatchOutcome:
     """run_batch up to the backend's results, whose replies `Computed.complete()` encodes: an instance's
-    thread leaves that to the event loop (workers/instance.py). Outputs to be copied past
-    LOOP_ENCODE_MAX_BYTES are encoded here (the outcome is returned), so that the loop never holds on
-    a large copy. Never raises, as run_batch."""
+    thread leaves that to the event loop (workers/instance.py) where `_loop_may_encode`, else encodes them
+    itself (the outcome is returned). Never raises, as run_batch."""
     token = _bind_log(spec, envs)
     cpu_started = time.thread_time_ns()
     try:
@@ -202,29 +204,36 @@ def compute_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]
                             time.thread_time_ns() - cpu_started)
     finally:
         log_context.unbind(token)
-    return computed.complete() if _copied_bytes(spec, results) > LOOP_ENCODE_MAX_BYTES else computed
+    return computed if _loop_may_encode(spec, results, state_of) else computed.complete()
 
 
-def _copied_bytes(spec: ModelSpec, results: list[ItemResult]) -> int:
-    """What encoding these results copies: their outputs as arrays, and those in wire form but of another
-    type than declared (cast); wire-form outputs of their declared type are passed on as they are."""
-    copied = 0
+def _loop_may_encode(spec: ModelSpec, results: list[ItemResult],
+                     state_of: Callable[[ItemResult], object] | None) -> bool:
+    """Whether the loop may encode these results while the thread runs on. Only outputs in wire form: those
+    were copied out of the model's memory on the thread (framework backends' `_wire_outputs`, the Python
+    backend's stub), where an array may be memory the model changes again in its next batch, which its
+    encoding (a copy) must read first. No implicit state (copied from the outputs for the next request of a
+    sequence), and few enough requests and cast bytes that the loop is held briefly."""
+    if state_of is not None or len(results) > LOOP_ENCODE_MAX_REQUESTS:
+        return False
+    cast = 0
     for r in results:
-        for arr in (r.outputs or {}).values():
-            copied += arr.nbytes if isinstance(arr, np.ndarray) else 0
+        if r.outputs is not None:
+            return False
         for name, t in (r.wire_outputs or {}).items():
             ts = spec.output(name)
             if ts is None or t.datatype != ts.datatype.name:
-                copied += len(t.data)
-    return copied
+                cast += len(t.data)
+    return cast <= LOOP_ENCODE_MAX_BYTES
 
 
 @dataclass(slots=True)
 class Computed:
     """A batch computed, its replies not yet encoded (compute_batch). An instance's thread hands this to the
-    event loop and starts its next batch: encoding a bulk batch's replies there took 62-75 µs a batch of
-    64 rows, with the thread's caches cold after a forward (bench/RESULTS.md, stop 64), while the loop,
-    mostly idle during a job, has them warm and runs beside the next forward (which lets go of the GIL)."""
+    event loop and starts its next batch: on a bulk job's batches of 64 `mlp` rows, the thread spent ~150 µs
+    a batch besides its forward, 62-75 of them after it (bench/RESULTS.md, stop 64); handing this over cut
+    that by ~20-50 µs (stop 65), the encoding done by the loop while the next forward runs (it lets go of
+    the GIL)."""
 
     spec: ModelSpec
     prepared: _Prepared
@@ -396,4 +405,6 @@ def _complete(spec: ModelSpec, prepared: _Prepared, results: list[ItemResult],
         for k, res in enumerate(results):
             states[runnable_at[k]] = state_of(res)
     t0, t1 = prepared.t0, prepared.t1
-    return BatchOutcome(replies, t1 - t0, t2 - t1, t3 - encoding_ns, poisoned, t0, states)
+    outcome = BatchOutcome(replies, t1 - t0, t2 - t1, t3 - encoding_ns, poisoned, t0, states)
+    outcome.handed_over_ns = encoding_ns - t2
+    return outcome

@@ -98,9 +98,9 @@ def stamp_replies(held: list[HeldRequest], replies: list[ReplyEnvelope], outcome
     stamps: dict[str, int] = {}
     if outcome is not None:
         start = outcome.started_ns + redis_now_ns - time.perf_counter_ns()
+        output_start = start + outcome.compute_input_ns + outcome.compute_infer_ns + outcome.handed_over_ns
         stamps = {COMPUTE_START: start, COMPUTE_INPUT_END: start + outcome.compute_input_ns,
-                  COMPUTE_OUTPUT_START: start + outcome.compute_input_ns + outcome.compute_infer_ns,
-                  COMPUTE_END: start + outcome.compute_input_ns + outcome.compute_infer_ns + outcome.compute_output_ns}
+                  COMPUTE_OUTPUT_START: output_start, COMPUTE_END: output_start + outcome.compute_output_ns}
     for h, reply in zip(held, replies, strict=True):
         if h.env.trace is not None:
             reply.trace = h.env.trace | stamps

@@ -61,7 +61,8 @@ HANDOFF_WAIT_S = 0.002
 
 @dataclass(slots=True)
 class Job:
-    """One batch for one instance: `run` computes it (on the instance thread, or on the loop: `inline`)."""
+    """One batch for one instance: `run` computes it (on the loop: `inline`; on the instance thread, `compute`
+    where set)."""
 
     version: int
     batch: Batch  # what the scheduler dispatched, returned to the driver with the outcome

@@ -13,7 +13,7 @@ from fleet.envelope import RequestEnvelope, WireTensor
 from fleet.errors import InvalidInput
 from fleet.model_config import parse_config
 from workers import execute
-from workers.backends.base import Backend, InferenceItem, InProcessBackend, ItemResult
+from workers.backends.base import Backend, InferenceItem, InProcessBackend, ItemResult, run_merged
 from workers.execute import BatchOutcome, Computed, compute_batch, run_batch
 
 SPEC = parse_config('backend: "python"\nmax_batch_size: 4\n'
@@ -141,63 +141,86 @@ def test_a_batch_counts_its_own_thread_s_cpu_not_its_waits_nor_other_threads() -
     assert spun.replies[0].ok and spun.cpu_ns >= 30_000_000  # what it computed is counted
 
 
-class SlowOut(ArrayDoubler):
-    """Its outputs take 30 ms to encode (a model that hands back an output of another type, cast per request),
-    so that where and when the encoding runs can be told apart from the compute."""
+class MergedDoubler(InProcessBackend):
+    """A framework backend's way (workers/backends/base.py's run_merged): one pass over the batch, its outputs
+    cut per request in wire form from one copy."""
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
-        return [ItemResult(outputs={"OUT": (item.inputs["IN"] * 2).astype(np.float64)}) for item in items]
+        return run_merged(SPEC, items, lambda batch: {"OUT": batch["IN"] * 2})
+
+    def close(self) -> None:
+        pass
 
 
 def test_a_computed_batch_is_encoded_by_whoever_completes_it_and_times_only_that(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An instance's thread computes up to the results and leaves the replies to the loop (workers/instance.py):
-    the replies are run_batch's, encoded on the thread that calls complete(), and the wait between the two
-    counts as neither compute nor output time."""
+    the replies are run_batch's, encoded on the thread that calls complete(); the wait between the two counts
+    as neither compute nor output time."""
     encoded_on: list[int] = []
     encode = execute._encode
 
-    def slow_encode(*args: object) -> object:
+    def recording_encode(*args: object) -> object:
         encoded_on.append(threading.get_ident())
-        time.sleep(0.03)  # the thing timed (an encoding this long), not a wait for something
         return encode(*args)  # type: ignore[arg-type]
 
-    envs = [env("a", (1, 2)), env("n", (-1, 0.5))]
-    whole = run_batch(SPEC, ArrayDoubler(), envs)
-    monkeypatch.setattr(execute, "_encode", slow_encode)
+    envs = [env("a", (1, 2)), env("b", (-1, 0.5))]
+    whole = run_batch(SPEC, MergedDoubler(), envs)
+    monkeypatch.setattr(execute, "_encode", recording_encode)
     computed: list[Computed | BatchOutcome] = []
-    worker = threading.Thread(target=lambda: computed.append(compute_batch(SPEC, SlowOut(), envs)))
+    worker = threading.Thread(target=lambda: computed.append(compute_batch(SPEC, MergedDoubler(), envs)))
     worker.start()
     worker.join()
     assert encoded_on == []  # nothing encoded by the computing thread
     (result,) = computed
     assert isinstance(result, Computed)
-    time.sleep(0.1)  # the hand-over to the loop, as long as it may take
+    result.resource_wait_ns = 1234  # as a rate-limited instance's thread sets it
+    before = time.perf_counter_ns()
     outcome = result.complete()
+    after = time.perf_counter_ns()
     assert encoded_on == [threading.get_ident()] * 2
-    assert [(r.id, r.ok, r.outputs) for r in outcome.replies] == [(r.id, r.ok, r.outputs) for r in whole.replies]
-    assert outcome.compute_infer_ns < 50_000_000  # not the 100 ms hand-over
-    assert 60_000_000 <= outcome.compute_output_ns < 100_000_000  # the two encodings, not the hand-over
-    assert outcome.cpu_ns >= 0
+    assert [(r.id, r.outputs) for r in outcome.replies] == [(r.id, r.outputs) for r in whole.replies]
+    assert struct.unpack("<2f", outcome.replies[1].outputs[0].data) == (-2.0, 1.0)  # type: ignore[index]
+    assert outcome.compute_infer_ns == result.computed_ns - result.prepared.t1  # up to the backend's return
+    assert outcome.handed_over_ns >= before - result.computed_ns  # the hand-over, in no compute time
+    assert 0 <= outcome.compute_output_ns <= after - before  # the encoding's own
+    assert outcome.resource_wait_ns == 1234
 
 
-def test_outputs_past_the_loop_s_share_are_encoded_where_they_were_computed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outputs the encoding must copy (arrays, and wire-form outputs of another type than declared, cast),
-    past LOOP_ENCODE_MAX_BYTES in all, never go to the loop; outputs in wire form and of their declared type
-    (copied once a batch by the backend) do, however large."""
-    monkeypatch.setattr(execute, "LOOP_ENCODE_MAX_BYTES", 16)  # one request's 2 floats: 8 bytes, or 16 as FP64
-    one = compute_batch(SPEC, ArrayDoubler(), [env("a", (1, 2)), env("b", (3, 4))])
-    assert isinstance(one, Computed)
-    three = compute_batch(SPEC, ArrayDoubler(), [env("a", (1, 2)), env("b", (3, 4)), env("c", (5, 6))])
-    assert isinstance(three, BatchOutcome) and [r.ok for r in three.replies] == [True] * 3
-    cast = compute_batch(SPEC, WireEcho(), [env("a", (1, 2)), env("b", (3, 4))])  # FP64 wire outputs: cast
+def test_only_outputs_copied_out_of_the_model_go_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop encodes a batch only if every output is in wire form (copied out of the model's memory on the
+    thread), the model keeps no implicit state, and the batch's requests and cast bytes (outputs of another
+    type than declared) are within LOOP_ENCODE_MAX_REQUESTS and LOOP_ENCODE_MAX_BYTES."""
+    monkeypatch.setattr(execute, "LOOP_ENCODE_MAX_BYTES", 16)  # one request's 2 floats as FP64: 16 bytes
+    monkeypatch.setattr(execute, "LOOP_ENCODE_MAX_REQUESTS", 3)
+    three = [env("a", (1, 2)), env("b", (3, 4)), env("c", (5, 6))]
+    assert isinstance(compute_batch(SPEC, MergedDoubler(), three), Computed)
+    assert isinstance(compute_batch(SPEC, WireEcho(), three[:1]), Computed)  # 16 bytes cast
+    cast = compute_batch(SPEC, WireEcho(), three[:2])  # 32
     assert isinstance(cast, BatchOutcome) and [r.ok for r in cast.replies] == [True, True]
+    for outcome in (compute_batch(SPEC, ArrayDoubler(), three[:1]),  # arrays
+                    compute_batch(SPEC, MergedDoubler(), [*three, env("d", (7, 8))]),  # four requests
+                    compute_batch(SPEC, MergedDoubler(), three, state_of=lambda result: None)):  # implicit state
+        assert isinstance(outcome, BatchOutcome) and all(r.ok for r in outcome.replies)
 
-    class WireSame(WireEcho):  # its input back, as FP32 wire bytes
+
+def test_a_model_that_reuses_its_output_buffer_answers_each_batch_with_its_own_values() -> None:
+    """An output array may be memory the model changes again in its next batch: it is read (copied) before the
+    thread starts that batch, never left to the loop."""
+
+    class Reusing(InProcessBackend):
+        def __init__(self) -> None:
+            self.buffer = np.zeros((1, 2), np.float32)
+
         def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
-            return [ItemResult(wire_outputs={"OUT": WireTensor("OUT", "FP32", (1, 2), item.wire[0].data * 1)})
-                    for item in items]
+            self.buffer[:] = items[0].inputs["IN"] * 2
+            return [ItemResult(outputs={"OUT": self.buffer})]
 
-    wired = compute_batch(SPEC, WireSame(), [env(str(i), (i, i)) for i in range(4)])
-    assert isinstance(wired, Computed)
-    assert [r.ok for r in wired.complete().replies] == [True] * 4
+        def close(self) -> None:
+            pass
+
+    backend = Reusing()
+    first = compute_batch(SPEC, backend, [env("a", (1, 2))])
+    compute_batch(SPEC, backend, [env("b", (5, 6))])  # the thread's next batch, before the loop encodes
+    outcome = first.complete() if isinstance(first, Computed) else first
+    assert struct.unpack("<2f", outcome.replies[0].outputs[0].data) == (2.0, 4.0)  # type: ignore[index]

@@ -105,6 +105,15 @@ def test_replies_carry_trace_stamps_only_for_traced_requests() -> None:
     start = stamps[COMPUTE_START]
     assert (stamps[COMPUTE_INPUT_END] - start, stamps[COMPUTE_OUTPUT_START] - start,
             stamps[COMPUTE_END] - start) == (10, 110, 1_110)
+    # Outputs encoded by the loop after a hand-over from the instance's thread (workers/execute.py's
+    # Computed): the output starts after it.
+    outcome.handed_over_ns = 50
+    stamp_replies([a], replies[:1], outcome, redis_now_ns=5_000_000)
+    stamps = replies[0].trace
+    assert stamps is not None
+    start = stamps[COMPUTE_START]
+    assert (stamps[COMPUTE_INPUT_END] - start, stamps[COMPUTE_OUTPUT_START] - start,
+            stamps[COMPUTE_END] - start) == (10, 160, 1_160)
     # An expired request's reply (no outcome) carries only what it passed.
     replies = [error_reply(a.env, RequestTimeout())]
     stamp_replies([a], replies, None, redis_now_ns=5_000_000)

@@ -23,7 +23,7 @@ from workers.backends.base import LoadContext
 from workers.execute import BatchOutcome, Computed, compute_batch, run_batch
 from workers.instance import Callbacks, Instance, Job
 
-from .test_execute import SPEC, ArrayDoubler, env
+from .test_execute import SPEC, MergedDoubler, env
 from .test_sleep_backend import sleep_spec
 
 
@@ -161,9 +161,9 @@ def test_the_thread_leaves_its_batch_s_replies_to_the_loop() -> None:
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(1) as executor:
             instance = _instance(executor)
-            split = Job(1, Batch(0, ()), functools.partial(run_batch, SPEC, ArrayDoubler(), envs),
-                        functools.partial(compute_batch, SPEC, ArrayDoubler(), envs))
-            whole = Job(1, Batch(1, ()), functools.partial(run_batch, SPEC, ArrayDoubler(), envs))
+            split = Job(1, Batch(0, ()), functools.partial(run_batch, SPEC, MergedDoubler(), envs),
+                        functools.partial(compute_batch, SPEC, MergedDoubler(), envs))
+            whole = Job(1, Batch(1, ()), functools.partial(run_batch, SPEC, MergedDoubler(), envs))
             for job in (split, whole):
                 idle = asyncio.Event()
                 callbacks = Callbacks(done=lambda _job, outcome, _started: reports.append((outcome,
