@@ -173,7 +173,7 @@ class ModelSpec:
     # Per instance (groups expanded in order): its rate_limiter (workers/rate_limiter.py).
     instance_limits: tuple[InstanceLimit, ...] = ()
     sequence: SequenceSpec | None = None  # sequence_batching's strategy, controls and state (fleet/sequence_spec.py)
-    # Derived, looked up per request (workers/execute.py): built once here instead of by a scan each time.
+    # Derived, looked up per request (workers/reply_encoding.py): built once here instead of by a scan each time.
     _outputs_by_name: Mapping[str, TensorSpec] = field(init=False, repr=False, compare=False)
     has_ragged_inputs: bool = field(init=False, repr=False, compare=False)  # an input allows ragged batches
 

@@ -18,6 +18,10 @@ wait) runs on the instance's thread as before.
 An in-process CPU model's batch is computed by the loop itself where that holds the loop briefly
 (`Job.inline`; workers/inline.py says when), which saves the two hand-offs.
 
+A batch the thread computes is reported to the loop with its replies still to encode, where that is safe and
+brief (`Job.compute`, workers/execute.py's `Computed`): the loop encodes them while the thread goes on to the
+staged batch.
+
 A batch handed to the thread gets the GIL at once: the loop waits until the thread has begun it
 (`_to_thread`). The loop holds the GIL through its own work (uvloop writes to sockets without letting it
 go) and lets go only when it waits for I/O; a thread that wants the GIL meanwhile gets it only after the

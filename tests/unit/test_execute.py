@@ -158,7 +158,7 @@ def test_a_computed_batch_is_encoded_by_whoever_completes_it_and_times_only_that
     the replies are run_batch's, encoded on the thread that calls complete(); the wait between the two counts
     as neither compute nor output time."""
     encoded_on: list[int] = []
-    encode = execute._encode
+    encode = execute.encode_reply
 
     def recording_encode(*args: object) -> object:
         encoded_on.append(threading.get_ident())
@@ -166,7 +166,7 @@ def test_a_computed_batch_is_encoded_by_whoever_completes_it_and_times_only_that
 
     envs = [env("a", (1, 2)), env("b", (-1, 0.5))]
     whole = run_batch(SPEC, MergedDoubler(), envs)
-    monkeypatch.setattr(execute, "_encode", recording_encode)
+    monkeypatch.setattr(execute, "encode_reply", recording_encode)
     computed: list[Computed | BatchOutcome] = []
     worker = threading.Thread(target=lambda: computed.append(compute_batch(SPEC, MergedDoubler(), envs)))
     worker.start()

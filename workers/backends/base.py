@@ -242,7 +242,7 @@ _CONVERTED = frozenset({"BYTES", "BF16"})
 def _wire_outputs(spec: ModelSpec, outputs: dict[str, np.ndarray],
                   items: list[InferenceItem]) -> list[dict[str, WireTensor]] | None:
     """Each request's outputs in wire form, cut as views from one copy of each batch output: one copy and a
-    few calls a batch, where splitting into arrays and encoding each (workers/execute.py) takes a copy
+    few calls a batch, where splitting into arrays and encoding each (workers/reply_encoding.py) takes a copy
     and ~1.3 µs a request (bench/RESULTS.md, stop 63). A copy, not a view of the array: the replies are
     written later, while the instance runs on, and a model may hand back memory it changes again. Only the
     outputs some request may want are copied: those it names (all, if one names none), and a sequence
