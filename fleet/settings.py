@@ -85,8 +85,10 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float = 5.0
     # A reader blocks this long on XREADGROUP / XREAD before checking for shutdown.
     block_ms: int = 1000
-    # A worker keeps at most this many batches per model read ahead of execution.
-    read_ahead_batches: int = 2
+    # A worker keeps at most this many batches per model and instance read ahead (the one executing, the one
+    # staged behind it, and one more: with two, a GPU-like model's instance found no batch staged after half
+    # its batches of 328 µs, 0.80x the rows a second of three; bench/RESULTS.md, stop 65).
+    read_ahead_batches: int = 3
     # Messages a dead worker left pending are claimed by another after this much idle time: 0 derives
     # it from the model's observed batch execution time (fleet/claims.py), never under claim_min_ms.
     # A live worker refreshes what it holds every claim_keepalive_s, so only a dead one's messages age.

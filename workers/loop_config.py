@@ -15,7 +15,7 @@ from workers.custody import CustodyConfig
 @dataclass(frozen=True, slots=True)
 class LoopConfig:
     block_ms: int = 1000
-    read_ahead_batches: int = 2
+    read_ahead_batches: int = 3  # fleet/settings.py's
     aging_us: int = 0
     bulk_share: float = 1.0
     watchdog_s: float = 120.0
