@@ -68,15 +68,7 @@ def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
     sequence model's implicit state, taken from each request's result (workers/sequence_tensors.py).
     `lanes`: each request's lane, for backends that schedule within a batch (a generation engine).
     What is logged meanwhile (here, by the backend) names the model, version and the batch's requests."""
-    token = _bind_log(spec, envs)
-    cpu_started = time.thread_time_ns()
-    try:
-        prepared = _prepare(spec, backend, envs, lanes)
-        outcome = _complete(spec, prepared, _execute(spec, backend, prepared.items), state_of)
-        outcome.cpu_ns = time.thread_time_ns() - cpu_started
-        return outcome
-    finally:
-        log_context.unbind(token)
+    return _compute(spec, backend, envs, state_of, lanes).complete()
 
 
 # What the event loop takes on for a batch computed on an instance's thread (`compute_batch`): at most this many
@@ -91,16 +83,22 @@ def compute_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope]
     """run_batch up to the backend's results, whose replies `Computed.complete()` encodes: an instance's
     thread leaves that to the event loop (workers/instance.py) where `_loop_may_encode`, else encodes them
     itself (the outcome is returned). Never raises, as run_batch."""
+    computed = _compute(spec, backend, envs, state_of, lanes)
+    return computed if _loop_may_encode(spec, computed.results, state_of) else computed.complete()
+
+
+def _compute(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],
+             state_of: Callable[[ItemResult], object] | None, lanes: list[int] | None) -> Computed:
+    """The batch's inputs decoded and run through the backend, its replies still to encode."""
     token = _bind_log(spec, envs)
     cpu_started = time.thread_time_ns()
     try:
         prepared = _prepare(spec, backend, envs, lanes)
         results = _execute(spec, backend, prepared.items)
-        computed = Computed(spec, prepared, results, state_of, time.perf_counter_ns(),
-                            time.thread_time_ns() - cpu_started)
+        return Computed(spec, prepared, results, state_of, time.perf_counter_ns(),
+                        time.thread_time_ns() - cpu_started)
     finally:
         log_context.unbind(token)
-    return computed if _loop_may_encode(spec, results, state_of) else computed.complete()
 
 
 def _loop_may_encode(spec: ModelSpec, results: list[ItemResult],
