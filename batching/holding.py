@@ -1,10 +1,12 @@
 """What one worker holds of one model, in rows per lane: the bound on its read-ahead.
 
-Rows, not messages: a bulk job's message packs a whole batch. Each lane above the bulk lane has one
-batch more room than the lane below it, so a lower lane may never fill the room a higher one needs, and
-every lower lane keeps at least one batch queued so that bulk-lane aging (batching.policy) can promote it
-and a lower level's queue timeouts are seen. Claimed orphans may take the holding one batch past its
-bound (`claim_room`): they are older than anything new, so they must not wait behind new traffic.
+Rows, not messages: a bulk job's message packs a whole batch, or several (then the bulk lane's bound
+scales with them, and what it holds past its bound in rows takes no room from the lanes above it). Each
+lane above the bulk lane has one batch more room than the lane below it, so a lower lane may never fill
+the room a higher one needs, and every lower lane keeps at least one batch queued so that bulk-lane aging
+(batching.policy) can promote it and a lower level's queue timeouts are seen. Claimed orphans may take the
+holding one batch past its bound (`claim_room`): they are older than anything new, so they must not wait
+behind new traffic.
 Pure policy: no I/O.
 """
 
@@ -67,10 +69,26 @@ class Holding:
     def room(self, lane: int) -> int:
         """How many more rows `lane` may read now: up to its limit (one batch more per lane above the
         bulk lane), and at least enough to keep one batch of its own queued."""
-        room = self.capacity + self.per_batch * (self.bulk_lane - lane) - self.rows()
+        if lane < self.bulk_lane:
+            # The bulk lane's rows past `capacity` (packed messages, `_bulk_capacity`) take no room from these.
+            held = self.rows() - max(0, self._rows[self.bulk_lane] - self.capacity)
+            room = self.capacity + self.per_batch * (self.bulk_lane - lane) - held
+        else:
+            room = self._bulk_capacity() - self.rows()
         if lane > 0:
             room = max(room, self.per_batch - self._rows[lane])
         return room
+
+    def _bulk_capacity(self) -> int:
+        """What the bulk lane may fill: `capacity`, scaled to its messages where those are larger than a batch
+        (a bulk job's packed requests, run in parts: workers/request_parts.py), so that as many of them are held
+        as batches would be; one would otherwise fill it alone, with none waiting behind it. Higher lanes keep
+        the bound in rows (a worker does not hoard online requests other workers could serve while a job
+        runs), and so do models that do not batch (`per_batch` 1)."""
+        hint = self._hint[self.bulk_lane]
+        if hint <= self.per_batch or self.per_batch == 1:
+            return self.capacity
+        return self.capacity * -(-hint // self.per_batch)
 
     def claim_room(self) -> int:
         """How many rows of orphans (messages a dead worker left) may be taken now: one batch more than

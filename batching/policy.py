@@ -223,8 +223,9 @@ def _dynamic_batch(policy: BatchPolicy, candidates: Sequence[Pending], now_us: i
 def _walk(policy: BatchPolicy, candidates: Sequence[Pending], max_pref: int) -> _Walk:
     preferred = frozenset(policy.preferred_batch_sizes)
     first = candidates[0]
-    # The first request is always taken, even if it alone exceeds max_batch_size: the gateway should
-    # have rejected it, but holding it back would block its lane forever.
+    # The first request is always taken, even if it alone exceeds max_batch_size: a bulk job's packed
+    # request, which the worker runs in parts (workers/request_parts.py); any other, the gateway should
+    # have rejected, but holding it back would block its lane forever.
     taken, rows = 1, first.rows
     best = 1 if rows in preferred else 0
     for item in candidates[1:]:

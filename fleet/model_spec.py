@@ -207,6 +207,14 @@ class ModelSpec:
         return self.platform or self.backend
 
     @property
+    def runs_in_parts(self) -> bool:
+        """Whether a request of more rows than max_batch_size may run as several batches of at most that many
+        (workers/request_parts.py; a bulk job's packed requests, fleet/jobs/feed.py): a model that batches, on
+        instances of its own (not an ensemble), keeps no state across requests (not a sequence model) and
+        answers each request once (not decoupled)."""
+        return self.max_batch_size > 0 and not (self.decoupled or self.sequence_batching or self.ensemble)
+
+    @property
     def needs_equal_shapes(self) -> bool:
         """Whether batched requests must agree on input shapes (§3.6, Triton core
         SetConfiguredScheduler): a shape tensor input, or a variable-dim input without

@@ -60,6 +60,9 @@ class BatchSample:
     queue_us: tuple[int, ...] = ()
     # Under the rate limiter: how long the instance waited for its resources (-1: not rate limited).
     resource_wait_ns: int = -1
+    # A request run as several executions of these rows each (workers/request_parts.py: a bulk job's packed
+    # request); empty: one execution of batch_size rows.
+    parts: tuple[int, ...] = ()
 
 
 LAST_INFERENCE = "last_inference"  # a time (ms), not a count: the fold keeps the latest, never adds
@@ -293,7 +296,7 @@ def increments(s: BatchSample) -> dict[str, int]:
     ok = s.requests_ok
     sums = n.sums
     values = (ok, s.request_ns_ok, ok, s.queue_ns, ok, s.compute_input_ns * ok, ok, s.compute_infer_ns * ok,
-              ok, s.compute_output_ns * ok, s.batch_size if ok else 0, 1 if ok else 0)
+              ok, s.compute_output_ns * ok, s.batch_size if ok else 0, (len(s.parts) or 1) if ok else 0)
     d = {name: value for name, value in zip(sums, values, strict=True) if value}
     if s.requests_failed:
         d[n.fail[0]] = s.requests_failed
@@ -307,11 +310,29 @@ def increments(s: BatchSample) -> dict[str, int]:
             d[n.rate_limit[1]] = s.resource_wait_ns
     if ok:
         _add_latencies(d, n, s)
+        if s.parts:
+            _add_parts(d, n, s)
+            return d
         names = n.of_batch(s.batch_size)
         for name, value in zip(names, (1, s.compute_input_ns, s.compute_infer_ns, s.compute_output_ns), strict=True):
             if value:
                 d[name] = value
     return d
+
+
+def _add_parts(d: dict[str, int], n: _Names, s: BatchSample) -> None:
+    """A request run in parts: one execution of each part's size, the request's compute times shared among
+    them by rows (what each part took is not kept apart), each time's remainder on the last."""
+    total = sum(s.parts)
+    times = (s.compute_input_ns, s.compute_infer_ns, s.compute_output_ns)
+    given = [0, 0, 0]
+    for i, rows in enumerate(s.parts):
+        last = i == len(s.parts) - 1
+        shares = [t - g if last else t * rows // total for t, g in zip(times, given, strict=True)]
+        given = [g + share for g, share in zip(given, shares, strict=True)]
+        for name, value in zip(n.of_batch(rows), (1, *shares), strict=True):
+            if value:
+                d[name] = d.get(name, 0) + value
 
 
 def _add_latencies(d: dict[str, int], n: _Names, s: BatchSample) -> None:

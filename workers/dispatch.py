@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -26,6 +27,7 @@ from workers.execute import BatchOutcome, Computed, LoopRun, compute_batch, run_
 from workers.held import HeldRequests, stamp
 from workers.inline import LONE_BATCHES, batch_cost, may_inline
 from workers.instance import Callbacks, Instance, Job
+from workers.request_parts import run_in_parts
 from workers.sequence_driver import Sequences
 
 _LANE = attrgetter("lane")  # (a C getter: a batch's lanes looked at with no Python frame per request)
@@ -64,6 +66,7 @@ class Dispatch:
         self._neighbours_hold = neighbours_hold  # another model loop of the worker holds requests
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
+        self._runs_in_parts = spec.runs_in_parts
 
     @property
     def one_at_a_time(self) -> bool:
@@ -110,12 +113,18 @@ class Dispatch:
         instance = self.instances[version][index]
         self._lone_batches = self._lone_batches + 1 if len(batch.items) == 1 else 0
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
-        job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes),
-                  functools.partial(compute_batch, self.spec, instance.backend, envs, state_of, lanes))
-        if instance.loop_backend is not None:
-            job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
+        # A bulk job's packed request (larger than max_batch_size): its parts one after another, on the thread.
+        parts = self._runs_in_parts and len(envs) == 1 and batch.items[0].rows > self.spec.max_batch_size
+        if parts:
+            job = Job(version, batch, functools.partial(run_in_parts, self.spec, instance.backend, envs[0], lanes,
+                                                        functools.partial(_part_started, instance)))
+        else:
+            job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes),
+                      functools.partial(compute_batch, self.spec, instance.backend, envs, state_of, lanes))
+            if instance.loop_backend is not None:
+                job.on_loop = LoopRun(self.spec, instance.loop_backend, envs, state_of, lanes)
         job.bulk = self._bulk_lane in map(_LANE, batch.items)
-        if job.on_loop is None and self.inline_max_ns and instance.inline_capable:
+        if job.on_loop is None and not parts and self.inline_max_ns and instance.inline_capable:
             job.nbytes = sum(env.input_bytes for env in envs)  # its cost measured, by the thread or the loop
             # Run, or staged: the loop computes it where it starts it, if that still holds then. (The
             # partial holds no job: a job that held itself would wait for the cycle collector.)
@@ -174,3 +183,9 @@ class Dispatch:
     def _on_idle(self, version: int, index: int, instance: Instance) -> None:
         self.schedulers[version].idle(index)
         self._wake()
+
+
+def _part_started(instance: Instance) -> None:
+    """On the instance's thread, as a packed request's next part starts: the watchdog times each part as a batch
+    (a request of K parts may run K times a batch's time)."""
+    instance.running_since = time.monotonic()

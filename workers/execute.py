@@ -46,6 +46,9 @@ class BatchOutcome:
     # Between the backend's results and their encoding: the hand-over to the loop (`Computed`), in no compute
     # time (the traces' COMPUTE_OUTPUT_START comes after it).
     handed_over_ns: int = 0
+    # A request larger than max_batch_size run as several batches (workers/request_parts.py): each one's rows,
+    # each an execution in the statistics. Empty: the batch was one execution.
+    parts: list[int] = field(default_factory=list)
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:

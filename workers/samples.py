@@ -37,6 +37,7 @@ def batch_sample(version: int, held: list[HeldRequest], outcome: BatchOutcome, o
         compute_input_ns=outcome.compute_input_ns, compute_infer_ns=outcome.compute_infer_ns,
         compute_output_ns=outcome.compute_output_ns, finished_ms=int(time.time() * 1000),
         request_us=tuple(request_us), queue_us=tuple(queue_us), resource_wait_ns=outcome.resource_wait_ns,
+        parts=tuple(outcome.parts) if rows else (),
     )
 
 

@@ -1,0 +1,160 @@
+"""A request larger than max_batch_size run in parts (workers/request_parts.py): cut by rows, each part an
+ordinary batch the model sees at most max_batch_size rows of, the replies joined into one."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+
+from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
+from fleet.errors import InvalidInput, PoisonRequest
+from fleet.model_config import parse_config
+from fleet.tensors import serialize_bytes
+from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, run_merged
+from workers.execute import BatchOutcome
+from workers.request_parts import join, parts_of, run_in_parts
+
+CONFIG = ('backend: "python"\nmax_batch_size: 4\n'
+          'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+          '        { name: "S" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+          'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+          '         { name: "T" data_type: TYPE_STRING dims: [ 1 ] } ]')
+SPEC = parse_config(CONFIG, source="m", model_name="m")
+
+
+def request(rows: int, rid: str = "r1") -> RequestEnvelope:
+    x = np.arange(rows * 2, dtype="<f4").reshape(rows, 2)
+    words = np.array([[f"w{i}" * (i % 3 + 1)] for i in range(rows)], dtype=object)
+    return RequestEnvelope(id=rid, model="m", version=1, reply_to="r", enqueued_at_us=0, inputs=[
+        WireTensor("IN", "FP32", (rows, 2), x.tobytes()), WireTensor("S", "BYTES", (rows, 1), serialize_bytes(words))])
+
+
+class Doubler(InProcessBackend):
+    """Doubles IN and repeats S twice; remembers the rows of every batch it was given."""
+
+    def __init__(self, fail_at_call: int = -1, error: Exception | None = None) -> None:
+        self.batches: list[int] = []
+        self.fail_at_call, self.error = fail_at_call, error
+
+    def _run(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.batches.append(batch["IN"].shape[0])
+        if len(self.batches) - 1 == self.fail_at_call:
+            raise self.error or InvalidInput("this part fails")
+        return {"OUT": batch["IN"] * 2, "T": np.array([[s[0] * 2] for s in batch["S"]], dtype=object)}
+
+    def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
+        return run_merged(SPEC, items, self._run)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 17])
+def test_a_request_past_max_batch_size_is_cut_into_parts_of_its_rows(rows: int) -> None:
+    env = request(rows)
+    parts = parts_of(SPEC, env)
+    assert parts is not None
+    assert [p.batch_rows(True) for p in parts] == [min(4, rows - i) for i in range(0, rows, 4)]
+    assert all(p.id == env.id and p.trace is None for p in parts)
+    for name in ("IN", "S"):  # the parts' bytes are the request's, in order
+        whole = next(t for t in env.inputs if t.name == name)
+        assert b"".join(bytes(next(t for t in p.inputs if t.name == name).data) for p in parts) == whole.data
+    assert struct.unpack("<2f", bytes(parts[1].inputs[0].data)[:8]) == (8.0, 9.0)  # row 4
+
+
+def test_requests_that_fit_or_cannot_be_cut_are_left_whole() -> None:
+    assert parts_of(SPEC, request(4)) is None and parts_of(SPEC, request(1)) is None
+    env = request(6)
+    odd = dataclasses.replace(env, inputs=[env.inputs[0], WireTensor("S", "BYTES", (3, 2), env.inputs[1].data)])
+    assert parts_of(SPEC, odd) is None  # an input whose first dim is not the request's rows
+    torn = dataclasses.replace(env, inputs=[env.inputs[0], WireTensor("S", "BYTES", (6, 1), env.inputs[1].data[:-1])])
+    assert parts_of(SPEC, torn) is None  # BYTES that do not walk to their end
+    uneven = dataclasses.replace(env, inputs=[WireTensor("IN", "FP32", (6, 2), b"\0" * 47), env.inputs[1]])
+    assert parts_of(SPEC, uneven) is None
+    for extra in ("model_transaction_policy { decoupled: true }", "sequence_batching { }"):
+        spec = parse_config(CONFIG + "\n" + extra, source="m", model_name="m")
+        assert not spec.runs_in_parts and parts_of(spec, env) is None
+    assert parts_of(parse_config(CONFIG.replace("max_batch_size: 4", "max_batch_size: 0")
+                                 .replace("dims: [ 2 ]", "dims: [ -1, 2 ]").replace("dims: [ 1 ]", "dims: [ -1, 1 ]"),
+                                 source="m", model_name="m"), env) is None
+
+
+def test_the_model_sees_at_most_max_batch_size_rows_and_the_reply_is_one() -> None:
+    env = request(10)
+    backend = Doubler()
+    started: list[int] = []
+    outcome = run_in_parts(SPEC, backend, env, part_started=lambda: started.append(len(backend.batches)))
+    assert backend.batches == [4, 4, 2]
+    assert started == [1, 2]  # the watchdog's clock restarts as each part after the first starts
+    (reply,) = outcome.replies
+    assert reply.ok and reply.id == env.id and outcome.parts == [4, 4, 2] and not outcome.poisoned
+    out = {t.name: t for t in reply.outputs or []}
+    assert out["OUT"].shape == (10, 2)
+    assert np.array_equal(np.frombuffer(bytes(out["OUT"].data), "<f4"), np.arange(20, dtype="<f4") * 2)
+    assert out["T"].shape == (10, 1)
+    whole = Doubler().execute([InferenceItem(inputs={
+        "IN": np.frombuffer(env.inputs[0].data, "<f4").reshape(10, 2),
+        "S": np.array([[f"w{i}" * (i % 3 + 1)] for i in range(10)], dtype=object)})])[0]
+    assert bytes(out["T"].data) == serialize_bytes(whole.outputs["T"] if whole.outputs else np.array([]))
+
+
+def test_the_first_part_that_fails_answers_and_no_part_runs_after_it() -> None:
+    env = request(12)
+    backend = Doubler(fail_at_call=1)
+    outcome = run_in_parts(SPEC, backend, env)
+    assert backend.batches == [4, 4]  # the third part never ran
+    (reply,) = outcome.replies
+    assert reply.error_code == "INVALID_ARG" and reply.id == env.id and reply.outputs is None
+    assert outcome.parts == [4, 4] and not outcome.poisoned
+
+
+def test_a_poisoned_part_poisons_the_request() -> None:
+    env = request(8)
+
+    def run(envs: list[RequestEnvelope]) -> BatchOutcome:
+        return BatchOutcome([error_reply(envs[0], PoisonRequest(3))], 0, 0, 0, poisoned=[0])
+    outcome = run_in_parts(SPEC, Doubler(), env, run=run)
+    assert outcome.poisoned == [0] and outcome.replies[0].error_code == "INTERNAL"
+
+
+def test_a_request_that_cannot_be_cut_runs_whole_as_before() -> None:
+    env = request(6)
+    odd = dataclasses.replace(env, inputs=[env.inputs[0], WireTensor("S", "BYTES", (3, 2), env.inputs[1].data)])
+    seen: list[list[RequestEnvelope]] = []
+
+    def run(envs: list[RequestEnvelope]) -> BatchOutcome:
+        seen.append(envs)
+        return BatchOutcome([ReplyEnvelope(id=envs[0].id)], 0, 0, 0)
+    outcome = run_in_parts(SPEC, Doubler(), odd, run=run)
+    assert seen == [[odd]] and outcome.parts == []
+
+
+def test_replies_that_cannot_be_joined_answer_an_error_and_never_raise() -> None:
+    env = request(8)
+    shapes = iter([(4, 2), ()])  # a later part's output without a batch dim
+
+    def run(envs: list[RequestEnvelope]) -> BatchOutcome:
+        out = WireTensor("OUT", "FP32", next(shapes), b"\0" * 32)
+        return BatchOutcome([ReplyEnvelope(id=envs[0].id, outputs=[out])], 0, 0, 0)
+    outcome = run_in_parts(SPEC, Doubler(), env, run=run)
+    assert outcome.replies[0].error_code == "INTERNAL" and outcome.parts == [4, 4]
+
+
+def test_times_add_up_and_parts_that_disagree_are_an_error() -> None:
+    env = request(8)
+
+    def outcome(outputs: list[WireTensor], infer: int, cpu: int) -> BatchOutcome:
+        return BatchOutcome([ReplyEnvelope(id=env.id, outputs=outputs)], 1, infer, 2, started_ns=infer, cpu_ns=cpu,
+                            resource_wait_ns=-1 if cpu < 0 else 5)
+    a = [WireTensor("OUT", "FP32", (4, 2), b"a" * 32)]
+    joined = join(env, [outcome(a, 10, 7), outcome(a, 20, 8)], [4, 4])
+    assert (joined.compute_input_ns, joined.compute_infer_ns, joined.started_ns, joined.cpu_ns) == (2, 30, 10, 15)
+    assert joined.compute_output_ns >= 4 and joined.resource_wait_ns == 10
+    assert joined.replies[0].outputs == [WireTensor("OUT", "FP32", (8, 2), b"a" * 64)]
+    assert join(env, [outcome(a, 1, 1), outcome(a, 1, -1)], [4, 4]).cpu_ns == -1
+    other = [WireTensor("OUT", "FP32", (4, 3), b"a" * 48)]
+    bad = join(env, [outcome(a, 1, 1), outcome(other, 1, 1)], [4, 4]).replies[0]
+    assert bad.error_code == "INTERNAL" and "differ between the parts" in bad.error_message
