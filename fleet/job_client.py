@@ -165,7 +165,7 @@ def job_spec(args: argparse.Namespace, job_input: str | dict[str, str]) -> dict[
     """The POST /v2/jobs body from `fleet submit` arguments; unset options are left to the gateway."""
     spec: dict[str, Any] = {"model": args.model, "input": job_input}
     optional = {"version": args.model_version, "priority": args.priority, "id": args.job_id,
-                "max_failures": args.max_failures}
+                "max_failures": args.max_failures, "pack_batches": args.pack_batches}
     spec.update({k: v for k, v in optional.items() if v is not None})
     fmt = args.format
     if fmt is None and getattr(args, "output", None) is not None:

@@ -61,7 +61,7 @@ return 1
 
 # Integer fields of the record (everything else is a string).
 _INTS = ("version", "priority", "total", "done", "failed", "written", "in_offset", "out_offset", "max_failures",
-         "attempts", "run_done_start")
+         "pack_batches", "attempts", "run_done_start")
 _FLOATS = ("created_at", "started_at", "finished_at", "updated_at", "run_started_at")
 
 
@@ -218,7 +218,7 @@ def view(record: Mapping[str, Any], errors: list[dict[str, Any]], now: float | N
                           for message, count in ErrorCounts.from_json(record.get("error_counts")).most_common()],
         "created_at": record.get("created_at"), "started_at": record.get("started_at"),
         "finished_at": record.get("finished_at"), "attempts": int(record.get("attempts") or 0),
-        "max_failures": record.get("max_failures"),
+        "max_failures": record.get("max_failures"), "pack_batches": record.get("pack_batches") or 1,
         "input": {"kind": record.get("input_kind") or ""},
         "output": {"format": record.get("output_format") or ""},
     }

@@ -21,7 +21,7 @@ from fleet.jobs.runner import JobOptions
 from fleet.keys import Keys
 from fleet.model_spec import ModelSpec
 from fleet.paths import contained, inside_any
-from fleet.settings import Settings
+from fleet.settings import MAX_PACK_BATCHES, Settings
 
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".npy": "array", ".npz": "array"}
 OUTPUT_FORMATS = {"jsonl": ".jsonl", "npy": ".npy", "npz": ".npz"}
@@ -115,11 +115,16 @@ def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: 
         raise InvalidInput("array output (npy/npz) needs array input (.npy/.npz)")
     priority = _int_field(doc, "priority", 0)
     max_failures = _int_field(doc, "max_failures", None)
+    pack = doc.get("pack_batches")
+    pack = ctx.options.pack_batches if pack is None else pack
+    if isinstance(pack, bool) or not isinstance(pack, int) or not 1 <= pack <= MAX_PACK_BATCHES:
+        raise InvalidInput(f"'pack_batches' must be an integer from 1 to {MAX_PACK_BATCHES}, got {_shown(pack)}")
     job_dir = ctx.jobs_dir / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     fields = {"model": spec.name, "version": version, "priority": priority, "input": str(path), "input_kind": kind,
               "output": str(job_dir / f"output{OUTPUT_FORMATS[fmt]}"), "output_format": fmt,
-              "max_failures": -1 if max_failures is None else max_failures}
+              "max_failures": -1 if max_failures is None else max_failures,
+              "pack_batches": pack if spec.runs_in_parts else 1}  # as the job worker will send them
     if not ctx.store.create(job_id, fields):  # lost a race with the same id
         record = ctx.store.get(job_id)
         assert record is not None

@@ -104,6 +104,42 @@ def test_a_10k_job_equals_direct_computation_and_records_bad_lines(
     check_outputs(good, reference[:n], [i + 1 + (i >= 10) + (i >= 500) for i in range(n)])
 
 
+def test_packed_requests_run_in_parts_of_max_batch_size_and_equal_direct_computation(
+        jobs: JobsClient, system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    """pack_batches 4: 2,000 rows go as 8 requests of up to 256 rows (7 full, one of 208), each run by the
+    worker as batches of at most mlp's max_batch_size 64 (32 executions, the last of 16 rows)."""
+    source = tmp_path / "packed.npy"
+    np.save(source, rows[:2000])
+
+    def stats() -> dict[str, Any]:
+        return httpx.get(f"http://{system.url}/v2/models/mlp/stats").json()["model_stats"][0]  # type: ignore[no-any-return]
+    before = stats()
+    record = jobs.create({"model": "mlp", "input": str(source), "output": {"format": "npy"}, "pack_batches": 4})
+    assert record["pack_batches"] == 4
+    record = wait_for(jobs, record["id"], finished)
+    assert record["state"] == "completed" and record["done"] == 2000 and record["failed"] == 0, record
+    out = tmp_path / "packed.out.npy"
+    jobs.download(record["id"], out)
+    np.testing.assert_allclose(np.load(out), reference[:2000], rtol=1e-5, atol=1e-5)
+    after = stats()
+    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 8
+    assert after["execution_count"] - before["execution_count"] == 32
+    assert after["inference_count"] - before["inference_count"] == 2000
+    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+    old = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+    assert max(sizes) <= 64 and sizes[64] - old.get(64, 0) == 31 and sizes[16] - old.get(16, 0) == 1
+
+
+@pytest.mark.parametrize("value", [0, 17, "4", 2.0, True])
+def test_pack_batches_out_of_range_is_refused(jobs: JobsClient, rows: np.ndarray, tmp_path: Path,
+                                             value: object) -> None:
+    source = tmp_path / "ok.npy"
+    np.save(source, rows[:10])
+    with pytest.raises(JobsClientError) as exc:
+        jobs.create({"model": "mlp", "input": str(source), "pack_batches": value})
+    assert exc.value.status == 400 and "'pack_batches' must be an integer from 1 to 16" in exc.value.message
+
+
 def test_resubmitting_an_id_returns_the_first_job(jobs: JobsClient, rows: np.ndarray, tmp_path: Path) -> None:
     source = tmp_path / "small.npy"
     np.save(source, rows[:100])

@@ -56,26 +56,29 @@ def test_submit_parses_every_option() -> None:
     args = build_parser().parse_args([
         "submit", "data.jsonl", "--model", "m", "--model-version", "2", "-o", "out.jsonl", "--priority", "3",
         "--id", "nightly", "--max-failures", "5", "--format", "npz", "--no-wait", "--server-path",
-        "--url", "http://x:1",
+        "--url", "http://x:1", "--pack-batches", "4",
     ])
     assert (args.command, args.input, args.model, args.model_version) == ("submit", "data.jsonl", "m", "2")
     assert (args.output, args.priority, args.job_id, args.max_failures) == (Path("out.jsonl"), 3, "nightly", 5)
     assert (args.format, args.no_wait, args.server_path, args.url) == ("npz", True, True, "http://x:1")
+    assert args.pack_batches == 4
 
 
 def test_submit_defaults_leave_options_to_the_gateway() -> None:
     args = build_parser().parse_args(["submit", "in.npy", "--model", "m"])
     assert args.output is args.priority is args.job_id is args.max_failures is args.format is args.url is None
+    assert args.pack_batches is None
     assert not args.no_wait and not args.server_path
     assert job_spec(args, {"upload": "tok"}) == {"model": "m", "input": {"upload": "tok"}}
 
 
 def test_job_spec_carries_set_options() -> None:
     args = build_parser().parse_args(["submit", "/srv/in.jsonl", "--model", "m", "--model-version", "1",
-                                      "--priority", "0", "--id", "a", "--max-failures", "0", "--format", "npy"])
+                                      "--priority", "0", "--id", "a", "--max-failures", "0", "--format", "npy",
+                                      "--pack-batches", "2"])
     assert job_spec(args, "/srv/in.jsonl") == {
         "model": "m", "input": "/srv/in.jsonl", "version": "1", "priority": 0, "id": "a", "max_failures": 0,
-        "output": {"format": "npy"},
+        "pack_batches": 2, "output": {"format": "npy"},
     }
 
 
