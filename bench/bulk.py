@@ -4,6 +4,7 @@ saturating the workers while online requests come in) against online alone.
     .venv/bin/python bench/bulk.py [--items 200000] [--mixed-items 400000] [--conc 4] [--port 18000]
                                    [--interval-ms 3000] [--out bench/out/bulk-TIME] [--skip-mixed]
                                    [--instances 1] [--direct-threads "1"] [--offline-passes 1]
+                                   [--pack-batches K]   (a job's requests of K batches' rows: FLEET_JOB_PACK_BATCHES)
 
 1. direct: `mlp` in this process (bench/direct.py: TorchScript, torch.set_num_threads(T) for each T of
    --direct-threads, 1 by default as the served config's INTRA_OP_THREAD_COUNT, inference_mode) at batch
@@ -113,6 +114,8 @@ def main() -> None:
     p.add_argument("--offline-passes", type=int, default=1,
                    help="offline jobs, each between two direct measurements (default 1)")
     p.add_argument("--root", type=Path, default=ROOT, help="the fleet checkout to serve (before/after a change)")
+    p.add_argument("--pack-batches", type=int, default=None,
+                   help="batches of rows per job request (FLEET_JOB_PACK_BATCHES of the fleet served; default 1)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()
@@ -125,7 +128,10 @@ def main() -> None:
     offline_in = data / "offline.npy"
     np.save(offline_in, rng.standard_normal((a.items, 256), dtype=np.float32))
     # The job inputs are server-side files in `data`: a directory jobs may read.
-    fleet = Fleet(a.port, out, 180.0, ["mlp"], env={"FLEET_JOB_INPUT_DIRS": json.dumps([str(data)])}, root=a.root,
+    env = {"FLEET_JOB_INPUT_DIRS": json.dumps([str(data)])}
+    if a.pack_batches is not None:
+        env["FLEET_JOB_PACK_BATCHES"] = str(a.pack_batches)
+    fleet = Fleet(a.port, out, 180.0, ["mlp"], env=env, root=a.root,
                   repositories=None if a.instances == 1 else [str(mlp_with_instances(data, a.instances))])
 
     def on_term(signum: int, frame: object) -> None:
