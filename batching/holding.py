@@ -84,7 +84,7 @@ class Holding:
         (a bulk job's packed requests, run in parts: workers/request_parts.py), so that as many of them are held
         as batches would be; one would otherwise fill it alone, with none waiting behind it. Higher lanes keep
         the bound in rows (a worker does not hoard online requests other workers could serve while a job
-        runs), and so do models that do not batch (`per_batch` 1)."""
+        runs), and so do models without dynamic batching (`per_batch` 1: one message held at a time, as ever)."""
         hint = self._hint[self.bulk_lane]
         if hint <= self.per_batch or self.per_batch == 1:
             return self.capacity
@@ -92,9 +92,10 @@ class Holding:
 
     def claim_room(self) -> int:
         """How many rows of orphans (messages a dead worker left) may be taken now: one batch more than
-        the highest lane may read, so a saturated worker still takes them (and, being over its bound,
-        reads nothing new until they are served)."""
-        return self.room(0) + self.per_batch
+        the highest lane may read (its bound counted as the bulk lane's, which packed messages scale), so a
+        saturated worker still takes them (and, being over its bound, reads nothing new until they are
+        served)."""
+        return self._bulk_capacity() + self.per_batch * (self.bulk_lane + 1) - self.rows()
 
     def messages_to_read(self, lane: int, room: int) -> int:
         """Messages to ask for to fill `room` rows: each as large as the lane's last one."""

@@ -210,9 +210,11 @@ class ModelSpec:
     def runs_in_parts(self) -> bool:
         """Whether a request of more rows than max_batch_size may run as several batches of at most that many
         (workers/request_parts.py; a bulk job's packed requests, fleet/jobs/feed.py): a model that batches, on
-        instances of its own (not an ensemble), keeps no state across requests (not a sequence model) and
-        answers each request once (not decoupled)."""
-        return self.max_batch_size > 0 and not (self.decoupled or self.sequence_batching or self.ensemble)
+        instances of its own (not an ensemble), keeps no state across requests (not a sequence model), answers
+        each request once (not decoupled), takes no shape tensors, and whose outputs have fixed dims past the
+        batch's (so its parts' outputs join along the batch axis)."""
+        return self.max_batch_size > 0 and not (self.decoupled or self.sequence_batching or self.ensemble) \
+            and not any(t.is_shape_tensor for t in self.inputs) and all(-1 not in t.dims for t in self.outputs)
 
     @property
     def needs_equal_shapes(self) -> bool:

@@ -12,8 +12,9 @@ tensors' rows, views of the message's bytes), run on the instance's thread right
 message gets one reply (the parts' outputs joined along the batch axis, or the error of the first part that
 failed, after which no part runs) and one acknowledgement, and the statistics count one execution a part.
 Online requests that arrive meanwhile wait for the whole message, where they would wait for one batch.
-Not cut, and run whole as before: a model that does not batch, a decoupled or sequence model's request, and
-a request whose inputs do not all have its rows as their first dim.
+Jobs pack only for models that allow it (`ModelSpec.runs_in_parts`); a request that cannot be cut (an input
+whose first dim is not its rows) is answered with an error, never run whole (the job worker then sends its
+items unpacked).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
-from fleet.errors import InferenceFailed
+from fleet.errors import InferenceFailed, InvalidInput
 from fleet.model_spec import ModelSpec
 from fleet.tensors import element_count
 from workers.backends.base import Backend
@@ -65,7 +66,7 @@ def parts_of(spec: ModelSpec, env: RequestEnvelope) -> list[RequestEnvelope] | N
 def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes: list[int] | None = None,
                  part_started: Callable[[], None] | None = None,
                  run: Callable[[list[RequestEnvelope]], BatchOutcome] | None = None) -> BatchOutcome:
-    """On the instance's thread: `env` cut (`parts_of`; run whole if it cannot be) and each part run as a
+    """On the instance's thread: `env` cut (`parts_of`; an error reply if it cannot be) and each part run as a
     batch of its own (run_batch; `run` in tests), in order, until one fails; the outcome of `env` with its one
     reply. `part_started` is called before each part (the watchdog times a part, not the request). Never
     raises, as run_batch."""
@@ -74,7 +75,13 @@ def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes:
             return run_batch(spec, backend, envs, None, lanes)
     parts = parts_of(spec, env)
     if parts is None:
-        return run([env])
+        n = env.batch_rows(spec.max_batch_size > 0)
+        if n <= spec.max_batch_size:  # (it fits after all: a batch as any other)
+            return run([env])
+        # Never run whole: the model is not to see more than its max_batch_size rows.
+        return BatchOutcome([error_reply(env, InvalidInput(
+            f"the request has {n} rows, more than max_batch_size {spec.max_batch_size}, and cannot be run "
+            "as batches of at most that many (its inputs do not all have its rows as their first dim)"))], 0, 0, 0)
     outcomes: list[BatchOutcome] = []
     for part in parts:
         if part_started is not None and outcomes:

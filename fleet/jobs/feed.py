@@ -42,7 +42,7 @@ import redis
 from fleet.admission import bulk_lane, level_lane
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_request, readable_reply
 from fleet.errors import InvalidInput, ServingError
-from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, unpack
+from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, request_batches, unpack
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
 from fleet.jobs.results import RESULTS_TTL_S, ResultsReader
 from fleet.model_spec import ModelSpec
@@ -123,13 +123,11 @@ class Feed:
         max_rows = spec.max_batch_size if spec.max_batch_size > 0 else 1
         # Array in, array out: rows are read (and written) a whole batch at a time, never one by one.
         blocks = max_rows if source.kind == "array" and record["output_format"] != "jsonl" else 1
-        # Several batches' rows in one request where the model runs such a request in parts (one batch after
-        # another: workers/request_parts.py), at most half a window's, so that two requests are in flight.
-        pack = int(record.get("pack_batches") or 1) if spec.runs_in_parts else 1
+        # Several batches' rows in one request where the job says so and the model runs it in parts.
         self.max_rows = max_rows
-        self.request_rows = max_rows * max(1, min(pack, self.window_rows // (2 * max_rows)))
+        pack = request_batches(spec, priority, int(record.get("pack_batches") or 1), self.window_rows)
         self.groups: Iterator[list[InputItem]] = group_items(source.read(self.done, self.in_offset, blocks),
-                                                             self.request_rows)
+                                                             max_rows * pack)
         self.exhausted = False
         self.order: deque[_Group] = deque()  # submitted or resolved, not yet written, in input order
         self.by_id: dict[str, _Group] = {}  # awaiting a reply
@@ -250,12 +248,14 @@ class Feed:
         if len(group.items) == 1:
             group.errors = [reply.error_message or reply.error_code]
             return
-        # A packed request failed: retry its items (rows of a block) one by one so only bad ones fail; a
-        # request of several batches' rows (`pack_batches`), its items as they would have gone unpacked.
-        # Same rows, still held by the parent group: the window count does not change.
+        # A packed request failed: retry its items (rows of a block) one by one so only bad ones fail; one of
+        # several batches' rows (`pack_batches`), as its items would have gone unpacked (a failed one of those is
+        # then retried item by item). Same rows, still held by the parent group: the window count does not change.
         job = self.runner.job_id
-        group.split = [_Group([item], f"{job}:{item.index}+1") for item in group.items] if group.rows > self.max_rows \
-            else [_Group([one], f"{job}:{one.index}+1") for item in group.items for one in explode(item)]
+        if group.rows > self.max_rows:
+            group.split = [_Group(g, f"{job}:{g[0].index}+{len(g)}") for g in group_items(group.items, self.max_rows)]
+        else:
+            group.split = [_Group([one], f"{job}:{one.index}+1") for item in group.items for one in explode(item)]
         self._send(group.split)
 
     # -- liveness: a lost reply never stalls the job

@@ -11,7 +11,7 @@ from fleet.jobs.inputs import JobInput, NpyInput, NpzInput, open_input
 from fleet.jobs.items import InputItem
 from fleet.jobs.jsonl_input import JsonlInput, count_lines
 from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output, remove_output
-from fleet.jobs.packing import explode, group_items, pack, unpack
+from fleet.jobs.packing import explode, group_items, pack, request_batches, unpack
 
 __all__ = [
     "InputItem",
@@ -30,5 +30,6 @@ __all__ = [
     "open_output",
     "pack",
     "remove_output",
+    "request_batches",
     "unpack",
 ]

@@ -15,6 +15,7 @@ from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import InputItem
+from fleet.model_spec import ModelSpec
 
 _LEN = struct.Struct("<I")
 
@@ -26,6 +27,16 @@ def _signature(item: InputItem) -> Hashable:
     outputs = None if item.outputs is None else tuple(item.outputs)
     params = tuple(sorted((k, type(v).__name__, v) for k, v in item.parameters.items()))
     return layout, outputs, params
+
+
+def request_batches(spec: ModelSpec, priority: int, pack_batches: int, window_rows: int) -> int:
+    """How many batches' rows (max_batch_size each) a job's request holds: its `pack_batches` where the model
+    runs such a request in parts (`ModelSpec.runs_in_parts`, workers/request_parts.py) and the job is on the
+    bulk lane (priority 0: a level's lane keeps its bound in rows), at most half the job's window (so that
+    two requests are in flight); else 1."""
+    if pack_batches <= 1 or priority != 0 or not spec.runs_in_parts:
+        return 1
+    return max(1, min(pack_batches, window_rows // (2 * spec.max_batch_size)))
 
 
 def group_items(items: Iterable[InputItem], max_rows: int) -> Iterator[list[InputItem]]:

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from fleet.errors import InvalidInput, NotFound, NotReadyYet
-from fleet.jobs.formats import open_input, remove_output
+from fleet.jobs.formats import open_input, remove_output, request_batches
 from fleet.jobs.records import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobStore, check_id, view
 from fleet.jobs.recovery import queue_run
 from fleet.jobs.runner import JobOptions
@@ -124,7 +124,8 @@ def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: 
     fields = {"model": spec.name, "version": version, "priority": priority, "input": str(path), "input_kind": kind,
               "output": str(job_dir / f"output{OUTPUT_FORMATS[fmt]}"), "output_format": fmt,
               "max_failures": -1 if max_failures is None else max_failures,
-              "pack_batches": pack if spec.runs_in_parts else 1}  # as the job worker will send them
+              # as the job worker will send them (1 where the model or the lane does not allow more)
+              "pack_batches": request_batches(spec, priority or 0, pack, ctx.options.window_rows)}
     if not ctx.store.create(job_id, fields):  # lost a race with the same id
         record = ctx.store.get(job_id)
         assert record is not None

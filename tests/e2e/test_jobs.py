@@ -130,6 +130,15 @@ def test_packed_requests_run_in_parts_of_max_batch_size_and_equal_direct_computa
     assert max(sizes) <= 64 and sizes[64] - old.get(64, 0) == 31 and sizes[16] - old.get(16, 0) == 1
 
 
+def test_a_job_on_a_priority_level_is_not_packed(jobs: JobsClient, rows: np.ndarray, tmp_path: Path) -> None:
+    """A level's lane keeps its read-ahead bound in rows: its job's requests are one batch each, as it says."""
+    source = tmp_path / "level.npy"
+    np.save(source, rows[:100])
+    record = jobs.create({"model": "mlp", "input": str(source), "priority": 1, "pack_batches": 4})
+    assert record["pack_batches"] == 1
+    assert wait_for(jobs, record["id"], finished)["state"] == "completed"
+
+
 @pytest.mark.parametrize("value", [0, 17, "4", 2.0, True])
 def test_pack_batches_out_of_range_is_refused(jobs: JobsClient, rows: np.ndarray, tmp_path: Path,
                                              value: object) -> None:

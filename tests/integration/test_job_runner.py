@@ -28,7 +28,7 @@ from fleet.jobs.runner import JobOptions, JobRunner
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from fleet.repository import scan
-from tests.support.lane_worker import ANSWER, GARBLE_REPLY, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker, answer_all
+from tests.support.lane_worker import ANSWER, FAIL, GARBLE_REPLY, HOLD, LOSE_REPLY, LOSE_REQUEST, LaneWorker, answer_all
 from tests.support.model_repo import python_config, write_model
 
 MODEL = "quad"
@@ -57,7 +57,7 @@ class Job:
     """One job record and a runner for it on a thread, as an RQ job worker would run it."""
 
     def __init__(self, url: str, key_prefix: str, repo: Path, tmp: Path, items: np.ndarray | list[str],
-                 window_rows: int, reply_timeout_s: float, max_failures: int = -1) -> None:
+                 window_rows: int, reply_timeout_s: float, max_failures: int = -1, pack_batches: int = 1) -> None:
         self.client = redis.Redis.from_url(url, protocol=2)
         self.keys = Keys(key_prefix)
         self.store = JobStore(self.client, self.keys)
@@ -70,7 +70,7 @@ class Job:
             write_jsonl(source, items)
         self.store.create(self.id, {"model": MODEL, "version": 1, "priority": 0, "input": str(source),
                                     "input_kind": "jsonl", "output": str(self.output), "output_format": "jsonl",
-                                    "max_failures": max_failures})
+                                    "max_failures": max_failures, "pack_batches": pack_batches})
         options = JobOptions(key_prefix, [str(repo)], window_rows, lease_ms=5000, reply_timeout_s=reply_timeout_s)
         self.runner = JobRunner(redis.Redis.from_url(url, protocol=2), self.id, options)
         self.outcome: list[str] = []
@@ -105,8 +105,10 @@ class Job:
 def make_job(redis_server: LocalServer, key_prefix: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def make(items: np.ndarray | list[str], window_rows: int, reply_timeout_s: float, max_failures: int = -1) -> Job:
-        job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s, max_failures)
+    def make(items: np.ndarray | list[str], window_rows: int, reply_timeout_s: float, max_failures: int = -1,
+             pack_batches: int = 1) -> Job:
+        job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s, max_failures,
+                  pack_batches)
         jobs.append(job)
         return job
 
@@ -130,6 +132,26 @@ def check_output(job: Job, items: np.ndarray) -> None:
     assert [d["line"] for d in lines] == list(range(1, len(items) + 1))
     got = np.array([d["outputs"][0]["data"] for d in lines], dtype=np.float32)
     np.testing.assert_array_equal(got, items * 2)
+
+
+def test_packed_requests_hold_several_batches_and_a_failed_one_goes_again_unpacked(
+        make_job: Callable[..., Job]) -> None:
+    """pack_batches 4: 40 one-row lines go as requests of 16, 16 and 8 rows. Each of those fails here (as a model
+    might); its lines are sent again as they would have gone unpacked, 4 to a request, not one by one."""
+    items = inputs(40)
+    job = make_job(items, window_rows=64, reply_timeout_s=3600, pack_batches=4)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        return FAIL if env.batch_rows(True) > MAX_BATCH else ANSWER
+
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and job.record()["failed"] == 0
+    assert sorted(worker.sent) == sorted([f"{job.id}:0+16", f"{job.id}:16+16", f"{job.id}:32+8"]
+                                         + [f"{job.id}:{i}+4" for i in range(0, 40, 4)])
+    assert set(worker.sent.values()) == {1} and worker.rows == 80
+    check_output(job, items)
 
 
 def test_a_stuck_head_never_lets_the_runner_hold_more_than_the_window(make_job: Callable[..., Job]) -> None:

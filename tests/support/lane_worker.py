@@ -16,6 +16,7 @@ from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, decode_re
 
 ANSWER, HOLD, LOSE_REQUEST, LOSE_REPLY = "answer", "hold", "lose request", "lose reply"
 GARBLE_REPLY = "garble reply"
+FAIL = "fail"
 
 # KEYS[1] = reply stream; ARGV[1] = the encoded reply. Written and deleted atomically: the reply is lost
 # before its reader can see it, as when its stream is trimmed or lost in a restart without AOF.
@@ -40,8 +41,9 @@ def answer_all(env: RequestEnvelope, sends: int) -> str:
 class LaneWorker:
     """Reads one lane and handles each new request as `decide(env, times its request id was sent)` says:
     ANSWER, HOLD (leave it queued; `release` answers it later), LOSE_REQUEST (delete it from the lane
-    unanswered), LOSE_REPLY (take it off the lane and answer it, but the reply is lost) or GARBLE_REPLY
-    (take it off the lane and answer it with an entry no envelope decoder reads)."""
+    unanswered), LOSE_REPLY (take it off the lane and answer it, but the reply is lost), GARBLE_REPLY
+    (take it off the lane and answer it with an entry no envelope decoder reads) or FAIL (answer it with an
+    error, as a model that failed)."""
 
     def __init__(self, client: redis.Redis, stream: str) -> None:
         self.client = client
@@ -70,17 +72,20 @@ class LaneWorker:
             elif action == LOSE_REPLY:
                 self.client.eval(_LOSE_REPLY, 1, env.reply_to, encode_reply(doubled(env)))
                 self.client.xdel(self.stream, entry_id)
+            elif action == FAIL:
+                self.answer(entry_id, env, ReplyEnvelope(id=env.id, model_version=env.version, error_code="INTERNAL",
+                                                         error_message="the model failed"))
             elif action == GARBLE_REPLY:  # an out-of-band marker with a head longer than the entry
                 self.client.xadd(env.reply_to, {b"d0": b"\xc1\xff\xff\x00\x00garbage"})
                 self.client.xdel(self.stream, entry_id)
             else:
                 self.answer(entry_id, env)
 
-    def answer(self, entry_id: bytes, env: RequestEnvelope) -> None:
+    def answer(self, entry_id: bytes, env: RequestEnvelope, reply: ReplyEnvelope | None = None) -> None:
         """As a worker finishes: the reply first, then the request leaves the lane (one ordered pipeline)."""
         pipe = self.client.pipeline(transaction=False)
         reply_id = f"{time.time_ns() // 1_000_000 - self.clock_behind_ms}-*" if self.clock_behind_ms else "*"
-        pipe.xadd(env.reply_to, {b"d0": encode_reply(doubled(env))}, id=reply_id)
+        pipe.xadd(env.reply_to, {b"d0": encode_reply(reply or doubled(env))}, id=reply_id)
         pipe.xdel(self.stream, entry_id)
         pipe.execute()
 

@@ -9,8 +9,10 @@ import struct
 import numpy as np
 import pytest
 
+from batching.holding import Holding
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
 from fleet.errors import InvalidInput, PoisonRequest
+from fleet.jobs.packing import request_batches
 from fleet.model_config import parse_config
 from fleet.tensors import serialize_bytes
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, run_merged
@@ -77,6 +79,9 @@ def test_requests_that_fit_or_cannot_be_cut_are_left_whole() -> None:
     for extra in ("model_transaction_policy { decoupled: true }", "sequence_batching { }"):
         spec = parse_config(CONFIG + "\n" + extra, source="m", model_name="m")
         assert not spec.runs_in_parts and parts_of(spec, env) is None
+    variable = parse_config(CONFIG.replace('name: "OUT" data_type: TYPE_FP32 dims: [ 2 ]',
+                                           'name: "OUT" data_type: TYPE_FP32 dims: [ -1 ]'), source="m", model_name="m")
+    assert not variable.runs_in_parts  # parts' outputs might not join along the batch axis
     assert parts_of(parse_config(CONFIG.replace("max_batch_size: 4", "max_batch_size: 0")
                                  .replace("dims: [ 2 ]", "dims: [ -1, 2 ]").replace("dims: [ 1 ]", "dims: [ -1, 1 ]"),
                                  source="m", model_name="m"), env) is None
@@ -120,7 +125,7 @@ def test_a_poisoned_part_poisons_the_request() -> None:
     assert outcome.poisoned == [0] and outcome.replies[0].error_code == "INTERNAL"
 
 
-def test_a_request_that_cannot_be_cut_runs_whole_as_before() -> None:
+def test_a_request_that_cannot_be_cut_is_answered_an_error_and_never_runs_whole() -> None:
     env = request(6)
     odd = dataclasses.replace(env, inputs=[env.inputs[0], WireTensor("S", "BYTES", (3, 2), env.inputs[1].data)])
     seen: list[list[RequestEnvelope]] = []
@@ -129,7 +134,12 @@ def test_a_request_that_cannot_be_cut_runs_whole_as_before() -> None:
         seen.append(envs)
         return BatchOutcome([ReplyEnvelope(id=envs[0].id)], 0, 0, 0)
     outcome = run_in_parts(SPEC, Doubler(), odd, run=run)
-    assert seen == [[odd]] and outcome.parts == []
+    assert seen == [] and outcome.parts == []
+    (reply,) = outcome.replies
+    assert reply.id == env.id and reply.error_code == "INVALID_ARG"
+    assert "more than max_batch_size 4" in reply.error_message
+    small = request(3)
+    assert run_in_parts(SPEC, Doubler(), small, run=run).replies[0].ok and seen == [[small]]  # fits: one batch
 
 
 def test_replies_that_cannot_be_joined_answer_an_error_and_never_raise() -> None:
@@ -158,3 +168,22 @@ def test_times_add_up_and_parts_that_disagree_are_an_error() -> None:
     other = [WireTensor("OUT", "FP32", (4, 3), b"a" * 48)]
     bad = join(env, [outcome(a, 1, 1), outcome(other, 1, 1)], [4, 4]).replies[0]
     assert bad.error_code == "INTERNAL" and "differ between the parts" in bad.error_message
+
+
+def test_jobs_pack_only_on_the_bulk_lane_for_models_that_run_in_parts_and_within_half_a_window() -> None:
+    assert request_batches(SPEC, 0, 4, 4096) == 4
+    assert request_batches(SPEC, 0, 16, 64) == 8  # two requests of 32 rows fit a window of 64
+    assert request_batches(SPEC, 0, 16, 4) == 1
+    assert request_batches(SPEC, 1, 4, 4096) == 1  # a level's lane keeps its bound in rows
+    decoupled = parse_config(CONFIG + "\nmodel_transaction_policy { decoupled: true }", source="m", model_name="m")
+    assert request_batches(decoupled, 0, 4, 4096) == 1
+
+
+def test_orphans_are_claimed_one_batch_past_the_bound_packed_or_not() -> None:
+    holding = Holding(lanes=2, per_batch=4, capacity=12)
+    assert holding.claim_room() == 12 + 8
+    for i in range(3):
+        holding.hold((1, f"{i}-0".encode()), 16)  # three packed messages: the bulk lane's bound, 48 rows
+    assert holding.claim_room() == 48 + 8 - 48
+    holding.hold((1, b"9-0"), 16)  # a claimed orphan past it
+    assert holding.claim_room() < 0
