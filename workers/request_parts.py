@@ -81,7 +81,8 @@ def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes:
         # Never run whole: the model is not to see more than its max_batch_size rows.
         return BatchOutcome([error_reply(env, InvalidInput(
             f"the request has {n} rows, more than max_batch_size {spec.max_batch_size}, and cannot be run "
-            "as batches of at most that many (its inputs do not all have its rows as their first dim)"))], 0, 0, 0)
+            "as batches of at most that many (an input's first dim is not its rows, or its bytes do not divide "
+            "into them)"))], 0, 0, 0)
     outcomes: list[BatchOutcome] = []
     for part in parts:
         if part_started is not None and outcomes:
