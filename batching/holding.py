@@ -66,6 +66,10 @@ class Holding:
     def rows(self) -> int:
         return sum(self._rows)
 
+    def online_rows(self) -> int:
+        """Rows held on the lanes above the bulk lane (read from an instance's thread too: a sum of ints)."""
+        return sum(self._rows[:self.bulk_lane])
+
     def room(self, lane: int) -> int:
         """How many more rows `lane` may read now: up to its limit (one batch more per lane above the
         bulk lane), and at least enough to keep one batch of its own queued."""

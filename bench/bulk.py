@@ -115,7 +115,7 @@ def main() -> None:
                    help="offline jobs, each between two direct measurements (default 1)")
     p.add_argument("--root", type=Path, default=ROOT, help="the fleet checkout to serve (before/after a change)")
     p.add_argument("--pack-batches", type=int, default=None,
-                   help="batches of rows per job request (FLEET_JOB_PACK_BATCHES of the fleet served; default 1)")
+                   help="batches of rows per job request (FLEET_JOB_PACK_BATCHES of the fleet served; default 4)")
     p.add_argument("--perf-analyzer", default=os.environ.get("PERF_ANALYZER", str(DEFAULT_PA)))
     a = p.parse_args()
     out = (a.out or ROOT / "bench" / "out" / time.strftime("bulk-%Y%m%d-%H%M%S")).resolve()

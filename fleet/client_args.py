@@ -40,8 +40,7 @@ def add_job_commands(sub: Any) -> None:
                    help="fail the job once more items failed; replaces the default rule (fail when the first "
                         "100 items all fail)")
     s.add_argument("--pack-batches", type=int, default=None,
-                   help="batches of rows per request (1-16; default the gateway's FLEET_JOB_PACK_BATCHES, 1): "
-                        "more is faster, and online requests to the model wait longer behind the job")
+                   help="batches of rows per request (1-16; default the gateway's FLEET_JOB_PACK_BATCHES, 4)")
     s.add_argument("--format", choices=("jsonl", "npy", "npz"), default=None, help="output format")
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
     s.add_argument("--server-path", action="store_true",

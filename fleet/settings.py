@@ -158,8 +158,8 @@ class Settings(BaseSettings):
     # never the whole input in Redis, and bounded memory however long the head of the window waits).
     job_window_rows: int = 4096
     # Batches of rows a job puts in one request where it does not say (`pack_batches`): the worker runs them
-    # one after another (workers/request_parts.py), and online requests wait for all of them, not one.
-    job_pack_batches: int = Field(default=1, ge=1, le=MAX_PACK_BATCHES)
+    # one after another (workers/request_parts.py), giving way between them while online requests wait.
+    job_pack_batches: int = Field(default=4, ge=1, le=MAX_PACK_BATCHES)
     # A job's request still unanswered after this long is checked: sent again if its lane entry is gone
     # (its reply was lost), left waiting if the entry is still queued or held by a worker.
     job_reply_timeout_s: float = Field(default=60.0, gt=0)

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from operator import attrgetter
 
+from batching.holding import Holding
 from batching.plan import Batch, Drop, Expire, Grow, Release, Run, Stage, Unstage
 from batching.policy import Pending
 from batching.scheduler import Scheduler
 from fleet.clock import Clock
+from fleet.envelope import RequestEnvelope
 from fleet.model_spec import ModelSpec
+from fleet.redis_link import entry_order
 from fleet.redis_time import RedisClock
 from fleet.trace_points import BATCH_FORMED
 from workers import gil
@@ -27,7 +30,7 @@ from workers.execute import BatchOutcome, Computed, LoopRun, compute_batch, run_
 from workers.held import HeldRequests, stamp
 from workers.inline import LONE_BATCHES, batch_cost, may_inline
 from workers.instance import Callbacks, Instance, Job
-from workers.request_parts import run_in_parts
+from workers.request_parts import join, run_in_parts
 from workers.sequence_driver import Sequences
 
 _LANE = attrgetter("lane")  # (a C getter: a batch's lanes looked at with no Python frame per request)
@@ -67,6 +70,9 @@ class Dispatch:
         # Batches dispatched (run, staged or grown) in a row, this one included, that were one request each.
         self._lone_batches = 0
         self._runs_in_parts = spec.runs_in_parts
+        # Packed requests that gave way to online requests (`_resume`): by scheduler id, the envelope as read
+        # and the outcomes of the parts run so far.
+        self._parts_done: dict[str, tuple[RequestEnvelope, list[BatchOutcome]]] = {}
 
     @property
     def one_at_a_time(self) -> bool:
@@ -96,14 +102,53 @@ class Dispatch:
                 self._jobs.pop((version, action.batch.id), None)
             scheduler.unstaged(action.instance, action.batch.id, taken is not None)
         elif isinstance(action, Expire):
+            self._forget_parts(action.items)
             self._expired(action.items, now)
         elif isinstance(action, Drop):
+            self._forget_parts(action.items)
             self._dropped(action.items)
         elif isinstance(action, Release):
             for batch_id in action.batches:
                 job = self._jobs.pop((version, batch_id))
                 result, started_us = self._outcomes.pop((version, batch_id))
+                if self._parts_done or (isinstance(result, BatchOutcome) and result.rest is not None):
+                    resumed = self._resume(version, job.batch, result, now)
+                    if resumed is None:
+                        continue  # queued again for the rest of its rows
+                    result = resumed
                 self._released(version, job.batch, result, started_us)
+
+    def _resume(self, version: int, batch: Batch, result: BatchOutcome | BaseException,
+                now: int) -> BatchOutcome | BaseException | None:
+        """A packed request that gave way to online requests between its parts (workers/request_parts.py): the
+        parts run so far are kept and the rest of its rows queued again, ahead of the bulk lane's newer requests
+        (None); once the rest has run, the outcome of all its parts, its envelope the one read."""
+        if len(batch.items) != 1:
+            return result
+        item = batch.items[0]
+        held = self._held[item.request_id]
+        if isinstance(result, BatchOutcome) and result.rest is not None:
+            env, done = self._parts_done.get(item.request_id, (held.env, []))
+            self._parts_done[item.request_id] = (env, [*done, result])
+            held.env = result.rest
+            self.schedulers[version].arrive(item, entry_order(held.message[1]), now)
+            return None
+        entry = self._parts_done.pop(item.request_id, None)
+        if entry is None:
+            return result
+        held.env, done = entry
+        if isinstance(result, BaseException):
+            return result
+        outcomes = [*done, result]
+        return join(held.env, outcomes, [rows for o in outcomes for rows in o.parts])
+
+    def _forget_parts(self, items: tuple[Pending, ...]) -> None:
+        """Expired or dropped: a request that gave way is answered (or left) as it was read."""
+        if self._parts_done:
+            for p in items:
+                entry = self._parts_done.pop(p.request_id, None)
+                if entry is not None:
+                    self._held[p.request_id].env = entry[0]
 
     def _job(self, version: int, index: int, batch: Batch) -> Job:
         envs, state_of = self._sequences.requests(version, [self._held[p.request_id].env for p in batch.items],
@@ -117,7 +162,8 @@ class Dispatch:
         parts = self._runs_in_parts and len(envs) == 1 and batch.items[0].rows > self.spec.max_batch_size
         if parts:
             job = Job(version, batch, functools.partial(run_in_parts, self.spec, instance.backend, envs[0], lanes,
-                                                        functools.partial(_part_started, instance)))
+                                                        functools.partial(_part_started, instance),
+                                                        functools.partial(_online_waiting, self._custody.holding)))
         else:
             job = Job(version, batch, functools.partial(run_batch, self.spec, instance.backend, envs, state_of, lanes),
                       functools.partial(compute_batch, self.spec, instance.backend, envs, state_of, lanes))
@@ -189,3 +235,9 @@ def _part_started(instance: Instance) -> None:
     """On the instance's thread, as a packed request's next part starts: the watchdog times each part as a batch
     (a request of K parts may run K times a batch's time)."""
     instance.running_since = time.monotonic()
+
+
+def _online_waiting(holding: Holding) -> bool:
+    """On the instance's thread, between a packed request's parts: whether this worker holds online requests
+    of the model (queued, or running on another instance), for which the request gives way."""
+    return holding.online_rows() > 0

@@ -49,6 +49,8 @@ class BatchOutcome:
     # A request larger than max_batch_size run as several batches (workers/request_parts.py): each one's rows,
     # each an execution in the statistics. Empty: the batch was one execution.
     parts: list[int] = field(default_factory=list)
+    # Its rows not run yet: the request gave way to online requests between its parts; run later (workers/dispatch.py).
+    rest: RequestEnvelope | None = None
 
 
 def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpec], batched: bool) -> InferenceItem:

@@ -64,20 +64,23 @@ def parts_of(spec: ModelSpec, env: RequestEnvelope) -> list[RequestEnvelope] | N
 
 
 def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes: list[int] | None = None,
-                 part_started: Callable[[], None] | None = None,
+                 part_started: Callable[[], None] | None = None, give_way: Callable[[], bool] | None = None,
                  run: Callable[[list[RequestEnvelope]], BatchOutcome] | None = None) -> BatchOutcome:
     """On the instance's thread: `env` cut (`parts_of`; an error reply if it cannot be) and each part run as a
     batch of its own (run_batch; `run` in tests), in order, until one fails; the outcome of `env` with its one
-    reply. `part_started` is called before each part (the watchdog times a part, not the request). Never
-    raises, as run_batch."""
+    reply. Before each part after the first, `part_started` is called (the watchdog times a part, not the
+    request), and if `give_way()` (online requests wait), the parts run so far are the outcome, with the rest
+    of `env` to run later (`BatchOutcome.rest`). Never raises, as run_batch."""
     if run is None:
         def run(envs: list[RequestEnvelope]) -> BatchOutcome:
             return run_batch(spec, backend, envs, None, lanes)
     parts = parts_of(spec, env)
     if parts is None:
         n = env.batch_rows(spec.max_batch_size > 0)
-        if n <= spec.max_batch_size:  # (it fits after all: a batch as any other)
-            return run([env])
+        if n <= spec.max_batch_size:  # (it fits after all, as the rest of one that gave way may: one execution)
+            outcome = run([env])
+            outcome.parts = [n]
+            return outcome
         # Never run whole: the model is not to see more than its max_batch_size rows.
         return BatchOutcome([error_reply(env, InvalidInput(
             f"the request has {n} rows, more than max_batch_size {spec.max_batch_size}, and cannot be run "
@@ -85,15 +88,21 @@ def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes:
             "into them)"))], 0, 0, 0)
     outcomes: list[BatchOutcome] = []
     for part in parts:
-        if part_started is not None and outcomes:
-            part_started()
+        if outcomes:
+            if give_way is not None and give_way():
+                break
+            if part_started is not None:
+                part_started()
         outcome = run([part])
         outcomes.append(outcome)
         if not outcome.replies[0].ok:
             break
     rows = [p.batch_rows(True) for p in parts[:len(outcomes)]]
     try:
-        return join(env, outcomes, rows)
+        joined = join(env, outcomes, rows)
+        if len(outcomes) < len(parts) and outcomes[-1].replies[0].ok:
+            joined.rest = _rows_from(env, sum(rows))
+        return joined
     except Exception as exc:  # a bug in the joining: this request's error, never a batch failed outside the model
         log.exception("%s: joining the replies of a request's %d parts failed", spec.name, len(rows))
         return BatchOutcome([error_reply(env, InferenceFailed(f"joining the request's parts failed: {exc!r}"))],
@@ -136,6 +145,17 @@ def _joined(env: RequestEnvelope, replies: list[ReplyEnvelope]) -> ReplyEnvelope
                           b"".join((r.outputs or [])[i].data for r in replies))
                for i, t in enumerate(first.outputs or ())]
     return dataclasses.replace(first, id=env.id, outputs=outputs)
+
+
+def _rows_from(env: RequestEnvelope, start: int) -> RequestEnvelope:
+    """`env` from row `start` on (views of its bytes; it was cut at that row, so every input divides there)."""
+    rows = env.batch_rows(True)
+    inputs = []
+    for t in env.inputs:
+        at = _row_offsets(t, rows, [start, rows])
+        assert at is not None, "cut there already"
+        inputs.append(WireTensor(t.name, t.datatype, (rows - start, *t.shape[1:]), _bytes_view(t.data)[at[0]:at[1]]))
+    return dataclasses.replace(env, inputs=inputs, trace=None)
 
 
 def _bytes_view(data: bytes | memoryview) -> memoryview:

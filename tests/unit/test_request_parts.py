@@ -187,3 +187,37 @@ def test_orphans_are_claimed_one_batch_past_the_bound_packed_or_not() -> None:
     assert holding.claim_room() == 48 + 8 - 48
     holding.hold((1, b"9-0"), 16)  # a claimed orphan past it
     assert holding.claim_room() < 0
+
+
+def test_a_request_gives_way_between_parts_and_keeps_the_rest_for_later() -> None:
+    env = request(10)
+    backend = Doubler()
+    asked: list[int] = []
+
+    def give_way() -> bool:
+        asked.append(len(backend.batches))
+        return len(backend.batches) >= 1  # online requests wait once the first part has run
+    first = run_in_parts(SPEC, backend, env, give_way=give_way)
+    assert asked == [1] and backend.batches == [4] and first.parts == [4]  # never asked before the first part
+    assert first.replies[0].ok and first.replies[0].outputs is not None and first.replies[0].outputs[0].shape == (4, 2)
+    rest = first.rest
+    assert rest is not None and rest.id == env.id and rest.batch_rows(True) == 6 and rest.trace is None
+    for name in ("IN", "S"):  # the rest is the request's bytes from row 4 on
+        whole, part = (next(t for t in e.inputs if t.name == name) for e in (env, rest))
+        cut = bytes(next(t for t in (parts_of(SPEC, env) or [])[0].inputs if t.name == name).data)
+        assert bytes(whole.data) == cut + bytes(part.data)
+    second = run_in_parts(SPEC, backend, rest)  # nobody waits now: the rest runs to its end
+    assert second.rest is None and second.parts == [4, 2] and backend.batches == [4, 4, 2]
+    final = join(env, [first, second], first.parts + second.parts)
+    assert final.parts == [4, 4, 2] and final.replies[0].id == env.id
+    out = (final.replies[0].outputs or [])[0]
+    assert out.shape == (10, 2)
+    assert np.array_equal(np.frombuffer(bytes(out.data), "<f4"), np.arange(20, dtype="<f4") * 2)
+    small = run_in_parts(SPEC, backend, request(3), give_way=lambda: True)  # the rest of one that gave way may fit
+    assert small.rest is None and small.parts == [3] and small.replies[0].ok
+
+
+def test_a_failed_part_never_leaves_a_rest() -> None:
+    env = request(12)
+    outcome = run_in_parts(SPEC, Doubler(fail_at_call=0), env, give_way=lambda: True)
+    assert outcome.rest is None and not outcome.replies[0].ok and outcome.parts == [4]
