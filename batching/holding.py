@@ -67,7 +67,8 @@ class Holding:
         return sum(self._rows)
 
     def online_rows(self) -> int:
-        """Rows held on the lanes above the bulk lane (read from an instance's thread too: a sum of ints)."""
+        """Rows held on the lanes above the bulk lane, until their replies are written (read from an instance's
+        thread too: a sum of a list of ints, at worst a moment old)."""
         return sum(self._rows[:self.bulk_lane])
 
     def room(self, lane: int) -> int:

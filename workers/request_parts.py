@@ -11,7 +11,8 @@ The model never sees more than max_batch_size rows: each part is an ordinary bat
 tensors' rows, views of the message's bytes), run on the instance's thread right after the one before; the
 message gets one reply (the parts' outputs joined along the batch axis, or the error of the first part that
 failed, after which no part runs) and one acknowledgement, and the statistics count one execution a part.
-Online requests that arrive meanwhile wait for the whole message, where they would wait for one batch.
+Between two parts a request gives way to online requests (`give_way`): the parts run so far are kept, and the rest
+of its rows is queued again (workers/dispatch.py, `GaveWay`), so online requests wait for one batch, not all.
 Jobs pack only for models that allow it (`ModelSpec.runs_in_parts`); a request that cannot be cut (an input
 whose first dim is not its rows) is answered with an error, never run whole (the job worker then sends its
 items unpacked).
@@ -23,7 +24,7 @@ import dataclasses
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
 from fleet.errors import InferenceFailed, InvalidInput
@@ -31,6 +32,7 @@ from fleet.model_spec import ModelSpec
 from fleet.tensors import element_count
 from workers.backends.base import Backend
 from workers.execute import BatchOutcome, run_batch
+from workers.held import HeldRequest
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +67,26 @@ def parts_of(spec: ModelSpec, env: RequestEnvelope) -> list[RequestEnvelope] | N
 
 def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes: list[int] | None = None,
                  part_started: Callable[[], None] | None = None, give_way: Callable[[], bool] | None = None,
+                 done_before: Sequence[BatchOutcome] = (),
                  run: Callable[[list[RequestEnvelope]], BatchOutcome] | None = None) -> BatchOutcome:
     """On the instance's thread: `env` cut (`parts_of`; an error reply if it cannot be) and each part run as a
     batch of its own (run_batch; `run` in tests), in order, until one fails; the outcome of `env` with its one
-    reply. Before each part after the first, `part_started` is called (the watchdog times a part, not the
-    request), and if `give_way()` (online requests wait), the parts run so far are the outcome, with the rest
-    of `env` to run later (`BatchOutcome.rest`). Never raises, as run_batch."""
+    reply, joined with the outcomes of the parts it ran before it last gave way (`done_before`). Before each part
+    after the first, `part_started` is called (the watchdog times a part, not the request), and if `give_way()`
+    (online requests wait), the parts run since it started are the outcome, with the rest of `env` to run later
+    (`BatchOutcome.rest`). Never raises, as run_batch."""
     if run is None:
         def run(envs: list[RequestEnvelope]) -> BatchOutcome:
             return run_batch(spec, backend, envs, None, lanes)
     parts = parts_of(spec, env)
     if parts is None:
         n = env.batch_rows(spec.max_batch_size > 0)
-        if n <= spec.max_batch_size:  # (it fits after all, as the rest of one that gave way may: one execution)
-            outcome = run([env])
-            outcome.parts = [n]
-            return outcome
-        # Never run whole: the model is not to see more than its max_batch_size rows.
-        return BatchOutcome([error_reply(env, InvalidInput(
-            f"the request has {n} rows, more than max_batch_size {spec.max_batch_size}, and cannot be run "
-            "as batches of at most that many (an input's first dim is not its rows, or its bytes do not divide "
-            "into them)"))], 0, 0, 0)
+        if n > spec.max_batch_size:  # never run whole: the model is not to see more than its max_batch_size rows
+            return _joined_or_error(env, [*done_before, BatchOutcome([error_reply(env, InvalidInput(
+                f"the request has {n} rows, more than max_batch_size {spec.max_batch_size}, and cannot be run as "
+                "batches of at most that many (an input's first dim is not its rows, or its bytes do not divide "
+                "into them)"))], 0, 0, 0)], [])
+        parts = [env]  # it fits, as the rest of one that gave way may: one execution
     outcomes: list[BatchOutcome] = []
     for part in parts:
         if outcomes:
@@ -98,15 +99,54 @@ def run_in_parts(spec: ModelSpec, backend: Backend, env: RequestEnvelope, lanes:
         if not outcome.replies[0].ok:
             break
     rows = [p.batch_rows(True) for p in parts[:len(outcomes)]]
-    try:
-        joined = join(env, outcomes, rows)
-        if len(outcomes) < len(parts) and outcomes[-1].replies[0].ok:
+    if len(outcomes) < len(parts) and outcomes[-1].replies[0].ok:  # it gave way: this time's parts, and the rest
+        joined = _joined_or_error(env, outcomes, rows)
+        if joined.replies[0].ok:
             joined.rest = _rows_from(env, sum(rows))
         return joined
+    return _joined_or_error(env, [*done_before, *outcomes], [n for o in done_before for n in o.parts] + rows)
+
+
+def _joined_or_error(env: RequestEnvelope, outcomes: list[BatchOutcome], rows: list[int]) -> BatchOutcome:
+    try:
+        return join(env, outcomes, rows)
     except Exception as exc:  # a bug in the joining: this request's error, never a batch failed outside the model
-        log.exception("%s: joining the replies of a request's %d parts failed", spec.name, len(rows))
+        log.exception("%s: joining the replies of a request's %d parts failed", env.model, len(rows))
         return BatchOutcome([error_reply(env, InferenceFailed(f"joining the request's parts failed: {exc!r}"))],
                             0, sum(o.compute_infer_ns for o in outcomes), 0, parts=rows)
+
+
+class GaveWay:
+    """On the event loop (workers/dispatch.py): the packed requests that gave way to online requests between
+    their parts, by scheduler id: the envelope as read, the outcomes of the parts run so far, and when the first
+    part started (the request's queue time ends there)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, tuple[RequestEnvelope, list[BatchOutcome], int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_id)
+
+    def gave_way(self, held: HeldRequest, outcome: BatchOutcome, started_us: int) -> None:
+        """`held` ran some of its parts (`outcome`, with its `rest`): its envelope is the rest of its rows now."""
+        assert outcome.rest is not None
+        env, done, first = self._by_id.get(held.pending.request_id, (held.env, [], started_us))
+        self._by_id[held.pending.request_id] = (env, [*done, outcome], first)
+        held.env = outcome.rest
+
+    def done_before(self, request_id: str) -> list[BatchOutcome]:
+        """What the request ran before it gave way (none: it never did), for the job that runs its rest."""
+        entry = self._by_id.get(request_id)
+        return [] if entry is None else entry[1]
+
+    def finished(self, held: HeldRequest, started_us: int) -> int:
+        """`held` is answered or dropped: its envelope is the one read again. When its first part started
+        (`started_us` if it never gave way)."""
+        entry = self._by_id.pop(held.pending.request_id, None)
+        if entry is None:
+            return started_us
+        held.env = entry[0]
+        return entry[2]
 
 
 def join(env: RequestEnvelope, outcomes: list[BatchOutcome], rows: list[int]) -> BatchOutcome:

@@ -130,6 +130,36 @@ def test_packed_requests_run_in_parts_of_max_batch_size_and_equal_direct_computa
     assert max(sizes) <= 64 and sizes[64] - old.get(64, 0) == 31 and sizes[16] - old.get(16, 0) == 1
 
 
+def test_a_packed_job_gives_way_to_online_requests_and_loses_no_row(
+        jobs: JobsClient, system: RunningSystem, rows: np.ndarray, reference: np.ndarray, tmp_path: Path) -> None:
+    """Online requests sent while a packed job runs: each packed request may stop between its parts for them and
+    run its rest later. Every online answer and every job row equals direct computation, each row once."""
+    import tritonclient.http as httpclient  # (as Triton's users call fleet)
+
+    source = tmp_path / "busy.npy"
+    np.save(source, rows[:8000])
+    record = jobs.create({"model": "mlp", "input": str(source), "output": {"format": "npy"}, "pack_batches": 4})
+    client = httpclient.InferenceServerClient(system.url)
+    answered = 0
+    try:
+        deadline = time.monotonic() + 120
+        while not finished(jobs.get(record["id"])) and time.monotonic() < deadline:
+            i = answered % 1000
+            inp = httpclient.InferInput("INPUT0", [1, 256], "FP32")
+            inp.set_data_from_numpy(rows[10_000 + i:10_001 + i])
+            got = client.infer("mlp", [inp]).as_numpy("OUTPUT0")
+            np.testing.assert_allclose(got, reference[10_000 + i:10_001 + i], rtol=1e-5, atol=1e-5)
+            answered += 1
+    finally:
+        client.close()
+    record = wait_for(jobs, record["id"], finished)
+    assert record["state"] == "completed" and record["done"] == 8000 and record["failed"] == 0, record
+    assert answered > 0
+    out = tmp_path / "busy.out.npy"
+    jobs.download(record["id"], out)
+    np.testing.assert_allclose(np.load(out), reference[:8000], rtol=1e-5, atol=1e-5)
+
+
 def test_a_job_on_a_priority_level_is_not_packed(jobs: JobsClient, rows: np.ndarray, tmp_path: Path) -> None:
     """A level's lane keeps its read-ahead bound in rows: its job's requests are one batch each, as it says."""
     source = tmp_path / "level.npy"

@@ -37,3 +37,15 @@ def test_packed_bulk_messages_are_read_ahead_as_batches_are() -> None:
     holding.release([(1, b"1-0")])
     holding.hold((1, b"4-0"), 4)  # a job that does not pack: as before
     assert holding.room(1) == 8
+
+
+def test_online_rows_count_until_their_replies_are_written() -> None:
+    """What a packed bulk request gives way to between its parts (workers/dispatch.py `_online_held`)."""
+    holding = Holding(lanes=3, per_batch=4, capacity=12)
+    holding.hold((2, b"1-0"), 16)
+    assert holding.online_rows() == 0
+    holding.hold((0, b"2-0"), 1)
+    holding.hold((1, b"3-0"), 2)
+    assert holding.online_rows() == 3
+    holding.answered([(0, b"2-0"), (1, b"3-0")])  # replies written, not yet acknowledged
+    assert holding.online_rows() == 0

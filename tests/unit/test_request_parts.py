@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from batching.holding import Holding
+from batching.policy import Pending
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, error_reply
 from fleet.errors import InvalidInput, PoisonRequest
 from fleet.jobs.packing import request_batches
@@ -17,7 +18,8 @@ from fleet.model_config import parse_config
 from fleet.tensors import serialize_bytes
 from workers.backends.base import InferenceItem, InProcessBackend, ItemResult, run_merged
 from workers.execute import BatchOutcome
-from workers.request_parts import join, parts_of, run_in_parts
+from workers.held import HeldRequest
+from workers.request_parts import GaveWay, join, parts_of, run_in_parts
 
 CONFIG = ('backend: "python"\nmax_batch_size: 4\n'
           'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] },\n'
@@ -206,10 +208,9 @@ def test_a_request_gives_way_between_parts_and_keeps_the_rest_for_later() -> Non
         whole, part = (next(t for t in e.inputs if t.name == name) for e in (env, rest))
         cut = bytes(next(t for t in (parts_of(SPEC, env) or [])[0].inputs if t.name == name).data)
         assert bytes(whole.data) == cut + bytes(part.data)
-    second = run_in_parts(SPEC, backend, rest)  # nobody waits now: the rest runs to its end
-    assert second.rest is None and second.parts == [4, 2] and backend.batches == [4, 4, 2]
-    final = join(env, [first, second], first.parts + second.parts)
-    assert final.parts == [4, 4, 2] and final.replies[0].id == env.id
+    final = run_in_parts(SPEC, backend, rest, done_before=[first])  # nobody waits now: the rest runs to its end
+    assert final.rest is None and backend.batches == [4, 4, 2]
+    assert final.parts == [4, 4, 2] and final.replies[0].id == env.id  # one reply for all the parts
     out = (final.replies[0].outputs or [])[0]
     assert out.shape == (10, 2)
     assert np.array_equal(np.frombuffer(bytes(out.data), "<f4"), np.arange(20, dtype="<f4") * 2)
@@ -221,3 +222,33 @@ def test_a_failed_part_never_leaves_a_rest() -> None:
     env = request(12)
     outcome = run_in_parts(SPEC, Doubler(fail_at_call=0), env, give_way=lambda: True)
     assert outcome.rest is None and not outcome.replies[0].ok and outcome.parts == [4]
+
+
+def test_a_rest_that_gives_way_again_returns_only_its_own_parts() -> None:
+    env = request(16)
+    backend = Doubler()
+    first = run_in_parts(SPEC, backend, env, give_way=lambda: True)
+    assert first.parts == [4] and first.rest is not None
+    second = run_in_parts(SPEC, backend, first.rest, give_way=lambda: True, done_before=[first])
+    assert second.parts == [4] and second.rest is not None and second.rest.batch_rows(True) == 8
+    assert (second.replies[0].outputs or [])[0].shape == (4, 2)  # this time's part alone, not the first's again
+    final = run_in_parts(SPEC, backend, second.rest, done_before=[first, second])
+    assert final.parts == [4, 4, 4, 4] and backend.batches == [4, 4, 4, 4]
+    out = (final.replies[0].outputs or [])[0]
+    assert np.array_equal(np.frombuffer(bytes(out.data), "<f4"), np.arange(32, dtype="<f4") * 2)
+
+
+def test_requests_that_gave_way_are_remembered_until_answered_or_dropped() -> None:
+    env = request(12)
+    held = HeldRequest((1, b"5-0"), env, 1, Pending(request_id="1/5-0", lane=1, enqueued_at_us=0, deadline_us=None,
+                                                               rows=12))
+    store = GaveWay()
+    assert not store and store.done_before("1/5-0") == [] and store.finished(held, 7) == 7
+    first = run_in_parts(SPEC, Doubler(), env, give_way=lambda: True)
+    store.gave_way(held, first, 100)
+    assert store and held.env is first.rest and store.done_before("1/5-0") == [first]
+    second = run_in_parts(SPEC, Doubler(), held.env, give_way=lambda: True, done_before=[first])
+    store.gave_way(held, second, 200)
+    assert store.done_before("1/5-0") == [first, second]
+    assert store.finished(held, 300) == 100  # the queue time ends as the first part started
+    assert held.env is env and not store  # answered (or dropped) as it was read
