@@ -130,7 +130,9 @@ class Dispatch:
         self._lone_batches = self._lone_batches + 1 if len(batch.items) == 1 else 0
         lanes = [p.lane for p in batch.items] if self._lane_aware else None
         # A bulk job's packed request (larger than max_batch_size): its parts one after another, on the thread.
-        parts = self._runs_in_parts and len(envs) == 1 and batch.items[0].rows > self.spec.max_batch_size
+        # (The rest of one that gave way keeps its scheduler entry's rows, so it still runs alone and comes here.)
+        parts = self._runs_in_parts and len(envs) == 1 and (batch.items[0].rows > self.spec.max_batch_size
+                                                            or batch.items[0].request_id in self._gave_way)
         if parts:
             job = Job(version, batch, functools.partial(
                 run_in_parts, self.spec, instance.backend, envs[0], lanes, functools.partial(_part_started, instance),
@@ -184,26 +186,28 @@ class Dispatch:
         self._custody.claim_timeout.observe((now - started_us) / 1000)
         batch: Batch = job.batch
         self._outcomes[(version, batch.id)] = (result, started_us)
-        if isinstance(result, BatchOutcome) and result.rest is not None:
-            # A packed request gave way to online requests between its parts: the rest of its rows is queued again
-            # before the instance is free (ahead of the bulk lane's newer requests), unless another worker has
-            # claimed it meanwhile (then it is dropped, as one not started).
-            (item,) = batch.items
-            held = self._held[item.request_id]
-            if held.lost:
-                self._gave_way.finished(held, 0)
-                self._dropped((item,))
-            else:
-                self._gave_way.gave_way(held, result, started_us)
-                held.pending = replace(item, aging_from_us=now)  # (its wait for aging starts again: it just ran)
-                self.schedulers[version].arrive(held.pending, entry_order(held.message[1]), now)
-        if job.nbytes >= 0 and isinstance(result, BatchOutcome) and all(r.ok for r in result.replies):
-            # What a batch this large costs (a failed one says nothing: it may have failed early).
-            wall_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
-            self.instances[version][index].costs.measured(job.nbytes, batch_cost(wall_ns, result.cpu_ns,
-                                                                                 job.on_the_loop))
-        self.schedulers[version].done(index, batch.id, now, started_us)
-        self._wake()
+        try:
+            if isinstance(result, BatchOutcome) and result.rest is not None:
+                # A packed request gave way to online requests between its parts: the rest of its rows is queued again
+                # before the instance is free (by arrival among the bulk lane's requests), unless another worker has
+                # claimed it meanwhile (then it is dropped, as one not started).
+                (item,) = batch.items
+                held = self._held[item.request_id]
+                if held.lost:
+                    self._gave_way.finished(held, 0)
+                    self._dropped((item,))
+                else:
+                    self._gave_way.gave_way(held, result, started_us)
+                    held.pending = replace(item, aging_from_us=now)  # (its wait for aging starts again: it just ran)
+                    self.schedulers[version].arrive(held.pending, entry_order(held.message[1]), now)
+            if job.nbytes >= 0 and isinstance(result, BatchOutcome) and all(r.ok for r in result.replies):
+                # What a batch this large costs (a failed one says nothing: it may have failed early).
+                wall_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+                self.instances[version][index].costs.measured(job.nbytes, batch_cost(wall_ns, result.cpu_ns,
+                                                                                     job.on_the_loop))
+        finally:  # the instance is free whatever happened above
+            self.schedulers[version].done(index, batch.id, now, started_us)
+            self._wake()
 
     def _on_refused(self, version: int, index: int, job: Job) -> None:
         """The thread would not start a staged batch (custody had gone stale): back to the queue."""

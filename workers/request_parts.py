@@ -127,6 +127,9 @@ class GaveWay:
     def __bool__(self) -> bool:
         return bool(self._by_id)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
     def gave_way(self, held: HeldRequest, outcome: BatchOutcome, started_us: int) -> None:
         """`held` ran some of its parts (`outcome`, with its `rest`): its envelope is the rest of its rows now."""
         assert outcome.rest is not None
