@@ -202,6 +202,14 @@ def trace_files(system: System) -> set[Path]:
     return set(system.trace_dir.glob("trace.json.*"))
 
 
+def complete_json(path: Path) -> Any:
+    """The file's JSON once it is all written (None before: it is created, then written)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
 def test_a_traced_request_records_every_hop_in_order_on_one_clock(system: System) -> None:
     client = system.client
     try:
@@ -215,7 +223,7 @@ def test_a_traced_request_records_every_hop_in_order_on_one_clock(system: System
         np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32).reshape(1, 4) * 2)
         new = eventually(lambda: trace_files(system) - before, "the trace file is written")
         assert len(new) == 1
-        (record,) = json.loads(next(iter(new)).read_text())
+        (record,) = eventually(lambda: complete_json(next(iter(new))), "the trace file is complete")
         assert record["model_name"] == "double" and record["model_version"] == 1
         assert record["request_id"] == "traced-1"
         names = [t["name"] for t in record["timestamps"]]
@@ -254,7 +262,7 @@ def test_a_grpc_request_is_traced_with_triton_s_grpc_stamps(system: System) -> N
         out = grpc.infer("double", [x], request_id="traced-grpc").as_numpy("OUT")
         np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32).reshape(1, 4) * 2)
         new = eventually(lambda: trace_files(system) - before, "the trace file is written")
-        (record,) = json.loads(next(iter(new)).read_text())
+        (record,) = eventually(lambda: complete_json(next(iter(new))), "the trace file is complete")
         assert record["request_id"] == "traced-grpc" and record["model_name"] == "double"
         names = [t["name"] for t in record["timestamps"]]
         assert names == [GRPC_WAITREAD_START, GRPC_WAITREAD_END, *HOPS[2:-2], GRPC_SEND_START, GRPC_SEND_END]
