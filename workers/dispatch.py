@@ -229,6 +229,5 @@ def _part_started(instance: Instance) -> None:
 def _online_held(holding: Holding) -> bool:
     """On the instance's thread, between a packed request's parts: whether the worker holds online requests of
     the model, queued or until their replies are written. Not only those queued: while online clients are
-    answered, their next requests are about to come (measured: the online tail beside a job as with one batch
-    a request, where giving way only to queued ones left it ~15 % longer; bench/RESULTS.md, stop 66)."""
+    answered, their next requests are about to come (both measured beside a job, bench/RESULTS.md, stop 66)."""
     return holding.online_rows() > 0
