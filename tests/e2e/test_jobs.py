@@ -185,6 +185,7 @@ def test_resubmitting_an_id_returns_the_first_job(jobs: JobsClient, rows: np.nda
     first = jobs.create({"model": "mlp", "input": str(source), "id": "same-id"})
     again = jobs.create({"model": "mlp", "input": str(source), "id": "same-id", "priority": 1})
     assert again["id"] == first["id"] == "same-id" and again["created_at"] == first["created_at"]
+    assert first["pack_batches"] == 4  # FLEET_JOB_PACK_BATCHES's default
     assert again["priority"] == 0
     assert wait_for(jobs, "same-id", finished)["state"] == "completed"
     assert sum(1 for j in jobs.list() if j["id"] == "same-id") == 1
