@@ -43,7 +43,7 @@ def parts_of(spec: ModelSpec, env: RequestEnvelope) -> list[RequestEnvelope] | N
     """`env` cut along the batch axis into requests of at most max_batch_size rows (the last may have fewer),
     or None where it is not cut: it fits, or the model or the request cannot be cut (see above)."""
     most = spec.max_batch_size
-    if most <= 0 or (rows := env.batch_rows(True)) <= most:  # (every online request: checked first)
+    if most <= 0 or (rows := env.batch_rows(True)) <= most:
         return None
     if not spec.runs_in_parts or env.sequence is not None or any(not t.shape or t.shape[0] != rows
                                                                   for t in env.inputs):

@@ -66,7 +66,6 @@ class JobOptions:
     reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # one JSONL line; a longer one is that line's error
     parse_processes: int | None = None  # JSONL parser processes; None: by the job worker's cores
-    pack_batches: int = 1  # `pack_batches` for a job that does not say (the gateway's, stored in its record)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> JobOptions:
@@ -74,7 +73,7 @@ class JobOptions:
                    model_repositories=[str(Path(r).resolve()) for r in settings.model_repositories],
                    window_rows=settings.job_window_rows, lease_ms=settings.job_lease_ms,
                    reply_timeout_s=settings.job_reply_timeout_s, max_line_bytes=settings.max_job_line_bytes,
-                   parse_processes=settings.job_parse_processes, pack_batches=settings.job_pack_batches)
+                   parse_processes=settings.job_parse_processes)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> JobOptions:
@@ -83,14 +82,13 @@ class JobOptions:
                    window_rows=int(doc["window_rows"]), lease_ms=int(doc["lease_ms"]),
                    reply_timeout_s=float(doc.get("reply_timeout_s", DEFAULT_REPLY_TIMEOUT_S)),
                    max_line_bytes=int(doc.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)),
-                   parse_processes=None if doc.get("parse_processes") is None else int(doc["parse_processes"]),
-                   pack_batches=int(doc.get("pack_batches", 1)))
+                   parse_processes=None if doc.get("parse_processes") is None else int(doc["parse_processes"]))
 
     def to_json(self) -> dict[str, Any]:
         return {"key_prefix": self.key_prefix, "model_repositories": self.model_repositories,
                 "window_rows": self.window_rows, "lease_ms": self.lease_ms,
                 "reply_timeout_s": self.reply_timeout_s, "max_line_bytes": self.max_line_bytes,
-                "parse_processes": self.parse_processes, "pack_batches": self.pack_batches}
+                "parse_processes": self.parse_processes}
 
 
 def run_job(job_id: str, options: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ class JobsContext:
     options: JobOptions
     # Server-side input paths must resolve inside one of these or the uploads dir (Settings.job_input_dirs).
     input_dirs: tuple[Path, ...] = ()
+    pack_batches: int = 1  # for a job that does not say (Settings.job_pack_batches); its record keeps the K used
 
     @property
     def store(self) -> JobStore:
@@ -46,7 +47,8 @@ class JobsContext:
 
 def jobs_context(client: redis.Redis, settings: Settings) -> JobsContext:
     return JobsContext(client, Keys(settings.key_prefix), Path(settings.jobs_dir).resolve(),
-                       JobOptions.from_settings(settings), tuple(Path(d).resolve() for d in settings.job_input_dirs))
+                       JobOptions.from_settings(settings), tuple(Path(d).resolve() for d in settings.job_input_dirs),
+                       settings.job_pack_batches)
 
 
 def _input_path(ctx: JobsContext, spec_input: Any) -> Path:
@@ -116,7 +118,7 @@ def create_job(ctx: JobsContext, doc: dict[str, Any], spec: ModelSpec, version: 
     priority = _int_field(doc, "priority", 0)
     max_failures = _int_field(doc, "max_failures", None)
     pack = doc.get("pack_batches")
-    pack = ctx.options.pack_batches if pack is None else pack
+    pack = ctx.pack_batches if pack is None else pack
     if isinstance(pack, bool) or not isinstance(pack, int) or not 1 <= pack <= MAX_PACK_BATCHES:
         raise InvalidInput(f"'pack_batches' must be an integer from 1 to {MAX_PACK_BATCHES}, got {_shown(pack)}")
     job_dir = ctx.jobs_dir / job_id
