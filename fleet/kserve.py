@@ -66,13 +66,13 @@ class ParsedInfer:
     def is_binary(self, name: str) -> bool:
         return name in self.binary_outputs if self.outputs is not None else self.binary_default
 
-    def with_inputs(self, inputs: list[WireTensor]) -> ParsedInfer:
+    def with_inputs(self, inputs: list[WireTensor], client_id: str | None = None) -> ParsedInfer:
         """This request with these inputs, sharing nothing mutable with it but its regions' slices (the
         caches of decoded requests, gateway/known_requests.py, keep none). Every field by name:
         dataclasses.replace would take twice as long as the rest of a cache hit. The caches' property tests
         compare every field with the decoders', so a field added to ParsedInfer and left out here fails them
         where they draw a value for it other than its default."""
-        return ParsedInfer(client_id=self.client_id, inputs=inputs,
+        return ParsedInfer(client_id=self.client_id if client_id is None else client_id, inputs=inputs,
                            outputs=None if self.outputs is None else list(self.outputs),
                            binary_outputs=self.binary_outputs, binary_default=self.binary_default,
                            parameters=dict(self.parameters), priority=self.priority, timeout_us=self.timeout_us,
@@ -306,15 +306,22 @@ def parse_infer_read(header: bytes, read: tuple[dict[str, Any], bool], spec: Mod
     return parse_infer_doc(load_exact(header), spec, binary, regions)
 
 
-def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
-                    ) -> ParsedInfer:
-    """parse_infer once the JSON is read: `binary` is the body's binary tail."""
+def request_id(doc: dict[str, Any]) -> str:
+    """The request's `id` ("" without one); InvalidInput if it is not a string of UTF-8 text of at most
+    MAX_ID_CHARS characters."""
     client_id = doc.get("id", "")
     if isinstance(client_id, str) and len(client_id) > MAX_ID_CHARS:
         raise InvalidInput(f"the request id is longer than {MAX_ID_CHARS} characters")
     if not isinstance(client_id, str):
         raise InvalidInput("request 'id' must be a string")
     _check_text(client_id, "request 'id'")
+    return client_id
+
+
+def parse_infer_doc(doc: dict[str, Any], spec: ModelSpec, binary: memoryview, regions: Regions | None
+                    ) -> ParsedInfer:
+    """parse_infer once the JSON is read: `binary` is the body's binary tail."""
+    client_id = request_id(doc)
     passthrough, priority, timeout_us, binary_default = _parse_parameters(doc, spec)
     inputs = _parse_inputs(doc, spec, binary, regions, request_tag(client_id))
     outputs, binary_outputs, in_regions, classes = _parse_outputs(doc, spec, regions)

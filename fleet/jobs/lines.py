@@ -16,6 +16,7 @@ from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.input_checks import untagged
 from fleet.jobs.items import InputItem, RawLine
+from fleet.jobs.line_heads import LineHeads
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
@@ -44,7 +45,7 @@ def parse_generation_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
 
 def line_parser(spec: ModelSpec) -> LineParser:
     """A line is exactly an /infer body (or, for a generative model, also a /generate one)."""
-    return parse_generation_line if is_llm(spec) else parse_infer_line
+    return parse_generation_line if is_llm(spec) else LineHeads().parse
 
 
 def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "") -> InputItem:

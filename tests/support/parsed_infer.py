@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from typing import Any
+
+from hypothesis import strategies as st
 
 from fleet.errors import ServingError
 from fleet.kserve import ParsedInfer
@@ -46,3 +49,16 @@ def same(got: Outcome, want: Outcome) -> None:
                 assert getattr(got, f.name) == getattr(want, f.name), f.name
     else:
         assert got == want
+
+
+def with_outputs_and_parameters(draw: st.DrawFn, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` (a request's JSON, drawn by a test's strategy) with drawn `outputs` and `parameters`, or without:
+    SPEC's outputs and some that it has not, the parameters fleet reads and some it passes through."""
+    if draw(st.booleans()):
+        doc["outputs"] = draw(st.lists(st.fixed_dictionaries(
+            {"name": st.sampled_from(["Y", "Z", "W"])},
+            optional={"parameters": st.fixed_dictionaries({"binary_data": st.booleans()})}), max_size=2))
+    if draw(st.booleans()):
+        doc["parameters"] = draw(st.dictionaries(st.sampled_from(["priority", "timeout", "k", "triton_x"]),
+                                                 st.one_of(st.integers(-1, 3), st.text(max_size=2)), max_size=2))
+    return doc

@@ -14,7 +14,7 @@ from fleet.errors import ServingError
 from fleet.kserve import parse_infer
 from fleet.model_config import parse_config
 from gateway.header_cache import HeaderCache
-from tests.support.parsed_infer import CONFIG, SPEC, outcome, same
+from tests.support.parsed_infer import CONFIG, SPEC, outcome, same, with_outputs_and_parameters
 
 
 def _body(doc: dict[str, Any], tail: bytes) -> tuple[bytes, str]:
@@ -110,14 +110,7 @@ def docs(draw: st.DrawFn) -> dict[str, Any]:
         entries.append({"name": draw(st.sampled_from(["S", "Q"])), "datatype": "BYTES", "shape": [rows, 1],
                         "parameters": {"binary_data_size": 6}})
     doc: dict[str, Any] = {"inputs": draw(st.permutations(entries))}
-    if draw(st.booleans()):
-        doc["outputs"] = draw(st.lists(st.fixed_dictionaries(
-            {"name": st.sampled_from(["Y", "Z", "W"])},
-            optional={"parameters": st.fixed_dictionaries({"binary_data": st.booleans()})}), max_size=2))
-    if draw(st.booleans()):
-        doc["parameters"] = draw(st.dictionaries(st.sampled_from(["priority", "timeout", "k", "triton_x"]),
-                                                 st.one_of(st.integers(-1, 3), st.text(max_size=2)), max_size=2))
-    return doc
+    return with_outputs_and_parameters(draw, doc)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,0 +1,106 @@
+"""A JSONL job's lines parsed from a head checked before (`LineHeads`).
+
+The lines of a job written by one program are /infer bodies that differ only in each input's `data`, and
+perhaps the request `id`: they share one head. Parsing a line (fleet/kserve.py's `parse_infer`) checks that
+head against the model's config every time. On a 2-core host the job worker parses in process, and its one
+thread bounds a JSONL job. Here a line whose head was checked before only has its request id checked and its
+inputs' data packed (`pack_json`, as parse_infer does): a 256-float `mlp` line in 38 µs, not 47-49, in a
+loop on the test host (what is left: orjson's read 8.6, the data's packing 18); in a job, the job worker's
+CPU a line 13 % less (bench/RESULTS.md, stop 67). Every other line, and a line where the id or the data is
+refused, is parsed by parse_infer as before. So a line's result or error is always parse_infer's.
+
+A line's head is its document, as orjson read it, with each input's `data` and the request's `id` written
+as null (their keys kept where they are), serialized again by orjson: two lines with one head are one
+document but for those values. A head is kept only:
+- for a request parse_infer accepted whose inputs all came from JSON `data`;
+- with no sequence (its correlation id and flags are checked per request);
+- with no output into a shared-memory region (a job has none);
+- when orjson read the line (not json, which reads what orjson would turn into a float);
+- at most CAPACITY heads (a job has one or a few), each at most LONGEST_HEAD_BYTES.
+The config object is part of the entry, so a reloaded model's lines are checked anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleet import tensors
+from fleet.envelope import WireTensor
+from fleet.errors import InvalidInput
+from fleet.kserve import ParsedInfer, parse_infer_read, request_id
+from fleet.model_spec import ModelSpec
+from fleet.request_json import load_json
+from fleet.tensor_json import pack_json
+
+CAPACITY = 64
+LONGEST_HEAD_BYTES = 4096
+_NO_BINARY = memoryview(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    spec: ModelSpec  # the config the head was checked against
+    request: ParsedInfer  # what the head gave, its inputs' data empty
+
+    def parse(self, doc: dict[str, Any]) -> ParsedInfer:
+        """The request of `doc`, whose head this is; InvalidInput where its id or data is refused."""
+        client_id = request_id(doc)
+        inputs = [WireTensor(t.name, t.datatype, t.shape,
+                             pack_json(raw["data"], tensors.lookup(t.datatype), t.shape, t.name))
+                  for t, raw in zip(self.request.inputs, doc["inputs"], strict=True)]
+        return self.request.with_inputs(inputs, client_id)
+
+
+class LineHeads:
+    """`parse(line, spec)` is parse_infer(line, None, spec): its result or its error. One per job input reader
+    (and so one in each forked parsing helper): not thread-safe."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self._capacity = capacity
+        self._known: dict[bytes, _Known] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def parse(self, line: bytes, spec: ModelSpec) -> ParsedInfer:
+        read = load_json(line)
+        doc, by_orjson = read
+        head = _head(doc) if by_orjson else None
+        if head is not None:
+            known = self._known.get(head)
+            if known is not None and known.spec is spec:
+                try:
+                    return known.parse(doc)
+                except InvalidInput:
+                    pass  # parse_infer's error, in its words and order of checks (below)
+        request = parse_infer_read(line, read, spec, _NO_BINARY)
+        if head is not None and _reusable(request, doc):
+            if len(self._known) >= self._capacity:
+                del self._known[next(iter(self._known))]  # the oldest
+            self._known[head] = _Known(spec, request.with_inputs(
+                [WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]))
+        return request
+
+
+def _head(doc: dict[str, Any]) -> bytes | None:
+    """`doc` with its inputs' data and its id null, as bytes; None where it is not kept (too long, not
+    writable again: text orjson refuses, integers past 64 bits)."""
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not all(isinstance(raw, dict) for raw in inputs):
+        return None
+    shell = {k: None if k == "id" else v for k, v in doc.items()}
+    shell["inputs"] = [{k: None if k == "data" else v for k, v in raw.items()} for raw in inputs]
+    try:
+        head = orjson.dumps(shell)
+    except orjson.JSONEncodeError:
+        return None
+    return head if len(head) <= LONGEST_HEAD_BYTES else None
+
+
+def _reusable(request: ParsedInfer, doc: dict[str, Any]) -> bool:
+    # Every input from its `data` (not from a binary size or a region: a job has neither, and refuses them).
+    return (request.sequence is None and not request.shm_outputs
+            and all("data" in raw for raw in doc["inputs"]) and len(doc["inputs"]) == len(request.inputs))
