@@ -77,8 +77,8 @@ class LineHeads:
                 except InvalidInput:
                     pass  # parse_infer's error, in its words and order of checks (below)
         request = parse_infer_read(line, read, spec, _NO_BINARY)
-        if head is not None and _reusable(request, doc):
-            if len(self._known) >= self._capacity:
+        if head is not None and self._capacity > 0 and _reusable(request, doc):
+            if head not in self._known and len(self._known) >= self._capacity:
                 del self._known[next(iter(self._known))]  # the oldest
             self._known[head] = _Known(spec, request.with_inputs(
                 [WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]))
@@ -101,6 +101,7 @@ def _head(doc: dict[str, Any]) -> bytes | None:
 
 
 def _reusable(request: ParsedInfer, doc: dict[str, Any]) -> bool:
-    # Every input from its `data` (not from a binary size or a region: a job has neither, and refuses them).
+    # Every input from its `data`: a job has no binary tail, but an input of no elements may still say
+    # `binary_data_size: 0` (and a region is refused without regions, as an output into one is).
     return (request.sequence is None and not request.shm_outputs
-            and all("data" in raw for raw in doc["inputs"]) and len(doc["inputs"]) == len(request.inputs))
+            and all("data" in raw for raw in doc["inputs"]))

@@ -73,13 +73,15 @@ def test_a_line_refused_for_its_data_or_id_gets_parse_infers_error(a: Any, b: An
 
 
 @pytest.mark.parametrize("doc", [
+    {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]},
+                {"name": "B", "datatype": "INT32", "shape": [1, 0], "parameters": {"binary_data_size": 0}}]},
     {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}}]},
     {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
      "parameters": {"big": 18446744073709551616}},
     {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}, {"name": "A"}]},
     {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
      "outputs": [{"name": "Y", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 16}}]},
-], ids=["binary data", "read by json", "refused", "output to a region"])
+], ids=["empty binary data", "binary data", "read by json", "refused", "output to a region"])
 def test_heads_whose_result_is_not_theirs_alone_are_not_kept(doc: dict[str, Any]) -> None:
     heads = LineHeads()
     for _ in range(2):
@@ -121,6 +123,17 @@ def test_heads_that_differ_in_one_part_are_each_their_own() -> None:
         for doc in variants:
             _check(heads, _line(doc))
     assert len(heads) == len(variants)
+    # A passed-through parameter's JSON type is its own head (1, 1.0 and true are equal to Python's ==).
+    for value in (1, 1.0, True, 1, True, 1.0):
+        got = heads.parse(_line(_doc([1, 2, 3, 4], [5, 6], parameters={"k": value})), SPEC)
+        assert type(got.parameters["k"]) is type(value)
+
+
+def test_no_head_is_kept_without_room() -> None:
+    heads = LineHeads(capacity=0)
+    for _ in range(2):
+        _check(heads, _line(_doc([1, 2, 3, 4], [5, 6])))
+    assert len(heads) == 0
 
 
 def test_a_reloaded_config_is_checked_anew() -> None:
