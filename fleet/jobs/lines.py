@@ -1,7 +1,8 @@
 """A bulk job's JSONL line as a request, read exactly as the online routes read and check theirs (with
 orjson, keeping json's behaviour: fleet/request_json.py; the job worker's parsing bounds a JSONL job).
 
-- `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`).
+- `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`); a job's parser (`line_parser`) reads
+  its lines so, from the head they share (fleet/jobs/line_heads.py).
 - `parse_generation_line`, for a generative model: an /infer body when it has "inputs", else a /generate
   body (fleet/generate_body.py) with its prompt under `text_input` or `prompt`.
 - `parse_item`: a read line as the job's item, or the line's error (a parse failure costs one line).
@@ -44,7 +45,8 @@ def parse_generation_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
 
 
 def line_parser(spec: ModelSpec) -> LineParser:
-    """A line is exactly an /infer body (or, for a generative model, also a /generate one)."""
+    """A line is exactly an /infer body (or, for a generative model, also a /generate one). One parser per
+    job input: the head its /infer lines share is checked once (fleet/jobs/line_heads.py)."""
     return parse_generation_line if is_llm(spec) else LineHeads().parse
 
 
