@@ -159,6 +159,13 @@ def _tree(pid: int) -> dict[int, bytes]:
     return {child: b" ".join(argv) for child, argv in descendants(pid)}
 
 
+def _events(log: Path) -> str:
+    """The fleet's log without the retries of processes waiting for Redis: the events a failure is read from (a
+    request left unanswered across a restart was seen once under a full suite, stop 67)."""
+    return "\n".join(line for line in log.read_text(errors="replace").splitlines()
+                     if "Connection refused" not in line and "No such file or directory" not in line)[-16000:]
+
+
 def _infer(base: str, value: float, timeout_s: float = 90.0) -> tuple[int, object]:
     body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [value]}]})
     req = urllib.request.Request(f"{base}/v2/models/{MODEL}/infer", data=body.encode(), method="POST",
@@ -224,7 +231,7 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
             os.kill(fleet.proc.pid, signal.SIGCONT)
         results = [f.result(timeout=120) for f in queued]
 
-    assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{fleet.tail()}"
+    assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{_events(fleet.log)}"
     assert f"embedded Redis (pid {server}) exited with -9; restarting it" in fleet.log.read_text()
     assert fleet.child(b"valkey-server") != server
     assert os.sched_getscheduler(fleet.child(b"valkey-server")) == os.SCHED_BATCH
