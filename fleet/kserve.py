@@ -68,7 +68,7 @@ class ParsedInfer:
 
     def with_inputs(self, inputs: list[WireTensor], client_id: str | None = None) -> ParsedInfer:
         """This request with these inputs (and this request id, if given), sharing nothing mutable with it but
-        its regions' slices (the caches of decoded requests, gateway/known_requests.py and
+        its regions' slices (the caches of decoded requests, fleet/known_requests.py and
         fleet/jobs/line_heads.py, keep none). Every field by name:
         dataclasses.replace would take twice as long as the rest of a cache hit. The caches' property tests
         compare every field with the decoders', so a field added to ParsedInfer and left out here fails them

@@ -13,16 +13,16 @@ output into a region (a region's registration and contents change), no BYTES inp
 checked in the data), no request id and no sequence (both differ from request to request, so an entry
 would never be used again). A tail of another length than the header's sizes add up to is parsed anew, for
 parse_infer's own error. A reload (another config object) replaces the entry. The least recently used
-entry goes when the cache is full (gateway/known_requests.py keeps the entries, as it does gRPC's).
+entry goes when the cache is full (fleet/known_requests.py keeps the entries, as it does gRPC's).
 """
 
 from __future__ import annotations
 
+from fleet.known_requests import CAPACITY, KnownRequests
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read, split_body
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 from fleet.tensor_regions import Regions
-from gateway.known_requests import CAPACITY, KnownRequests
 
 
 class HeaderCache:

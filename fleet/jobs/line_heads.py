@@ -11,47 +11,30 @@ refused, is parsed by parse_infer as before. So a line's result or error is alwa
 
 A line's head is its document, as orjson read it, with each input's `data` and the request's `id` written
 as null (their keys kept where they are), serialized again by orjson: two lines with one head are one
-document but for those values. A head is kept only:
+document but for those values. The heads are kept in fleet/known_requests.py's store, as the gateway keeps
+its request heads (by config object, so a reloaded model's lines are checked anew; the least recently used
+past CAPACITY; none longer than its LONGEST_KEY_BYTES). A head is kept only:
 - for a request parse_infer accepted whose inputs all came from JSON `data`;
 - with no sequence (its correlation id and flags are checked per request);
-- with no output into a shared-memory region (a job has none);
-- when orjson read the line (not json, which reads what orjson would turn into a float);
-- at most CAPACITY heads (a job has one or a few), each at most LONGEST_HEAD_BYTES.
-The config object is part of the entry, so a reloaded model's lines are checked anew.
+- when orjson read the line (not json, which reads what orjson would turn into a float).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from fleet import tensors
-from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
+from fleet.known_requests import Known, KnownRequests
 from fleet.kserve import ParsedInfer, parse_infer_read, request_id
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 from fleet.tensor_json import pack_json
 
-CAPACITY = 64
-LONGEST_HEAD_BYTES = 4096
+CAPACITY = 64  # heads (a job has one or a few)
 _NO_BINARY = memoryview(b"")
-
-
-@dataclass(frozen=True, slots=True)
-class _Known:
-    spec: ModelSpec  # the config the head was checked against
-    request: ParsedInfer  # what the head gave, its inputs' data empty
-
-    def parse(self, doc: dict[str, Any]) -> ParsedInfer:
-        """The request of `doc`, whose head this is; InvalidInput where its id or data is refused."""
-        client_id = request_id(doc)
-        inputs = [WireTensor(t.name, t.datatype, t.shape,
-                             pack_json(raw["data"], tensors.lookup(t.datatype), t.shape, t.name))
-                  for t, raw in zip(self.request.inputs, doc["inputs"], strict=True)]
-        return self.request.with_inputs(inputs, client_id)
 
 
 class LineHeads:
@@ -59,8 +42,7 @@ class LineHeads:
     (and so one in each forked parsing helper): not thread-safe."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
-        self._capacity = capacity
-        self._known: dict[bytes, _Known] = {}
+        self._known = KnownRequests(capacity)
 
     def __len__(self) -> int:
         return len(self._known)
@@ -70,38 +52,40 @@ class LineHeads:
         doc, by_orjson = read
         head = _head(doc) if by_orjson else None
         if head is not None:
-            known = self._known.get(head)
-            if known is not None and known.spec is spec:
+            known = self._known.get(spec.name, head, spec)
+            if known is not None:
                 try:
-                    return known.parse(doc)
+                    return _with_data(known, doc)
                 except InvalidInput:
                     pass  # parse_infer's error, in its words and order of checks (below)
         request = parse_infer_read(line, read, spec, _NO_BINARY)
-        if head is not None and self._capacity > 0 and _reusable(request, doc):
-            if head not in self._known and len(self._known) >= self._capacity:
-                del self._known[next(iter(self._known))]  # the oldest
-            self._known[head] = _Known(spec, request.with_inputs(
-                [WireTensor(t.name, t.datatype, t.shape, b"") for t in request.inputs]))
+        if head is not None and _reusable(request, doc):
+            self._known.keep(spec.name, head, spec, request)
         return request
 
 
+def _with_data(known: Known, doc: dict[str, Any]) -> ParsedInfer:
+    """The request of `doc`, whose head `known` is; InvalidInput where its id or data is refused."""
+    data = [pack_json(raw["data"], tensors.lookup(t.datatype), t.shape, t.name)
+            for t, raw in zip(known.request.inputs, doc["inputs"], strict=True)]
+    return known.with_data(data, request_id(doc))
+
+
 def _head(doc: dict[str, Any]) -> bytes | None:
-    """`doc` with its inputs' data and its id null, as bytes; None where it is not kept (too long, not
-    writable again: text orjson refuses, integers past 64 bits)."""
+    """`doc` with its inputs' data and its id null, as bytes; None where it cannot be written again (text
+    orjson refuses, integers past 64 bits)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not all(isinstance(raw, dict) for raw in inputs):
         return None
     shell = {k: None if k == "id" else v for k, v in doc.items()}
     shell["inputs"] = [{k: None if k == "data" else v for k, v in raw.items()} for raw in inputs]
     try:
-        head = orjson.dumps(shell)
+        return orjson.dumps(shell)
     except orjson.JSONEncodeError:
         return None
-    return head if len(head) <= LONGEST_HEAD_BYTES else None
 
 
 def _reusable(request: ParsedInfer, doc: dict[str, Any]) -> bool:
     # Every input from its `data`: a job has no binary tail, but an input of no elements may still say
-    # `binary_data_size: 0` (and a region is refused without regions, as an output into one is).
-    return (request.sequence is None and not request.shm_outputs
-            and all("data" in raw for raw in doc["inputs"]))
+    # `binary_data_size: 0` (a region, input or output, is refused without regions).
+    return request.sequence is None and all("data" in raw for raw in doc["inputs"])

@@ -4,7 +4,7 @@ perf_analyzer, tritonclient and a service calling one model send every request o
 same fields but its raw_input_contents. Decoding those fields and checking them against the config is
 codec.py's decode_infer, a function of them and the config alone when every input's data is a raw entry. So
 the request without its raw contents, serialized (deterministically, so that a map's order is fixed), is the
-key, and a request with a known key only has its raw contents matched to its inputs (gateway/known_requests.py
+key, and a request with a known key only has its raw contents matched to its inputs (fleet/known_requests.py
 keeps the entries). In process, parse and decoding of perf_analyzer's `mlp` request (one 1 KiB input) took
 12.8 µs, 5.0 from a known head; with a 602 KB input 47 and 39 (bench/RESULTS.md, stop 62).
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleet.known_requests import CAPACITY, KnownRequests
 from fleet.kserve import ParsedInfer
 from fleet.model_spec import ModelSpec
 from fleet.tensor_regions import Regions
 from gateway.grpc.codec import decode_infer
-from gateway.known_requests import CAPACITY, KnownRequests
 
 
 class RequestHeads:

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleet.envelope import WireTensor
+from fleet.known_requests import LeastRecentlyUsed
 from fleet.kserve import ParsedInfer
 from gateway.grpc.service_proto import service_pb2 as pb
-from gateway.known_requests import LeastRecentlyUsed
 
 # Heads kept at most: one a model, version and output shapes, the batch dim included (one a batch size its
 # clients send, and a shape a model with variable output dims answers with). The least recently used goes first.

@@ -1,13 +1,13 @@
-"""gateway/known_requests.py, the store both protocols' caches of decoded requests keep their entries in: an
+"""fleet/known_requests.py, the store both protocols' caches of decoded requests keep their entries in: an
 entry answers only for the config it was checked against, the least recently used goes first, long keys are
 not kept, and a request made from an entry has its own inputs."""
 
 from __future__ import annotations
 
 from fleet.envelope import WireTensor
+from fleet.known_requests import LONGEST_KEY_BYTES, KnownRequests
 from fleet.kserve import ParsedInfer
 from fleet.model_config import parse_config
-from gateway.known_requests import LONGEST_KEY_BYTES, KnownRequests
 
 CONFIG = """
 name: "m"

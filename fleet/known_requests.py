@@ -5,12 +5,13 @@ service calling one model. Only its tensors' bytes differ. Decoding that head an
 config is a function of the head and the config alone when every input's data comes from the bytes that
 follow it, so each protocol keeps the result here once and hands each later request its own data:
 HTTP's JSON header (gateway/header_cache.py), gRPC's request without its raw contents
-(gateway/grpc/request_heads.py).
+(gateway/grpc/request_heads.py). A bulk job's JSONL lines (fleet/jobs/line_heads.py) carry their data in the
+JSON itself: their key is the line without it, and each line's data is packed anew.
 
 An entry holds the request with its inputs' data empty, the config object it was checked against (a reload
 makes another, and the entry is checked anew) and each input's size in bytes. The least recently used entry
 goes when the store is full; a key longer than LONGEST_KEY_BYTES is not kept (no large keys held). One per
-gateway process and protocol: its event loop's, not thread-safe.
+gateway process and protocol (its event loop's), or per job input reader: not thread-safe.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class LeastRecentlyUsed(Generic[K, V]):
         return value
 
     def put(self, key: K, value: V) -> None:
-        """`value` for `key`, the most recently used (replacing what `key` had)."""
+        """`value` for `key`, the most recently used (replacing what `key` had); nothing is kept without room."""
+        if self._capacity <= 0:
+            return
         if self._items.pop(key, None) is None and len(self._items) >= self._capacity:
             del self._items[next(iter(self._items))]
         self._items[key] = value
@@ -70,10 +73,11 @@ class Known:
     request: ParsedInfer  # its inputs' data empty
     sizes: tuple[int, ...]  # each input's bytes, in input order
 
-    def with_data(self, data: Sequence[bytes | memoryview]) -> ParsedInfer:
-        """The request with each input's data (as many as `sizes`, each of its size: the caller's check)."""
+    def with_data(self, data: Sequence[bytes | memoryview], client_id: str | None = None) -> ParsedInfer:
+        """The request with each input's data (as many as `sizes`, each of its size: the caller's check), and
+        this request id if given."""
         return self.request.with_inputs([WireTensor(t.name, t.datatype, t.shape, d)
-                                         for t, d in zip(self.request.inputs, data, strict=True)])
+                                         for t, d in zip(self.request.inputs, data, strict=True)], client_id)
 
 
 class KnownRequests:
