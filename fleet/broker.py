@@ -36,7 +36,7 @@ from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
 from fleet.redis_link import RedisLink
 from fleet.redis_time import RedisClock
-from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter
+from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter, stream_id
 from fleet.stats import BatchSample, increments
 from fleet.supervision import Supervisor
 
@@ -74,7 +74,7 @@ class Broker:
         self.redis_clock = RedisClock()
         self._replies = ReplyReader(client, reader_client, self.reply_key, block_ms=block_ms,
                                     timeout_s=request_timeout_s, outage_s=outage_s, redis_clock=self.redis_clock,
-                                    abandoned=self._cancel_waiter)
+                                    abandoned=self._cancel_waiter, back=self._look_for_lost)
         self._waiters = self._replies.waiters
         self._outbox: list[_Outgoing] = []
         self._flushes: set[asyncio.Future[None]] = set()
@@ -173,7 +173,8 @@ class Broker:
             fut.set_exception(BrokerUnavailable(_STOPPING))
             return fut
         self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
-                                           enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None)
+                                           enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None,
+                                           payload=payload)
         if on_enqueued is not None:
             self._on_enqueued[request_id] = on_enqueued
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
@@ -255,6 +256,54 @@ class Broker:
             await pipe.execute()
         except (RedisError, OSError) as exc:
             log.debug("cancelling %s failed: %s", request_id, exc)
+
+    def _look_for_lost(self) -> None:
+        """Redis is back after an outage: look for requests it lost (below), in the background."""
+        if self._stopping:
+            return
+        task = asyncio.ensure_future(self._send_lost_again())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _send_lost_again(self) -> None:
+        """Send again the requests Redis lost with writes it had acknowledged: a restart that replayed an AOF
+        short of its last writes (`appendfsync everysec` holds them back while an fsync is slow), a failover to
+        a replica that had not received them. Such a request's entry is gone from its stream and no reply came,
+        and its caller would wait for its timeout (504). An entry is also gone once a worker has answered it
+        (the reply is written before the entry is deleted, workers/acks.py), or when its deadline rejected it:
+        so the entries are looked up first, and those gone count as lost only if no reply has come by the time
+        the reader has read past a marker written after that. Sent again in their first order, unbounded (each
+        was accepted); one computed anyway (a reply lost, not its request) is answered twice and the second
+        dropped, as any duplicate."""
+        waiting = [(rid, w, w.entry) for rid, w in self._waiters.items()
+                   if w.entry is not None and w.payload is not None and not w.future.done()]
+        if not waiting:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for *_, (stream, entry_id) in waiting:
+                pipe.xrange(stream, entry_id, entry_id, count=1)
+            found = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("cannot look for requests Redis lost: %s (looked for again when it is back)", exc)
+            return
+        gone = [(rid, w, entry) for (rid, w, entry), entries in zip(waiting, found, strict=True) if not entries]
+        if not gone or not await self._replies.caught_up(self.timeout_s):
+            return
+        lost = sorted(((rid, w, entry) for rid, w, entry in gone
+                       if self._waiters.get(rid) is w and not w.future.done() and w.entry == entry),
+                      key=lambda lost: stream_id(lost[2][1]))
+        if not lost or self._stopping:
+            return
+        log.warning("%d requests waiting for replies are no longer in Redis, which lost writes it had acknowledged "
+                    "(a restart or a failover); sending them again", len(lost))
+        start = not self._outbox
+        for rid, w, (stream, _) in lost:
+            assert w.payload is not None
+            w.entry = None  # enqueued anew: its new entry is what a cancel deletes
+            self._outbox.append((rid, stream, w.payload, 0, w.future))
+        if start:
+            self._start_flush()
 
     def _start_flush(self) -> None:
         if self._stopping:

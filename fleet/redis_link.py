@@ -65,7 +65,8 @@ _BIG_ARG = LONG_BUFFER
 
 
 class RedisLink:
-    def __init__(self, client: aioredis.Redis, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, client: aioredis.Redis, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 on_connect: Callable[[int], None] | None = None) -> None:
         self._conn = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
         self._conn.socket_timeout = None  # the round trip's one deadline instead
         self._lock = asyncio.Lock()
@@ -75,6 +76,10 @@ class RedisLink:
         self._parser = hiredis.Reader()
         self._replies: _Replies | None = None
         self._deadline = _Deadline()
+        # Called with the count of connections made so far each time one is, before its first command: a
+        # new one after the first may reach a Redis restarted, or another after a failover.
+        self._on_connect = on_connect
+        self.connects = 0
 
     async def execute(self, commands: Sequence[Command], block_ms: int = 0,
                       resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
@@ -111,6 +116,9 @@ class RedisLink:
             if not conn.is_connected:
                 async with asyncio.timeout(deadline_s):  # rare: the first round trip, or after a failure
                     await conn.connect_check_health(check_health=False)  # AUTH, SELECT, TLS: redis-py's
+                self.connects += 1
+                if self._on_connect is not None:
+                    self._on_connect(self.connects)
                 # redis-py's own mapping of error replies to its exceptions, and its error for a garbled
                 # stream (what its hiredis parser passes too): callers handle RedisError.
                 self._parser = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)

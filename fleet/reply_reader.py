@@ -21,6 +21,7 @@ from fleet.backoff import Backoff
 from fleet.cancellation import raise_if_cancelled
 from fleet.envelope import ReplyEnvelope, readable_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded
+from fleet.parts import Parts
 from fleet.redis_link import Command, RedisLink, raise_first
 from fleet.redis_time import RedisClock
 from fleet.trace_points import REPLY_RECEIVED
@@ -43,18 +44,28 @@ class Waiter:
     # A decoupled model's request: `future` gets the first reply, this queue each later one, until the
     # final one (which retires the waiter). None for the usual one reply.
     more: asyncio.Queue[ReplyEnvelope] | None = None
+    # What was enqueued, kept until the reply: sent again if Redis lost it (Broker._send_lost_again).
+    payload: bytes | Parts | None = None
 
 
 # A waiter the sweep gave up on whose request may still sit unread in its stream: the broker deletes it.
 Abandoned = Callable[[str, Waiter], None]
 
 
+def stream_id(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id (b"<ms>-<seq>") as a pair that sorts as Redis orders them."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 class ReplyReader:
     def __init__(self, client: aioredis.Redis, reader_client: aioredis.Redis, reply_key: str, *, block_ms: int,
-                 timeout_s: float, outage_s: float, redis_clock: RedisClock, abandoned: Abandoned) -> None:
+                 timeout_s: float, outage_s: float, redis_clock: RedisClock, abandoned: Abandoned,
+                 back: Callable[[], None] | None = None) -> None:
         self._client = client  # pings and clock samples, off the reply read's own connection
         self._reader_client = reader_client
-        self._link = RedisLink(reader_client)  # the request path's reply read, on a connection of its own
+        # The request path's reply read, on a connection of its own.
+        self._link = RedisLink(reader_client, on_connect=self._connected)
         self.reply_key = reply_key
         self._block_ms = block_ms
         self.timeout_s = timeout_s
@@ -66,7 +77,17 @@ class ReplyReader:
         self._down_since: float | None = None  # loop time Redis was first seen unreachable, if it is now
         self._back = asyncio.Event()  # an enqueue worked while the reader was backing off
         self._start_id: bytes | None = None  # the reply stream's marker written by mark_start()
+        self._back_again = back  # called when the reader's connection is made anew
+        # Markers written by caught_up(), each with what is told once the reader has read past it.
+        self._marks: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
+        self._last_read = b"0-0"  # the id of the last entry the reader has read
         self.stopping = False
+
+    def _connected(self, connects: int) -> None:
+        # A new connection after the first (an outage, or Redis back within the round trip): it may reach a
+        # Redis restarted, or another after a failover, either of which may have lost acknowledged writes.
+        if connects > 1 and self._back_again is not None:
+            self._back_again()
 
     def redis_back(self) -> None:
         """Redis took an enqueue: it is back, whatever the reader (maybe still backing off) thinks."""
@@ -126,6 +147,9 @@ class ReplyReader:
                     for i in range(0, len(fields or ()) - 1, 2):  # a worker batches replies: d0, d1, ...
                         if fields[i][:1] == b"d":
                             self._deliver(fields[i + 1])
+            self._last_read = last_id
+            if self._marks and result:
+                self._passed()
             if result:
                 # Let the callers answered now write their responses before the next read is written (it
                 # wakes Valkey, 40-95 µs on this VM, which would otherwise sit in a lone request's path):
@@ -159,6 +183,30 @@ class ReplyReader:
             waiter.future.set_result(reply)
         else:
             self.unclaimed += 1  # a duplicate or a late reply: dropped
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """Whether the reader has read every reply written before this call, within `timeout_s`: a marker is
+        added to the reply stream and waited for. False if Redis is away or the reader is not there in time."""
+        marker = await self._touch()
+        if marker is None:
+            return False
+        mark: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._marks.append((stream_id(marker), mark))
+        self._passed()  # the reader may have read it before the XADD's own reply came back
+        try:
+            async with asyncio.timeout(timeout_s):
+                await mark
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._marks = [(m, f) for m, f in self._marks if f is not mark]
+
+    def _passed(self) -> None:
+        last = stream_id(self._last_read)
+        for marker, mark in self._marks:
+            if marker <= last and not mark.done():
+                mark.set_result(None)
 
     async def _touch(self) -> bytes | None:
         """Add a marker entry and refresh the TTL; returns the marker's id (None if Redis is away)."""

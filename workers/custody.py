@@ -293,8 +293,9 @@ class Custody:
             # gateway drops).
             lost = self.holding.unanswered(lost)
             if lost:
-                log.warning("%s: %d held messages are another worker's now (this one stalled past the claim "
-                            "timeout); dropping those not started", self.model, len(lost))
+                log.warning("%s: %d held messages are no longer this worker's (another claimed them after this "
+                            "one stalled past the claim timeout, or Redis lost their delivery in a restart or "
+                            "failover); dropping those not started", self.model, len(lost))
                 self._lost(lost)
             self._confirm(started)
 

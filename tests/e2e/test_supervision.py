@@ -4,7 +4,7 @@
 - `fleet up` itself killed with SIGKILL (as the OOM killer does) leaves no process behind, and a new one
   starts on the same ports and data directory;
 - its embedded Redis killed with SIGKILL is restarted on the same socket with its AOF: requests queued
-  before are answered after, and no other process stops;
+  before are answered after, and no other process stops; those lost with the end of its AOF are sent again;
 - a second `fleet up` on the same data directory fails at once, naming the first one's PID.
 """
 
@@ -31,6 +31,7 @@ from bench.procs import children, descendants, running
 from fleet.keys import Keys
 from fleet.redis_server import free_port
 from tests.e2e.conftest import ROOT, RunningSystem
+from tests.support.aof import cut_before_last
 from tests.support.queue_models import sleeper_repository
 
 
@@ -212,6 +213,9 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
     queue = Keys("fleet").queue(MODEL, version=1)
 
     client = fleet.redis()
+    # Each write is in the AOF before Valkey answers it, so the kill below loses no request it took. With
+    # `everysec` a busy disk made Valkey hold its writes back, and two requests went unanswered (stop 68).
+    assert client.config_get("appendfsync") == {"appendfsync": "no"}
     with ThreadPoolExecutor(3) as pool:
         queued = [pool.submit(_infer, fleet.base, float(v)) for v in (1, 2, 3)]
         deadline = time.monotonic() + 10
@@ -243,6 +247,38 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
     assert fleet.proc.poll() is None
     # A Redis outage stops no process: the same gateway, worker and job worker throughout.
     assert {role: fleet.child(role) for role in others} == others, fleet.tail()
+
+
+def test_requests_a_restarted_redis_lost_are_sent_again_and_answered(start_fleet: StartFleet, tmp_path: Path) -> None:
+    """Valkey restarted on an AOF short of its last writes, as a kill with `appendfsync everysec` during a slow fsync
+    leaves it (or a failover to a lagging replica): the last two requests it had acknowledged are gone, with any
+    delivery of them to the worker. Their gateway sends them again once Redis is back, the worker drops what it
+    held of them unstarted, and all three are answered (with `everysec` two went unanswered once, stop 67)."""
+    repo = sleeper_repository(tmp_path, MODEL, sleep_ms=1500, dynamic_batching="")
+    fleet = start_fleet(repo, FLEET_REDIS_OUTAGE_S="30", FLEET_REQUEST_TIMEOUT_S="60")
+    server = fleet.child(b"valkey-server")
+    queue = Keys("fleet").queue(MODEL, version=1)
+    client = fleet.redis()
+    with ThreadPoolExecutor(3) as pool:
+        queued = [pool.submit(_infer, fleet.base, float(v), 60.0) for v in (1, 2, 3)]
+        deadline = time.monotonic() + 10
+        while client.xlen(queue) < 3:
+            assert time.monotonic() < deadline and not any(f.done() for f in queued), "not queued"
+            time.sleep(0.02)
+        client.close()
+        os.kill(fleet.proc.pid, signal.SIGSTOP)  # restarts it only after the cut (then after a heartbeat's TTL)
+        try:
+            os.kill(server, signal.SIGKILL)
+            time.sleep(0.5)
+            cut = cut_before_last(fleet.data_dir / "redis", b"XADD", queue, 2)
+            assert sum(1 for argv in cut if argv[0] == b"XADD" and argv[1] == queue.encode()) == 2
+            time.sleep(OUTAGE_S)
+        finally:
+            os.kill(fleet.proc.pid, signal.SIGCONT)
+        results = [f.result(timeout=120) for f in queued]
+    log = fleet.log.read_text(errors="replace")
+    assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{_events(fleet.log)}"
+    assert "2 requests waiting for replies are no longer in Redis" in log, _events(fleet.log)
 
 
 def test_a_second_fleet_up_on_the_same_data_dir_fails_at_once(start_fleet: StartFleet, tmp_path: Path) -> None:

@@ -1,0 +1,137 @@
+"""Requests Redis lost with writes it had acknowledged: a real Valkey killed and restarted on an AOF cut short
+(tests/support/aof.py), as a kill with `appendfsync everysec` during a slow fsync leaves it, or a failover to a
+replica that lagged. The gateway's broker sends those again once Redis is back, in their order, and they are
+answered; a request answered meanwhile, or still in its stream, is not sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from fleet.broker import Broker
+from fleet.envelope import ReplyEnvelope, encode_reply
+from fleet.keys import Keys
+from fleet.redis_clients import async_client
+from fleet.redis_server import LocalServer, start_server
+from tests.support.aof import cut_before_last
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def reply(rid: str) -> dict[bytes, bytes]:
+    return {b"d": encode_reply(ReplyEnvelope(id=rid, model_version=1))}
+
+
+def with_broker(server: LocalServer, key_prefix: str, block_ms: int,
+                test: Callable[[Broker, str, aioredis.Redis], Awaitable[None]]) -> None:
+    """Run `test(broker, queue, admin)` with a gateway's broker started on `server` (stopped after, as the server)."""
+
+    async def main() -> None:
+        keys = Keys(key_prefix)
+        broker = Broker(async_client(server.url), async_client(server.url), keys, "gw", block_ms=block_ms,
+                        request_timeout_s=30, outage_s=20)
+        await broker.start()
+        admin = async_client(server.url)
+        try:
+            await test(broker, keys.queue("m", version=1), admin)
+        finally:
+            await admin.aclose()
+            await broker.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_requests_redis_lost_are_sent_again_in_order_and_answered(tmp_path: Path, key_prefix: str) -> None:
+    data = tmp_path / "valkey"
+    server = start_server(data, appendonly=True)
+
+    async def test(broker: Broker, queue: str, admin: aioredis.Redis) -> None:
+        # Answered before the kill, as a worker does: its reply, then its entry deleted.
+        answered = broker.submit("a", queue, b"A", model="m", version=1)
+        await until(lambda: admin.xlen(queue), 5, "a's entry")
+        (a_entry,) = await admin.xrange(queue)
+        await admin.xadd(broker.reply_key, reply("a"))
+        await admin.xdel(queue, a_entry[0])
+        assert (await asyncio.wait_for(answered, 5)).id == "a"
+
+        waiting = {rid: broker.submit(rid, queue, rid.encode(), model="m", version=1) for rid in "bcd"}
+
+        async def three() -> bool:
+            return bool(await admin.xlen(queue) == 3)
+
+        await until(three, 5, "b, c and d in the stream")
+        first = [(entry_id, fields[b"d"]) for entry_id, fields in await admin.xrange(queue)]
+        assert [payload for _, payload in first] == [b"b", b"c", b"d"]
+
+        server.process.kill()  # SIGKILL
+        server.process.wait()
+        cut = cut_before_last(data, b"XADD", queue, 2)  # c's and d's XADDs, and what came after
+        assert [argv[-1] for argv in cut if argv[0] == b"XADD" and argv[1] == queue.encode()] == [b"c", b"d"]
+        server.restart()
+        await admin.connection_pool.disconnect()  # its connection died with the server
+
+        await until(three, 15, "c and d sent again")
+        entries = [(entry_id, fields[b"d"]) for entry_id, fields in await admin.xrange(queue)]
+        assert entries[0] == first[0]  # b was kept: not sent twice
+        assert [payload for _, payload in entries] == [b"b", b"c", b"d"]  # in their first order
+        assert all(entry_id > first[0][0] for entry_id, _ in entries[1:])
+        assert not any(f.done() for f in waiting.values())
+        for rid in "bcd":
+            await admin.xadd(broker.reply_key, reply(rid))
+        for rid, future in waiting.items():
+            assert (await asyncio.wait_for(future, 5)).id == rid
+        await asyncio.sleep(0.2)
+        assert await admin.xlen(queue) == 3 and broker.unclaimed_replies == 0  # nothing sent a third time
+
+    # Its reply read blocks longer than the test runs: the outage ends the first read there is (a reader's
+    # connection made anew counts, not its first read after).
+    with_broker(server, key_prefix, 60_000, test)
+
+
+def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_path: Path, key_prefix: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its entry is gone (deleted after its reply was written) while its reply is still on its way to the
+    reader: the broker waits until the reader has read past a marker written after it looked, and the
+    request, answered by then, is not sent again. One whose entry is still there is not either; only the
+    one whose entry and reply are both missing is."""
+
+    async def test(broker: Broker, queue: str, admin: aioredis.Redis) -> None:
+        futures = {rid: broker.submit(rid, queue, rid.encode(), model="m", version=1) for rid in ("done", "kept",
+                                                                                                 "lost")}
+
+        async def enqueued() -> bool:
+            return bool(await admin.xlen(queue) == 3)
+
+        await until(enqueued, 5, "the three requests in the stream")
+        ids = {fields[b"d"].decode(): entry_id for entry_id, fields in await admin.xrange(queue)}
+        # "lost": its entry gone with no reply, as a lost write leaves it. "done": its entry gone too, its
+        # reply read only after the broker has looked (written then, here).
+        await admin.xdel(queue, ids["done"], ids["lost"])
+        caught_up = broker._replies.caught_up
+
+        async def reply_read_after_the_look(timeout_s: float) -> bool:
+            await admin.xadd(broker.reply_key, reply("done"))
+            return await caught_up(timeout_s)
+
+        monkeypatch.setattr(broker._replies, "caught_up", reply_read_after_the_look)
+        await broker._send_lost_again()
+        assert (await asyncio.wait_for(futures["done"], 5)).id == "done"
+        entries = {fields[b"d"]: entry_id for entry_id, fields in await admin.xrange(queue)}
+        assert set(entries) == {b"kept", b"lost"}
+        assert entries[b"kept"] == ids["kept"] and entries[b"lost"] > ids["kept"]
+        assert not futures["kept"].done() and not futures["lost"].done()
+
+    with_broker(start_server(tmp_path / "valkey", appendonly=False), key_prefix, 50, test)
