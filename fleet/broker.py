@@ -85,6 +85,8 @@ class Broker:
         # (gateway/sequences.py).
         self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
+        self._looking: asyncio.Future[None] | None = None  # the look for lost requests running (_look_for_lost)
+        self._look_again = False
         # The loop it serves, from `start` on: looked up per request otherwise, and on Python 3.11 each lookup
         # is a getpid() system call.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,6 +125,8 @@ class Broker:
     async def stop(self) -> None:
         self._stopping = self._replies.stopping = True
         await cancel_and_wait(self._tasks, f"gateway {self.gateway_id} broker")
+        if self._looking is not None:  # its wait for the reader, stopped now, would never end
+            await cancel_and_wait([self._looking], f"gateway {self.gateway_id} broker's look for lost requests")
         # What is still on its way ends before the links close: left running, a flush would take a link (and
         # reconnect it) after aclose. On a graceful stop their callers are answered by now. Any left fail
         # rather than wait for ever: those no flush took, those whose flush was cancelled, and those enqueued
@@ -172,9 +176,11 @@ class Broker:
         if self._stopping:  # its links are closing or closed
             fut.set_exception(BrokerUnavailable(_STOPPING))
             return fut
+        # A decoupled model's request or a sequence's is never sent again (_send_lost_again): its payload is
+        # not kept.
         self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None,
-                                           payload=payload)
+                                           payload=None if streamed or on_enqueued is not None else payload)
         if on_enqueued is not None:
             self._on_enqueued[request_id] = on_enqueued
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
@@ -258,12 +264,24 @@ class Broker:
             log.debug("cancelling %s failed: %s", request_id, exc)
 
     def _look_for_lost(self) -> None:
-        """Redis is back after an outage: look for requests it lost (below), in the background."""
+        """The reply reader's connection was made anew: look for requests Redis lost (below), in the
+        background, one look at a time (a look asked for meanwhile runs after it)."""
         if self._stopping:
             return
-        task = asyncio.ensure_future(self._send_lost_again())
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
+        if self._looking is not None:
+            self._look_again = True
+            return
+        self._looking = asyncio.ensure_future(self._looks())
+
+    async def _looks(self) -> None:
+        try:
+            while True:
+                self._look_again = False
+                await self._send_lost_again()
+                if not self._look_again or self._stopping:
+                    return
+        finally:
+            self._looking = None
 
     async def _send_lost_again(self) -> None:
         """Send again the requests Redis lost with writes it had acknowledged: a restart that replayed an AOF
@@ -273,8 +291,10 @@ class Broker:
         (the reply is written before the entry is deleted, workers/acks.py), or when its deadline rejected it:
         so the entries are looked up first, and those gone count as lost only if no reply has come by the time
         the reader has read past a marker written after that. Sent again in their first order, unbounded (each
-        was accepted); one computed anyway (a reply lost, not its request) is answered twice and the second
-        dropped, as any duplicate."""
+        was accepted). One a worker had started before its delivery was lost too is computed twice, and the
+        second reply dropped, as any duplicate; so a decoupled model's request (its replies would interleave)
+        and a sequence's (its state would take the step twice, and out of order) keep no payload and are not
+        sent again. Looked for once per new connection of the reader: a lookup that fails waits for the next."""
         waiting = [(rid, w, w.entry) for rid, w in self._waiters.items()
                    if w.entry is not None and w.payload is not None and not w.future.done()]
         if not waiting:
@@ -285,9 +305,10 @@ class Broker:
                 pipe.xrange(stream, entry_id, entry_id, count=1)
             found = await pipe.execute()
         except (RedisError, OSError) as exc:
-            log.warning("cannot look for requests Redis lost: %s (looked for again when it is back)", exc)
+            log.warning("cannot look for requests Redis lost: %s (looked for again at its next reconnection)", exc)
             return
         gone = [(rid, w, entry) for (rid, w, entry), entries in zip(waiting, found, strict=True) if not entries]
+        del waiting, found  # the waiters answered meanwhile are not held through the wait below
         if not gone or not await self._replies.caught_up(self.timeout_s):
             return
         lost = sorted(((rid, w, entry) for rid, w, entry in gone

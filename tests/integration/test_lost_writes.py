@@ -18,6 +18,7 @@ from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import Keys
 from fleet.redis_clients import async_client
 from fleet.redis_server import LocalServer, start_server
+from fleet.reply_reader import stream_id
 from tests.support.aof import cut_before_last
 
 
@@ -87,7 +88,7 @@ def test_requests_redis_lost_are_sent_again_in_order_and_answered(tmp_path: Path
         entries = [(entry_id, fields[b"d"]) for entry_id, fields in await admin.xrange(queue)]
         assert entries[0] == first[0]  # b was kept: not sent twice
         assert [payload for _, payload in entries] == [b"b", b"c", b"d"]  # in their first order
-        assert all(entry_id > first[0][0] for entry_id, _ in entries[1:])
+        assert all(stream_id(entry_id) > stream_id(first[0][0]) for entry_id, _ in entries[1:])
         assert not any(f.done() for f in waiting.values())
         for rid in "bcd":
             await admin.xadd(broker.reply_key, reply(rid))
@@ -105,21 +106,26 @@ def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Its entry is gone (deleted after its reply was written) while its reply is still on its way to the
     reader: the broker waits until the reader has read past a marker written after it looked, and the
-    request, answered by then, is not sent again. One whose entry is still there is not either; only the
-    one whose entry and reply are both missing is."""
+    request, answered by then, is not sent again. One whose entry is still there is not either, nor a decoupled
+    model's or a sequence's; only the one whose entry and reply are both missing is."""
 
     async def test(broker: Broker, queue: str, admin: aioredis.Redis) -> None:
         futures = {rid: broker.submit(rid, queue, rid.encode(), model="m", version=1) for rid in ("done", "kept",
                                                                                                  "lost")}
+        # A decoupled model's request and a sequence's, lost too: never sent again (their replies would
+        # interleave with a run started before its delivery was lost; the sequence would take a step twice).
+        futures["streamed"] = broker.submit("streamed", queue, b"streamed", model="m", version=1, streamed=True)
+        futures["sequence"] = broker.submit("sequence", queue, b"sequence", model="m", version=1,
+                                            on_enqueued=lambda: None)
 
         async def enqueued() -> bool:
-            return bool(await admin.xlen(queue) == 3)
+            return bool(await admin.xlen(queue) == 5)
 
-        await until(enqueued, 5, "the three requests in the stream")
+        await until(enqueued, 5, "the five requests in the stream")
         ids = {fields[b"d"].decode(): entry_id for entry_id, fields in await admin.xrange(queue)}
         # "lost": its entry gone with no reply, as a lost write leaves it. "done": its entry gone too, its
         # reply read only after the broker has looked (written then, here).
-        await admin.xdel(queue, ids["done"], ids["lost"])
+        await admin.xdel(queue, ids["done"], ids["lost"], ids["streamed"], ids["sequence"])
         caught_up = broker._replies.caught_up
 
         async def reply_read_after_the_look(timeout_s: float) -> bool:
@@ -131,7 +137,7 @@ def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_pa
         assert (await asyncio.wait_for(futures["done"], 5)).id == "done"
         entries = {fields[b"d"]: entry_id for entry_id, fields in await admin.xrange(queue)}
         assert set(entries) == {b"kept", b"lost"}
-        assert entries[b"kept"] == ids["kept"] and entries[b"lost"] > ids["kept"]
-        assert not futures["kept"].done() and not futures["lost"].done()
+        assert entries[b"kept"] == ids["kept"] and stream_id(entries[b"lost"]) > stream_id(ids["sequence"])
+        assert not any(futures[rid].done() for rid in ("kept", "lost", "streamed", "sequence"))
 
     with_broker(start_server(tmp_path / "valkey", appendonly=False), key_prefix, 50, test)
