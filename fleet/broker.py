@@ -26,6 +26,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fleet.backoff import Backoff
 from fleet.cancellation import cancel_and_wait
 from fleet.envelope import ReplyEnvelope
 from fleet.errors import BrokerUnavailable, QueueFull, RequestTimeout
@@ -274,16 +275,21 @@ class Broker:
         self._looking = asyncio.ensure_future(self._looks())
 
     async def _looks(self) -> None:
+        backoff = Backoff()
+        give_up_at = asyncio.get_running_loop().time() + self.timeout_s  # what waits now has timed out by then
         try:
             while True:
                 self._look_again = False
-                await self._send_lost_again()
+                if not await self._send_lost_again(quiet=backoff.attempt > 0):
+                    # Redis failed it (away, loading): again after a backoff, as long as what waits now may wait.
+                    self._look_again |= asyncio.get_running_loop().time() < give_up_at
+                    await asyncio.sleep(backoff.next_delay())
                 if not self._look_again or self._stopping:
                     return
         finally:
             self._looking = None
 
-    async def _send_lost_again(self) -> None:
+    async def _send_lost_again(self, quiet: bool = False) -> bool:
         """Send again the requests Redis lost with writes it had acknowledged: a restart that replayed an AOF
         short of its last writes (`appendfsync everysec` holds them back while an fsync is slow), a failover to
         a replica that had not received them. Such a request's entry is gone from its stream and no reply came,
@@ -294,28 +300,30 @@ class Broker:
         was accepted). One a worker had started before its delivery was lost too is computed twice, and the
         second reply dropped, as any duplicate; so a decoupled model's request (its replies would interleave)
         and a sequence's (its state would take the step twice, and out of order) keep no payload and are not
-        sent again. Looked for once per new connection of the reader: a lookup that fails waits for the next."""
+        sent again. False if Redis failed the lookup (it is then tried again; `quiet`: not logged again)."""
         waiting = [(rid, w, w.entry) for rid, w in self._waiters.items()
                    if w.entry is not None and w.payload is not None and not w.future.done()]
         if not waiting:
-            return
+            return True
         try:
             pipe = self._client.pipeline(transaction=False)
             for *_, (stream, entry_id) in waiting:
                 pipe.xrange(stream, entry_id, entry_id, count=1)
             found = await pipe.execute()
         except (RedisError, OSError) as exc:
-            log.warning("cannot look for requests Redis lost: %s (looked for again at its next reconnection)", exc)
-            return
+            (log.debug if quiet else log.warning)("cannot look for requests Redis lost: %s (looking again)", exc)
+            return False
         gone = [(rid, w, entry) for (rid, w, entry), entries in zip(waiting, found, strict=True) if not entries]
         del waiting, found  # the waiters answered meanwhile are not held through the wait below
-        if not gone or not await self._replies.caught_up(self.timeout_s):
-            return
+        if not gone:
+            return True
+        if not await self._replies.caught_up(self.timeout_s):
+            return False
         lost = sorted(((rid, w, entry) for rid, w, entry in gone
                        if self._waiters.get(rid) is w and not w.future.done() and w.entry == entry),
                       key=lambda lost: stream_id(lost[2][1]))
         if not lost or self._stopping:
-            return
+            return True
         log.warning("%d requests waiting for replies are no longer in Redis, which lost writes it had acknowledged "
                     "(a restart or a failover); sending them again", len(lost))
         start = not self._outbox
@@ -325,6 +333,7 @@ class Broker:
             self._outbox.append((rid, stream, w.payload, 0, w.future))
         if start:
             self._start_flush()
+        return True
 
     def _start_flush(self) -> None:
         if self._stopping:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from fleet.broker import Broker
@@ -34,12 +35,13 @@ def reply(rid: str) -> dict[bytes, bytes]:
 
 
 def with_broker(server: LocalServer, key_prefix: str, block_ms: int,
-                test: Callable[[Broker, str, aioredis.Redis], Awaitable[None]]) -> None:
-    """Run `test(broker, queue, admin)` with a gateway's broker started on `server` (stopped after, as the server)."""
+                test: Callable[[Broker, str, aioredis.Redis], Awaitable[None]], url: str | None = None) -> None:
+    """Run `test(broker, queue, admin)` with a gateway's broker started on `server` (stopped after, as the server);
+    `url`: the broker's enqueues and lookups go there (its reply reader to the server's own URL)."""
 
     async def main() -> None:
         keys = Keys(key_prefix)
-        broker = Broker(async_client(server.url), async_client(server.url), keys, "gw", block_ms=block_ms,
+        broker = Broker(async_client(url or server.url), async_client(server.url), keys, "gw", block_ms=block_ms,
                         request_timeout_s=30, outage_s=20)
         await broker.start()
         admin = async_client(server.url)
@@ -141,3 +143,33 @@ def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_pa
         assert not any(futures[rid].done() for rid in ("kept", "lost", "streamed", "sequence"))
 
     with_broker(start_server(tmp_path / "valkey", appendonly=False), key_prefix, 50, test)
+
+
+def test_a_lookup_redis_refuses_is_tried_again(tmp_path: Path, key_prefix: str) -> None:
+    """Redis refuses the lookup (here its ACL: no XRANGE for the gateway's user; after a restart, LOADING) while
+    the reply reader's connection stays up: the broker looks again after a backoff, and sends the lost request
+    once Redis takes the lookup."""
+    server = start_server(tmp_path / "valkey", appendonly=False)
+    acl = redis.Redis.from_url(server.url)
+    acl.acl_setuser("gw", enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", "-xrange"])
+
+    async def test(broker: Broker, queue: str, admin: aioredis.Redis) -> None:
+        lost = broker.submit("lost", queue, b"lost", model="m", version=1)
+        await until(lambda: admin.xlen(queue), 5, "the request in the stream")
+        (entry,) = await admin.xrange(queue)
+        await admin.xdel(queue, entry[0])  # as a lost write leaves it
+        broker._look_for_lost()  # as the reply reader's new connection does
+        await asyncio.sleep(0.5)
+        assert await admin.xlen(queue) == 0 and broker._looking is not None  # refused (NOPERM), looking again
+        acl.acl_setuser("gw", commands=["+xrange"])
+
+        async def sent_again() -> bool:
+            return bool(await admin.xlen(queue) == 1)
+
+        await until(sent_again, 10, "the lost request sent again")
+        assert not lost.done()
+
+    try:
+        with_broker(server, key_prefix, 50, test, url=f"redis://gw:x@127.0.0.1:{server.port}")
+    finally:
+        acl.close()
