@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fleet.backoff import Backoff
-from fleet.cancellation import cancel_and_wait
+from fleet.cancellation import cancel_and_wait, raise_if_cancelled
 from fleet.envelope import ReplyEnvelope
 from fleet.errors import BrokerUnavailable, QueueFull, RequestTimeout
 from fleet.keys import Keys
@@ -87,7 +87,7 @@ class Broker:
         self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
         self._looking: asyncio.Future[None] | None = None  # the look for lost requests running (_look_for_lost)
-        self._look_again = False
+        self._look_again, self._look_until = False, 0.0
         # The loop it serves, from `start` on: looked up per request otherwise, and on Python 3.11 each lookup
         # is a getpid() system call.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,10 +265,10 @@ class Broker:
             log.debug("cancelling %s failed: %s", request_id, exc)
 
     def _look_for_lost(self) -> None:
-        """The reply reader's connection was made anew: look for requests Redis lost (below), in the
-        background, one look at a time (a look asked for meanwhile runs after it)."""
+        """The reply reader's connection is new: look for requests Redis lost (below), one look at a time."""
         if self._stopping:
             return
+        self._look_until = asyncio.get_running_loop().time() + self.timeout_s  # what waits now has timed out by then
         if self._looking is not None:
             self._look_again = True
             return
@@ -276,13 +276,14 @@ class Broker:
 
     async def _looks(self) -> None:
         backoff = Backoff()
-        give_up_at = asyncio.get_running_loop().time() + self.timeout_s  # what waits now has timed out by then
         try:
             while True:
                 self._look_again = False
-                if not await self._send_lost_again(quiet=backoff.attempt > 0):
+                if await self._send_lost_again(quiet=backoff.attempt > 0):
+                    backoff.reset()
+                elif asyncio.get_running_loop().time() < self._look_until:
                     # Redis failed it (away, loading): again after a backoff, as long as what waits now may wait.
-                    self._look_again |= asyncio.get_running_loop().time() < give_up_at
+                    self._look_again = True
                     await asyncio.sleep(backoff.next_delay())
                 if not self._look_again or self._stopping:
                     return
@@ -290,17 +291,15 @@ class Broker:
             self._looking = None
 
     async def _send_lost_again(self, quiet: bool = False) -> bool:
-        """Send again the requests Redis lost with writes it had acknowledged: a restart that replayed an AOF
-        short of its last writes (`appendfsync everysec` holds them back while an fsync is slow), a failover to
-        a replica that had not received them. Such a request's entry is gone from its stream and no reply came,
-        and its caller would wait for its timeout (504). An entry is also gone once a worker has answered it
+        """Send again the requests Redis lost with writes it had acknowledged (an AOF replayed short of its end,
+        a failover to a replica that lagged): their entries are gone, no reply came, and their callers would
+        wait for their timeout (504). An entry is also gone once a worker has answered it
         (the reply is written before the entry is deleted, workers/acks.py), or when its deadline rejected it:
         so the entries are looked up first, and those gone count as lost only if no reply has come by the time
         the reader has read past a marker written after that. Sent again in their first order, unbounded (each
-        was accepted). One a worker had started before its delivery was lost too is computed twice, and the
-        second reply dropped, as any duplicate; so a decoupled model's request (its replies would interleave)
-        and a sequence's (its state would take the step twice, and out of order) keep no payload and are not
-        sent again. False if Redis failed the lookup (it is then tried again; `quiet`: not logged again)."""
+        was accepted). One a worker had started before its delivery was lost too is computed twice (the second
+        reply dropped); so a decoupled model's request (replies would interleave) and a sequence's (its state
+        would take a step twice) keep no payload. False if Redis failed the lookup (`quiet`: not logged)."""
         waiting = [(rid, w, w.entry) for rid, w in self._waiters.items()
                    if w.entry is not None and w.payload is not None and not w.future.done()]
         if not waiting:
@@ -311,6 +310,7 @@ class Broker:
                 pipe.xrange(stream, entry_id, entry_id, count=1)
             found = await pipe.execute()
         except (RedisError, OSError) as exc:
+            raise_if_cancelled()
             (log.debug if quiet else log.warning)("cannot look for requests Redis lost: %s (looking again)", exc)
             return False
         gone = [(rid, w, entry) for (rid, w, entry), entries in zip(waiting, found, strict=True) if not entries]

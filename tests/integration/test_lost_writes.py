@@ -135,7 +135,8 @@ def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_pa
             return await caught_up(timeout_s)
 
         monkeypatch.setattr(broker._replies, "caught_up", reply_read_after_the_look)
-        await broker._send_lost_again()
+        assert await broker._send_lost_again()
+        await asyncio.wait(set(broker._flushes))  # the flush sending "lost" again
         assert (await asyncio.wait_for(futures["done"], 5)).id == "done"
         entries = {fields[b"d"]: entry_id for entry_id, fields in await admin.xrange(queue)}
         assert set(entries) == {b"kept", b"lost"}
@@ -159,9 +160,13 @@ def test_a_lookup_redis_refuses_is_tried_again(tmp_path: Path, key_prefix: str) 
         (entry,) = await admin.xrange(queue)
         await admin.xdel(queue, entry[0])  # as a lost write leaves it
         broker._look_for_lost()  # as the reply reader's new connection does
-        await asyncio.sleep(0.5)
-        assert await admin.xlen(queue) == 0 and broker._looking is not None  # refused (NOPERM), looking again
-        acl.acl_setuser("gw", commands=["+xrange"])
+
+        async def refused() -> bool:
+            return any(entry["object"] == "xrange" for entry in acl.acl_log())
+
+        await until(refused, 5, "the lookup refused (NOPERM)")
+        assert await admin.xlen(queue) == 0 and broker._looking is not None  # looking again
+        acl.execute_command("ACL", "SETUSER", "gw", "+xrange")  # granted, the user left as it was
 
         async def sent_again() -> bool:
             return bool(await admin.xlen(queue) == 1)
