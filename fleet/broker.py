@@ -87,7 +87,7 @@ class Broker:
         self._on_enqueued: dict[str, Callable[[], None]] = {}
         self._seq = 0
         self._looking: asyncio.Future[None] | None = None  # the look for lost requests running (_look_for_lost)
-        self._look_again, self._look_until = False, 0.0
+        self._look_again, self._look_until, self.resent_requests = False, 0.0, 0  # resent: Redis had lost them
         # The loop it serves, from `start` on: looked up per request otherwise, and on Python 3.11 each lookup
         # is a getpid() system call.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,8 +177,7 @@ class Broker:
         if self._stopping:  # its links are closing or closed
             fut.set_exception(BrokerUnavailable(_STOPPING))
             return fut
-        # A decoupled model's request or a sequence's is never sent again (_send_lost_again): its payload is
-        # not kept.
+        # A decoupled model's or a sequence's request is never sent again (_send_lost_again): no payload kept.
         self._waiters[request_id] = Waiter(fut, loop.time() + self.timeout_s, model, version=version,
                                            enqueued_us=enqueued_us, more=asyncio.Queue() if streamed else None,
                                            payload=None if streamed or on_enqueued is not None else payload)
@@ -326,7 +325,7 @@ class Broker:
             return True
         log.warning("%d requests waiting for replies are no longer in Redis, which lost writes it had acknowledged "
                     "(a restart or a failover); sending them again", len(lost))
-        start = not self._outbox
+        start, self.resent_requests = not self._outbox, self.resent_requests + len(lost)
         for rid, w, (stream, _) in lost:
             assert w.payload is not None
             w.entry = None  # enqueued anew: its new entry is what a cancel deletes

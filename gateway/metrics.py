@@ -4,8 +4,9 @@ take one (`max by` the series' labels), never sum across gateways.
 
 Besides Triton's counters: latency histograms and Triton's summaries, batch sizes, pending requests
 per lane, workers per model, claims and dead letters, bulk jobs, GPUs (gateway/metric_families.py).
-Per gateway process, not fleet-wide: `fleet_unclaimed_replies` (the replies this gateway dropped) and
-the window of its summaries' quantiles (the baseline it keeps between scrapes)."""
+Per gateway process, not fleet-wide: `fleet_unclaimed_replies` (the replies this gateway dropped),
+`fleet_resent_requests` (the requests it sent again after Redis lost them) and the window of its
+summaries' quantiles (the baseline it keeps between scrapes)."""
 
 from __future__ import annotations
 
@@ -77,10 +78,11 @@ TRITON_COUNTERS = (*(metric for metric, _, _ in _COUNTERS), "nv_inference_reques
 
 class _Snapshot(Collector):
     def __init__(self, rows: list[tuple[str, int, dict[str, int], int]], workers: int, unclaimed: int,
-                 serving: dict[tuple[str, int], list[str]] | None = None) -> None:
+                 serving: dict[tuple[str, int], list[str]] | None = None, resent: int = 0) -> None:
         self.rows = rows  # (model, version, decoded stats hash, pending requests)
         self.workers = workers
         self.unclaimed = unclaimed
+        self.resent = resent
         self.serving = serving or {}  # (model, version) -> live workers serving it
 
     def collect(self) -> Any:
@@ -110,6 +112,9 @@ class _Snapshot(Collector):
         yield CounterMetricFamily("fleet_unclaimed_replies", "Replies this gateway received for requests no longer "
                                   "waiting: duplicates (a message computed twice after a claim), or late (after 504 "
                                   "or a disconnect); dropped", value=self.unclaimed)
+        yield CounterMetricFamily("fleet_resent_requests", "Requests this gateway sent again because Redis had lost "
+                                  "them (a restart or failover that lost writes it had acknowledged)",
+                                  value=self.resent)
 
 
     def _generation(self) -> Any:
@@ -225,7 +230,8 @@ async def metrics(request: Request, window: LatencyWindow) -> Response:
     jobs = decoded(next(results))
     running = await _running_jobs(st, next(results))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies, catalog.serving))
+    registry.register(_Snapshot(rows, st.catalog.workers, st.broker.unclaimed_replies, catalog.serving,
+                                st.broker.resent_requests))
     registry.register(_Fleet(fleet_rows, models, dead, jobs, running, catalog, window))
     body = triton_headers(generate_latest(registry), TRITON_COUNTERS)
     # Python models' own pb_utils metrics, under their own names (gateway/custom_metrics.py; one more round trip).

@@ -279,6 +279,8 @@ def test_requests_a_restarted_redis_lost_are_sent_again_and_answered(start_fleet
     log = fleet.log.read_text(errors="replace")
     assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{_events(fleet.log)}"
     assert "2 requests waiting for replies are no longer in Redis" in log, _events(fleet.log)
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=10) as r:
+        assert "fleet_resent_requests_total 2.0" in r.read().decode().splitlines()
 
 
 def test_a_second_fleet_up_on_the_same_data_dir_fails_at_once(start_fleet: StartFleet, tmp_path: Path) -> None:

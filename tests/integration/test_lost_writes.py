@@ -98,6 +98,7 @@ def test_requests_redis_lost_are_sent_again_in_order_and_answered(tmp_path: Path
             assert (await asyncio.wait_for(future, 5)).id == rid
         await asyncio.sleep(0.2)
         assert await admin.xlen(queue) == 3 and broker.unclaimed_replies == 0  # nothing sent a third time
+        assert broker.resent_requests == 2
 
     # Its reply read blocks longer than the test runs: the outage ends the first read there is (a reader's
     # connection made anew counts, not its first read after).
