@@ -21,8 +21,6 @@ import argparse
 import multiprocessing
 import multiprocessing.synchronize
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +29,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fleet.redis_server import find_server_binary, free_port  # noqa: E402
+from fleet.redis_server import start_server  # noqa: E402
 
 
 def _busy_disk(directory: Path, stop: multiprocessing.synchronize.Event, block: int, blocks: int) -> None:
@@ -50,28 +48,11 @@ def _busy_disk(directory: Path, stop: multiprocessing.synchronize.Event, block: 
     path.unlink(missing_ok=True)
 
 
-def _answering(port: int) -> redis.Redis:
-    deadline = time.monotonic() + 30
-    while True:
-        client = redis.Redis(port=port, socket_timeout=10)
-        try:
-            client.ping()
-            return client
-        except redis.RedisError:
-            client.close()
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def one_round(directory: Path, policy: str, seconds: float) -> tuple[int, int]:
     """(acknowledged, kept) for one kill."""
-    port = free_port()
-    args = [find_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory), "--save", "",
-            "--appendonly", "yes", "--appendfsync", policy]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server(directory, appendfsync=policy)
     try:
-        client = _answering(port)
+        client = redis.Redis.from_url(server.url)
         acknowledged, entry = 0, {"d": b"x" * 2000}
         started, fsyncing = time.monotonic(), 0
         # The kill comes once Valkey reports a background fsync of its AOF in progress (after 20 more writes, each
@@ -84,16 +65,16 @@ def one_round(directory: Path, policy: str, seconds: float) -> tuple[int, int]:
             elif acknowledged % 16 == 0 and client.info("persistence")["aof_pending_bio_fsync"]:
                 fsyncing = 1
         client.close()
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
-        server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = _answering(port)
+        server.process.kill()  # SIGKILL
+        server.process.wait()
+        server.restart(startup_timeout_s=30)  # same port and directory: its AOF replayed
+        client = redis.Redis.from_url(server.url)
         kept = int(client.xlen("q"))
         client.close()
         return acknowledged, kept
     finally:
-        server.kill()
-        server.wait()
+        server.process.kill()
+        server.process.wait()
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ from fleet.lane_scripts import BOUNDED_XADD, REJECT_UNREAD
 from fleet.link_pool import LinkPool
 from fleet.parts import Parts
 from fleet.redis_clients import unrecoverable
-from fleet.redis_link import RedisLink
+from fleet.redis_link import RedisLink, entry_order
 from fleet.redis_time import RedisClock
-from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter, stream_id
+from fleet.reply_reader import SWEEP_S, ReplyReader, Waiter
 from fleet.stats import BatchSample, increments
 from fleet.supervision import Supervisor
 
@@ -320,12 +320,13 @@ class Broker:
             return False
         lost = sorted(((rid, w, entry) for rid, w, entry in gone
                        if self._waiters.get(rid) is w and not w.future.done() and w.entry == entry),
-                      key=lambda lost: stream_id(lost[2][1]))
+                      key=lambda lost: entry_order(lost[2][1]))
         if not lost or self._stopping:
             return True
         log.warning("%d requests waiting for replies are no longer in Redis, which lost writes it had acknowledged "
                     "(a restart or a failover); sending them again", len(lost))
-        start, self.resent_requests = not self._outbox, self.resent_requests + len(lost)
+        start = not self._outbox
+        self.resent_requests += len(lost)
         for rid, w, (stream, _) in lost:
             assert w.payload is not None
             w.entry = None  # enqueued anew: its new entry is what a cancel deletes

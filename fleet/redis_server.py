@@ -193,6 +193,7 @@ def start_server(
     port: int | None = None,
     *,
     appendonly: bool = True,
+    appendfsync: str = "no",
     log_file: Path | None = None,
     startup_timeout_s: float = 10.0,
     unix_socket: bool = False,
@@ -207,7 +208,7 @@ def start_server(
     exits (SIGTERM: it writes its AOF out and exits); call it from a thread that lives as long as the
     process. `pass_fds` are inherited by the server (a lock it should hold as long as it runs).
     With `appendonly`, every write is in the AOF (in the kernel's cache) before the server answers it, so
-    a killed server loses nothing it acknowledged (below).
+    a killed server loses nothing it acknowledged (below; `appendfsync`, Valkey's policy, for bench/aof_loss.py).
     `batch_scheduled`: the server runs under SCHED_BATCH (Linux), so that a client's write waking it does not
     preempt whatever runs on that CPU, such as a worker's forward; it runs when that yields the CPU, at the
     next tick (up to 4 ms at HZ=250: a cost the tail may show when every CPU is busy), or on an idle CPU.
@@ -222,12 +223,12 @@ def start_server(
         "--dir", str(data_dir.resolve()),
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
-        # The kernel writes the AOF out, not a background fsync every second: with `everysec`, Valkey holds
-        # back its AOF write (up to 2 s) while a previous fsync is still running on a busy disk, yet answers
-        # its clients, so a kill -9 then loses writes it acknowledged: enqueued requests whose callers wait for
-        # replies that never come (bench/aof_loss.py: 19-35 in each kill during an fsync beside a busy disk;
-        # none with `no`). A host crash loses what the kernel had not written out yet (up to ~30 s).
-        "--appendfsync", "no",
+        # `no` by default: the kernel writes the AOF out, not a background fsync every second. With `everysec`,
+        # Valkey holds back its AOF write (up to 2 s) while a previous fsync is still running on a busy disk, yet
+        # answers its clients, so a kill -9 then loses writes it acknowledged: enqueued requests whose callers
+        # wait for replies that never come (bench/aof_loss.py: 19-35 in each kill during an fsync beside a busy
+        # disk; none with `no`). A host crash loses what the kernel had not written out yet (up to ~30 s).
+        "--appendfsync", appendfsync,
         "--protected-mode", "yes",
     ]
     if log_file is not None:

@@ -22,7 +22,7 @@ from fleet.cancellation import raise_if_cancelled
 from fleet.envelope import ReplyEnvelope, readable_reply
 from fleet.errors import BrokerUnavailable, DeadlineExceeded
 from fleet.parts import Parts
-from fleet.redis_link import Command, RedisLink, raise_first
+from fleet.redis_link import Command, RedisLink, entry_order, raise_first
 from fleet.redis_time import RedisClock
 from fleet.trace_points import REPLY_RECEIVED
 
@@ -50,12 +50,6 @@ class Waiter:
 
 # A waiter the sweep gave up on whose request may still sit unread in its stream: the broker deletes it.
 Abandoned = Callable[[str, Waiter], None]
-
-
-def stream_id(entry_id: bytes) -> tuple[int, int]:
-    """A stream entry id (b"<ms>-<seq>") as a pair that sorts as Redis orders them."""
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
 
 
 class ReplyReader:
@@ -191,7 +185,7 @@ class ReplyReader:
         if marker is None:
             return False
         mark: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._marks.append((stream_id(marker), mark))
+        self._marks.append((entry_order(marker), mark))
         self._passed()  # the reader may have read it before the XADD's own reply came back
         try:
             async with asyncio.timeout(timeout_s):
@@ -203,7 +197,7 @@ class ReplyReader:
             self._marks = [(m, f) for m, f in self._marks if f is not mark]
 
     def _passed(self) -> None:
-        last = stream_id(self._last_read)
+        last = entry_order(self._last_read)
         for marker, mark in self._marks:
             if marker <= last and not mark.done():
                 mark.set_result(None)

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +200,32 @@ def test_a_sigkilled_fleet_up_leaves_nothing_running_and_a_new_one_starts(start_
     assert _infer(second.base, 4.0) == (200, 4.0)
 
 
+def _three_across_a_redis_kill(fleet: Fleet, server: int, *, timeout_s: float = 90.0,
+                               while_down: Callable[[], None] = lambda: None) -> list[tuple[int, object]]:
+    """Three requests queued (the first executing, for 1.5 s), then fleet up held (SIGSTOP) while its Valkey is
+    killed, `while_down` runs and OUTAGE_S pass: fleet up restarts the server only after an outage longer than a
+    heartbeat's TTL (5 s), as a slow restart would, long enough for any process that gives up on Redis to do so.
+    Returns each request's (status, value)."""
+    client = fleet.redis()
+    queue = Keys("fleet").queue(MODEL, version=1)
+    with ThreadPoolExecutor(3) as pool:
+        queued = [pool.submit(_infer, fleet.base, float(v), timeout_s) for v in (1, 2, 3)]
+        deadline = time.monotonic() + 10
+        while client.xlen(queue) < 3:  # all three in the stream
+            done = [f.result() for f in queued if f.done()]
+            assert time.monotonic() < deadline and not done, f"not queued: {done}"
+            time.sleep(0.02)
+        client.close()
+        os.kill(fleet.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(server, signal.SIGKILL)
+            while_down()
+            time.sleep(OUTAGE_S)
+        finally:
+            os.kill(fleet.proc.pid, signal.SIGCONT)
+        return [f.result(timeout=120) for f in queued]
+
+
 def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: StartFleet, tmp_path: Path) -> None:
     """kill -9 on valkey-server: fleet up restarts it on the same socket, replaying its AOF, batch-scheduled
     as it started it; requests queued before are answered after, no other process stops, readiness and
@@ -210,31 +236,12 @@ def test_a_killed_embedded_redis_is_restarted_and_the_fleet_heals(start_fleet: S
     server = fleet.child(b"valkey-server")
     assert os.sched_getscheduler(server) == os.SCHED_BATCH  # fleet up batch-schedules it, and its restarts
     others = {role: fleet.child(role) for role in (b"fleet gateway", b"fleet worker", b"fleet jobs-worker")}
-    queue = Keys("fleet").queue(MODEL, version=1)
-
-    client = fleet.redis()
     # Each write is in the AOF before Valkey answers it, so the kill below loses no request it took. With
     # `everysec` a busy disk made Valkey hold its writes back, and two requests went unanswered (stop 68).
+    client = fleet.redis()
     assert client.config_get("appendfsync") == {"appendfsync": "no"}
-    with ThreadPoolExecutor(3) as pool:
-        queued = [pool.submit(_infer, fleet.base, float(v)) for v in (1, 2, 3)]
-        deadline = time.monotonic() + 10
-        while client.xlen(queue) < 3:  # all three in the stream (the first one executing, for 1.5 s)
-            done = [f.result() for f in queued if f.done()]
-            assert time.monotonic() < deadline and not done, f"not queued: {done}"
-            time.sleep(0.02)
-        client.close()
-        # Held (SIGSTOP) for a moment, fleet up restarts the server only after an outage longer than a
-        # heartbeat's TTL (5 s), as a slow restart would: long enough for any process that gives up on
-        # Redis to do so.
-        os.kill(fleet.proc.pid, signal.SIGSTOP)
-        try:
-            os.kill(server, signal.SIGKILL)
-            time.sleep(OUTAGE_S)
-        finally:
-            os.kill(fleet.proc.pid, signal.SIGCONT)
-        results = [f.result(timeout=120) for f in queued]
-
+    client.close()
+    results = _three_across_a_redis_kill(fleet, server)
     assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{_events(fleet.log)}"
     assert f"embedded Redis (pid {server}) exited with -9; restarting it" in fleet.log.read_text()
     assert fleet.child(b"valkey-server") != server
@@ -256,26 +263,14 @@ def test_requests_a_restarted_redis_lost_are_sent_again_and_answered(start_fleet
     held of them unstarted, and all three are answered (with `everysec` two went unanswered once, stop 67)."""
     repo = sleeper_repository(tmp_path, MODEL, sleep_ms=1500, dynamic_batching="")
     fleet = start_fleet(repo, FLEET_REDIS_OUTAGE_S="30", FLEET_REQUEST_TIMEOUT_S="60")
-    server = fleet.child(b"valkey-server")
     queue = Keys("fleet").queue(MODEL, version=1)
-    client = fleet.redis()
-    with ThreadPoolExecutor(3) as pool:
-        queued = [pool.submit(_infer, fleet.base, float(v), 60.0) for v in (1, 2, 3)]
-        deadline = time.monotonic() + 10
-        while client.xlen(queue) < 3:
-            assert time.monotonic() < deadline and not any(f.done() for f in queued), "not queued"
-            time.sleep(0.02)
-        client.close()
-        os.kill(fleet.proc.pid, signal.SIGSTOP)  # restarts it only after the cut (then after a heartbeat's TTL)
-        try:
-            os.kill(server, signal.SIGKILL)
-            time.sleep(0.5)
-            cut = cut_before_last(fleet.data_dir / "redis", b"XADD", queue, 2)
-            assert sum(1 for argv in cut if argv[0] == b"XADD" and argv[1] == queue.encode()) == 2
-            time.sleep(OUTAGE_S)
-        finally:
-            os.kill(fleet.proc.pid, signal.SIGCONT)
-        results = [f.result(timeout=120) for f in queued]
+
+    def cut() -> None:  # fleet up, held, restarts the server only after this
+        time.sleep(0.5)
+        dropped = cut_before_last(fleet.data_dir / "redis", b"XADD", queue, 2)
+        assert sum(1 for argv in dropped if argv[0] == b"XADD" and argv[1] == queue.encode()) == 2
+
+    results = _three_across_a_redis_kill(fleet, fleet.child(b"valkey-server"), timeout_s=60.0, while_down=cut)
     log = fleet.log.read_text(errors="replace")
     assert results == [(200, 1.0), (200, 2.0), (200, 3.0)], f"{results}\n{_events(fleet.log)}"
     assert "2 requests waiting for replies are no longer in Redis" in log, _events(fleet.log)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from gateway.sequences import SequenceRouter
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
 from tests.support.timed_repo import timed_repository, timed_request
+from tests.support.waiting import until
 
 
 def request(value: float) -> dict[str, Any]:
@@ -39,12 +40,6 @@ def request(value: float) -> dict[str, Any]:
 async def post(client: httpx.AsyncClient, model: str, body: dict[str, Any]) -> httpx.Response:
     return await client.post(f"/v2/models/{model}/infer", json=body)
 
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager

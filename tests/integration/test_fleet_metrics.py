@@ -8,8 +8,6 @@ import asyncio
 import math
 import shutil
 import struct
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from fleet.redis_server import LocalServer
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
 from tests.support.timed_repo import timed_repository, timed_request
+from tests.support.waiting import until
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -39,12 +38,6 @@ async def scrape(s: InProcessSystem) -> Series:
 def value(series: Series, name: str, **labels: str) -> float:
     return series[(name, tuple(sorted(labels.items())))]
 
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def one_row(model: str, version: int, reply_to: str, request_id: str, value_: float) -> bytes:
@@ -74,7 +67,7 @@ def test_latency_and_batch_size_distributions_match_the_requests_sent(redis_serv
                 series = await scrape(s)
                 return value(series, "fleet_request_duration_us_count", **mv) == 15
 
-            await until(counted, 10, "15 requests in the request histogram")
+            await until(counted, 10, "15 requests in the request histogram", every_s=0.05)
             assert value(series, "nv_inference_request_success_total", **mv) == 15
             assert value(series, "fleet_request_duration_us_sum", **mv) == \
                 value(series, "nv_inference_request_duration_us_total", **mv)
@@ -122,7 +115,7 @@ def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer,
                 return asyncio.create_task(s.client.post("/v2/models/prio/infer", json=body))
 
             blocker = post(5000)
-            await until(lambda: _executing(s, "prio"), 10, "the blocker to run")
+            await until(lambda: _executing(s, "prio"), 10, "the blocker to run", every_s=0.05)
             waiting = [post(10, priority=1), post(11, priority=1), post(12)]
             client.xadd(keys.queue("prio", 2, version=1), {b"d": one_row("prio", 1, keys.reply("test"), "bulk-1", 13)})
 
@@ -134,7 +127,7 @@ def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer,
             async def all_waiting() -> bool:
                 return await lanes() == {"0": 2, "1": 1, "2": 1}
 
-            await until(all_waiting, 4, "two pending on lane 0, one on lane 1, one on the bulk lane")
+            await until(all_waiting, 4, "two pending on lane 0, one on lane 1, one on the bulk lane", every_s=0.05)
             series = await scrape(s)
             assert value(series, "nv_inference_pending_request_count", model="prio", version="1") == 4
             await asyncio.gather(blocker, *waiting)
@@ -142,7 +135,7 @@ def test_pending_requests_per_lane_with_the_bulk_lane(redis_server: LocalServer,
             async def none_waiting() -> bool:
                 return await lanes() == {"0": 0, "1": 0, "2": 0}
 
-            await until(none_waiting, 10, "every lane empty")
+            await until(none_waiting, 10, "every lane empty", every_s=0.05)
 
     asyncio.run(main())
 
@@ -191,7 +184,7 @@ def test_claims_redeliveries_and_dead_letters_are_counted(redis_server: LocalSer
                                    "fleet_dead_lettered_total", "fleet_dead_letters")})
                 return counts.get("fleet_dead_letters") == 1 and counts.get("fleet_claimed_requests_total") == 2
 
-            await until(counted, 15, "both claimed and one dead-lettered")
+            await until(counted, 15, "both claimed and one dead-lettered", every_s=0.05)
             assert counts == {"fleet_claimed_requests_total": 2, "fleet_redelivered_requests_total": 1,
                               "fleet_dead_lettered_total": 1, "fleet_dead_letters": 1}
             letters: Any = client.xrange(keys.dead("doubler"))

@@ -6,7 +6,6 @@ answered; a request answered meanwhile, or still in its stream, is not sent twic
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,16 +17,10 @@ from fleet.broker import Broker
 from fleet.envelope import ReplyEnvelope, encode_reply
 from fleet.keys import Keys
 from fleet.redis_clients import async_client
+from fleet.redis_link import entry_order
 from fleet.redis_server import LocalServer, start_server
-from fleet.reply_reader import stream_id
 from tests.support.aof import cut_before_last
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+from tests.support.waiting import until
 
 
 def reply(rid: str) -> dict[bytes, bytes]:
@@ -90,7 +83,7 @@ def test_requests_redis_lost_are_sent_again_in_order_and_answered(tmp_path: Path
         entries = [(entry_id, fields[b"d"]) for entry_id, fields in await admin.xrange(queue)]
         assert entries[0] == first[0]  # b was kept: not sent twice
         assert [payload for _, payload in entries] == [b"b", b"c", b"d"]  # in their first order
-        assert all(stream_id(entry_id) > stream_id(first[0][0]) for entry_id, _ in entries[1:])
+        assert all(entry_order(entry_id) > entry_order(first[0][0]) for entry_id, _ in entries[1:])
         assert not any(f.done() for f in waiting.values())
         for rid in "bcd":
             await admin.xadd(broker.reply_key, reply(rid))
@@ -141,7 +134,7 @@ def test_a_request_answered_as_lost_ones_are_looked_for_is_not_sent_again(tmp_pa
         assert (await asyncio.wait_for(futures["done"], 5)).id == "done"
         entries = {fields[b"d"]: entry_id for entry_id, fields in await admin.xrange(queue)}
         assert set(entries) == {b"kept", b"lost"}
-        assert entries[b"kept"] == ids["kept"] and stream_id(entries[b"lost"]) > stream_id(ids["sequence"])
+        assert entries[b"kept"] == ids["kept"] and entry_order(entries[b"lost"]) > entry_order(ids["sequence"])
         assert not any(futures[rid].done() for rid in ("kept", "lost", "streamed", "sequence"))
 
     with_broker(start_server(tmp_path / "valkey", appendonly=False), key_prefix, 50, test)
