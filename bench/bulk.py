@@ -1,7 +1,8 @@
 """Bulk jobs: the offline scenario against direct in-process compute, and the mixed scenario (a bulk job
 saturating the workers while online requests come in) against online alone.
 
-    .venv/bin/python bench/bulk.py [--items 200000] [--mixed-items 400000] [--conc 4] [--port 18000]
+    .venv/bin/python bench/bulk.py [--items 200000] [--mixed-items 400000] [--mixed-format npy|jsonl]
+                                   [--conc 4] [--port 18000]
                                    [--interval-ms 3000] [--out bench/out/bulk-TIME] [--skip-mixed]
                                    [--instances 1] [--direct-threads "1"] [--offline-passes 1]
                                    [--pack-batches K]   (a job's requests of K batches' rows: FLEET_JOB_PACK_BATCHES)
@@ -17,8 +18,9 @@ saturating the workers while online requests come in) against online alone.
    started_at) from the job record, against the mean of the direct rates before and after that job; the
    first job's every output row is compared with direct computation.
 4. online idle: perf_analyzer -m mlp --concurrency-range C (3 windows of --interval-ms): p50/p99.
-5. mixed: the same perf_analyzer run while a --mixed-items job runs on the bulk lane; the bulk job's
-   items/s over the perf_analyzer run comes from its progress record sampled before and after.
+5. mixed: the same perf_analyzer run while a --mixed-items job runs on the bulk lane (rows as .npy, or with
+   --mixed-format jsonl as JSONL lines, parsed and written by the job worker beside the online requests); the
+   bulk job's items/s over the perf_analyzer run comes from its progress record sampled before and after.
 Prints one table. All traffic goes to 127.0.0.1; every load is bounded (perf_analyzer --max-trials 3,
 jobs by their item counts, a 600 s cap per job).
 """
@@ -97,6 +99,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description="bulk jobs: offline vs direct, mixed vs online alone")
     p.add_argument("--items", type=int, default=200_000)
     p.add_argument("--mixed-items", type=int, default=400_000)
+    p.add_argument("--mixed-format", choices=["npy", "jsonl"], default="npy",
+                   help="the mixed scenario's job input: .npy rows, or JSONL lines (parsed and written by the job "
+                        "worker, with its parsing helpers if any, beside the online requests)")
     p.add_argument("--conc", type=int, default=4)
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--interval-ms", type=int, default=3000)
@@ -148,9 +153,14 @@ def main() -> None:
         if not a.skip_mixed:
             ips, p50, p99 = perf_analyzer(a.perf_analyzer, a.port, a.conc, a.interval_ms, out, "idle")
             rows.append([f"online alone, C={a.conc}", "", "", "", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
-            mixed_in = data / "mixed.npy"
-            np.save(mixed_in, rng.standard_normal((a.mixed_items, 256), dtype=np.float32))
-            job = run_job(a.port, mixed_in, wait=False)
+            mixed_in = data / f"mixed.{a.mixed_format}"
+            mixed = rng.standard_normal((a.mixed_items, 256), dtype=np.float32)
+            if a.mixed_format == "jsonl":
+                write_jsonl(mixed_in, mixed)
+            else:
+                np.save(mixed_in, mixed)
+            del mixed
+            job = run_job(a.port, mixed_in, wait=False, fmt=a.mixed_format)
             while api(a.port, "GET", f"/v2/jobs/{job['id']}")["done"] < 5_000:  # the bulk lane is saturated
                 time.sleep(0.1)
             before, t0 = api(a.port, "GET", f"/v2/jobs/{job['id']}"), time.monotonic()
@@ -160,7 +170,7 @@ def main() -> None:
                 print(f"warning: the mixed job ended ({after['state']}) before perf_analyzer did; raise --mixed-items")
             bulk_ips = (after["done"] - before["done"]) / (t1 - t0)
             api(a.port, "DELETE", f"/v2/jobs/{job['id']}")
-            rows.append([f"bulk + online C={a.conc}", f"{a.mixed_items:,}", f"{bulk_ips:,.0f}",
+            rows.append([f"bulk ({a.mixed_format}) + online C={a.conc}", f"{a.mixed_items:,}", f"{bulk_ips:,.0f}",
                          f"{bulk_ips / direct_ips:.2f}x", f"{ips:,.0f}", f"{p50:.2f}", f"{p99:.2f}"])
     finally:
         fleet.stop(30.0)
@@ -182,13 +192,18 @@ def jsonl_passes(a: argparse.Namespace, fleet: Fleet, data: Path, rng: np.random
     each between two direct measurements."""
     source = data / "offline.jsonl"
     x = rng.standard_normal((a.jsonl_items, 256), dtype=np.float32)
-    with source.open("w") as f:
-        for row in x:
-            f.write(json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 256],
-                                            "data": row.tolist()}]}) + "\n")
+    write_jsonl(source, x)
     return passes_between_direct(a, threads, "JSONL", a.passes, a.jsonl_items,
                                  lambda: run_job(a.port, source, fmt="jsonl"),
                                  lambda record: check_jsonl(x, fleet, record))
+
+
+def write_jsonl(path: Path, x: np.ndarray) -> None:
+    """One /infer body a row of `x`, its 256 floats as json.dumps writes them (17 digits: what users have)."""
+    with path.open("w") as f:
+        for row in x:
+            f.write(json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 256],
+                                            "data": row.tolist()}]}) + "\n")
 
 
 def passes_between_direct(a: argparse.Namespace, threads: int, name: str, passes: int, items: int,

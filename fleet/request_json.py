@@ -40,6 +40,8 @@ def _no_constants(name: str) -> Any:
 def check_json_encoding(header: bytes) -> None:
     """JSON on the wire is UTF-8 (RFC 8259). json.loads on bytes would guess UTF-16/32 from the first
     bytes, and skip a UTF-8 BOM, where Triton's rapidjson refuses both: so do we, saying why."""
+    if header[:1] == b"{" and b"\x00" not in header[1:4]:
+        return  # no byte order mark starts with "{": the common case in one test, not six (~0.5 µs less)
     if header.startswith(b"\xef\xbb\xbf"):
         raise InvalidInput("failed to parse the request JSON buffer: it starts with a UTF-8 byte order mark; "
                            "send UTF-8 JSON without one")

@@ -5,6 +5,10 @@ not at all, and render_infer writes only strict JSON, carrying every value unalt
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +22,7 @@ from fleet.envelope import RequestEnvelope, WireTensor, encode_request
 from fleet.errors import InferenceFailed, InvalidInput, ServingError
 from fleet.kserve import ParsedInfer, parse_infer, render_infer
 from fleet.model_config import parse_config
+from fleet.tensor_json import pack_json
 from tests.support.infer_bodies import response_outputs, strict_json
 
 SPEC = parse_config(
@@ -153,3 +158,38 @@ def test_bodies_that_are_no_utf8_json(body: bytes, message: str) -> None:
 def test_rendered_json_is_strict() -> None:
     doc, _ = render([fp("FP32", [1.5, -0.0, 3.4e38])])
     assert strict_json(json.dumps(doc).encode())["outputs"][0]["data"] == [1.5, -0.0, float(np.float32(3.4e38))]
+
+
+@pytest.mark.parametrize(("datatype", "data", "says"), [
+    ("FP32", [1.0, 1e39], "outside the range of FP32"),  # a double, but past FP32's range
+    ("FP16", [1.0, 70000], "outside the range of FP16"),
+    ("FP32", [1.0, float("inf")], "must be finite numbers"),  # json's 1e400
+    ("FP32", [float("inf"), 1e39], "outside the range of FP32"),  # both: the range, as with np.errstate
+    ("FP64", [1e39, float("-inf")], "must be finite numbers"),
+    ("INT8", [1, 300], "outside the range of INT8"),
+    ("UINT64", [1, -1], "outside the range of UINT64"),
+])
+@pytest.mark.parametrize("warnings_as", ["error", "always", "ignore"])
+def test_numbers_past_a_datatype_are_refused_whatever_the_warnings(datatype: str, data: list[Any], says: str,
+                                                                   warnings_as: str) -> None:
+    # pack_json casts without np.errstate and tells an overflow by the inf it leaves, or, where warnings are
+    # errors (as under pytest), by numpy's RuntimeWarning: the same refusal either way.
+    with warnings.catch_warnings(record=True):  # ("always": recorded, not shown)
+        warnings.simplefilter(warnings_as)
+        with pytest.raises(InvalidInput, match=says):
+            pack_json(data, BY_NAME[datatype], [2], "x")
+        with np.errstate(over="raise"), pytest.raises(InvalidInput, match=says):  # a caller's own errstate
+            pack_json(data, BY_NAME[datatype], [2], "x")
+    assert np.frombuffer(pack_json([1.0, 3e38], BY_NAME["FP32"], [2], "x"), "<f4").tolist() == \
+        [1.0, float(np.float32(3e38))]
+
+
+def test_an_overflow_refused_prints_no_warning_in_a_fleet_process() -> None:
+    # A process's own warning filters (not pytest's): numpy's "overflow encountered in cast" is filtered for
+    # tensor_json's calls, so a refused 1e39 leaves nothing on stderr.
+    code = ("from fleet.tensor_json import pack_json; from fleet.datatypes import BY_NAME\n"
+            "try:\n    pack_json([1e39], BY_NAME['FP32'], [1], 'x')\nexcept Exception as e:\n    print(e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2], check=True)
+    assert "outside the range of FP32" in done.stdout
+    assert done.stderr == ""
