@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore", message="overflow encountered in cast", catego
                         module=__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_BF16_MAX = float(np.array([0x7F7F0000], dtype="<u4").view("<f4")[0])  # 3.3895313892515355e+38
 UINT64_MAX = 2**64 - 1
 
 # JSON values that are never a number element; bool is an int to Python, not to a tensor of numbers.
@@ -127,15 +128,22 @@ def _pack_numbers(flat: list[Any], dt: Datatype, name: str, shape: Sequence[int]
             raise _range_error(name, dt) from None
         # 1e400: json made it inf already
         raise InvalidInput(f"input '{name}': 'data' must be finite numbers (1e400 is infinite as a double)")
+    if dt.name == "BF16":  # cast to float32 above, then rounded to BF16, whose range is a little narrower
+        bits = tensors.float32_to_bf16(arr)
+        if ((bits & 0x7FFF) == 0x7F80).any():  # rounded to infinity (FP32's 3.4e38, say)
+            raise _range_error(name, dt)
+        return bits.tobytes()
     return tensors.to_bytes(arr, dt)
 
 
 def _range_error(name: str, dt: Datatype) -> InvalidInput:
-    kind = "integers" if dt.numpy.kind in "iu" else "finite numbers"
-    lo, hi = (np.iinfo(dt.numpy).min, np.iinfo(dt.numpy).max) if dt.numpy.kind in "iu" else \
-        (-float(np.finfo(dt.numpy).max), float(np.finfo(dt.numpy).max))
+    if dt.numpy.kind in "iu":
+        kind, bounds = "integers", f"{np.iinfo(dt.numpy).min} to {np.iinfo(dt.numpy).max}"
+    else:
+        top = _BF16_MAX if dt.name == "BF16" else float(np.finfo(dt.numpy).max)  # (BF16 is float32 to numpy)
+        kind, bounds = "finite numbers", f"{-top} to {top}"
     return InvalidInput(f"input '{name}': 'data' holds a value outside the range of {dt.name}; its elements "
-                        f"must be {kind} from {lo} to {hi}")
+                        f"must be {kind} from {bounds}")
 
 
 def pack_json(data: Any, dt: Datatype, shape: Sequence[int], name: str) -> bytes:

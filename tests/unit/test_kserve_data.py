@@ -168,6 +168,9 @@ def test_rendered_json_is_strict() -> None:
     ("FP64", [1e39, float("-inf")], "must be finite numbers"),
     ("INT8", [1, 300], "outside the range of INT8"),
     ("UINT64", [1, -1], "outside the range of UINT64"),
+    ("BF16", [1.0, 3.4e38], "outside the range of BF16; its elements must be finite numbers from "
+                            "-3.3895313892515355e[+]38 to 3.3895313892515355e[+]38"),  # FP32, but BF16's inf
+    ("BF16", [-1e39, 1.0], "outside the range of BF16"),
 ])
 @pytest.mark.parametrize("warnings_as", ["error", "always", "ignore"])
 def test_numbers_past_a_datatype_are_refused_whatever_the_warnings(datatype: str, data: list[Any], says: str,
@@ -182,6 +185,8 @@ def test_numbers_past_a_datatype_are_refused_whatever_the_warnings(datatype: str
             pack_json(data, BY_NAME[datatype], [2], "x")
     assert np.frombuffer(pack_json([1.0, 3e38], BY_NAME["FP32"], [2], "x"), "<f4").tolist() == \
         [1.0, float(np.float32(3e38))]
+    # BF16's largest, and a float just past it that rounds to it, not to infinity
+    assert pack_json([3.3895313892515355e38, -3.395e38], BY_NAME["BF16"], [2], "x") == b"\x7f\x7f\x7f\xff"
 
 
 def test_an_overflow_refused_prints_no_warning_in_a_fleet_process() -> None:
