@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", message="overflow encountered in cast", catego
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UINT64_MAX = 2**64 - 1
-_BF16_MAX = float(np.array([0x7F7F0000], dtype="<u4").view("<f4")[0])  # 3.3895313892515355e+38
+_BF16_MAX = float.fromhex("0x1.fep+127")  # BF16's largest finite value (bits 0x7F7F): 3.3895313892515355e+38
 
 # JSON values that are never a number element; bool is an int to Python, not to a tensor of numbers.
 _NOT_A_NUMBER = (bool, str, list, dict, type(None))
