@@ -175,8 +175,7 @@ def json_data(t: WireTensor, dt: Datatype) -> list[Any]:
             raise InvalidInput(f"output '{t.name}': element {i} is not UTF-8 text, which a JSON string cannot "
                                f"carry unaltered; {_ASK_BINARY}") from None
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise InvalidInput(f"output '{t.name}' holds NaN or infinity, which JSON cannot represent; "
-                           f"{_ASK_BINARY}")
+        raise _not_finite(t.name)
     values: list[Any] = arr.tolist()
     return values
 
@@ -187,14 +186,27 @@ def json_array(t: WireTensor, dt: Datatype) -> np.ndarray | list[str]:
     ("0.1", not json's "0.10000000149011612"); FP16 and BF16 go as float32 (exact)."""
     if dt.name == "BYTES":
         return json_data(t, dt)
-    arr = tensors.from_bytes(t.data, dt, t.shape).reshape(-1)
+    return _json_numbers(tensors.from_bytes(t.data, dt, t.shape).reshape(-1), t.name)
+
+
+def json_rows(t: WireTensor, dt: Datatype) -> np.ndarray:
+    """json_array's values of a number output with a batch axis, one row per index of that axis (so that
+    the rows of each request packed into it are a slice: a bulk job's reply; fleet/jobs/jsonl_output.py), with
+    json_array's refusals for the whole of it."""
+    return _json_numbers(tensors.from_bytes(t.data, dt, t.shape).reshape(t.shape[0], -1), t.name)
+
+
+def _json_numbers(arr: np.ndarray, name: str) -> np.ndarray:
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all():
-            raise InvalidInput(f"output '{t.name}' holds NaN or infinity, which JSON cannot represent; "
-                               f"{_ASK_BINARY}")
+            raise _not_finite(name)
         if arr.dtype.itemsize < 4:
             arr = arr.astype(np.float32)
     return np.ascontiguousarray(arr)
+
+
+def _not_finite(name: str) -> InvalidInput:
+    return InvalidInput(f"output '{name}' holds NaN or infinity, which JSON cannot represent; {_ASK_BINARY}")
 
 
 def _is_utf8(v: bytes) -> bool:

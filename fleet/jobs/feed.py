@@ -42,7 +42,17 @@ import redis
 from fleet.admission import bulk_lane, level_lane
 from fleet.envelope import ReplyEnvelope, RequestEnvelope, WireTensor, encode_request, readable_reply
 from fleet.errors import InvalidInput, ServingError
-from fleet.jobs.formats import InputItem, JobInput, JobOutput, explode, group_items, pack, request_batches, unpack
+from fleet.jobs.formats import (
+    InputItem,
+    JobInput,
+    JobOutput,
+    check_rows,
+    explode,
+    group_items,
+    pack,
+    request_batches,
+    write_each,
+)
 from fleet.jobs.records import CANCELLED, COMPLETED, ERROR_SAMPLES, FAILED, ErrorCounts
 from fleet.jobs.results import RESULTS_TTL_S, ResultsReader
 from fleet.model_spec import ModelSpec
@@ -73,7 +83,7 @@ class _Group:
     request_id: str
     entry: bytes | None = None  # the lane entry id of the latest submission, while unanswered
     sent_at: float = 0.0  # monotonic: the latest submission, or the latest check that found it queued
-    outputs: list[list[WireTensor]] | None = None  # per item, once answered
+    reply: list[WireTensor] | None = None  # the items' outputs, their rows in order, once answered
     errors: list[str | None] = field(default_factory=list)  # per item, once answered
     split: list[_Group] | None = None
 
@@ -240,7 +250,9 @@ class Feed:
         group.entry = None
         if reply.ok:
             try:
-                group.outputs = unpack(reply.outputs or [], [i.rows for i in group.items])
+                outputs = list(reply.outputs or [])
+                check_rows(outputs, [i.rows for i in group.items])  # (split as they are written: write_reply)
+                group.reply = outputs
                 group.errors = [None] * len(group.items)
                 return
             except InvalidInput as exc:
@@ -296,17 +308,12 @@ class Feed:
             group = self.order.popleft()
             self.held_rows -= group.rows
             for part in group.split or [group]:
-                for i, item in enumerate(part.items):
-                    error = part.errors[i]
-                    outputs = part.outputs[i] if part.outputs is not None and error is None else None
-                    if error is None:
-                        try:
-                            self.sink.write(item, outputs, None, self.model, self.version)
-                        except InvalidInput as exc:  # the writer rejected the reply (shape, missing output)
-                            error = exc.message
-                            self.sink.write(item, None, error, self.model, self.version)  # its line still
-                    else:
-                        self.sink.write(item, None, error, self.model, self.version)
+                if part.reply is not None:
+                    errors = self.sink.write_reply(part.items, part.reply, self.model, self.version)
+                else:
+                    errors = write_each(self.sink, part.items, [None] * len(part.items), part.errors, self.model,
+                                        self.version)
+                for item, error in zip(part.items, errors, strict=True):
                     self.done += item.count
                     self.in_offset = item.end_offset
                     if error is not None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from fleet.jobs.inputs import JobInput, NpyInput, NpzInput, open_input
 from fleet.jobs.items import InputItem
 from fleet.jobs.jsonl_input import JsonlInput, count_lines
-from fleet.jobs.outputs import JobOutput, JsonlOutput, NpyOutput, NpzOutput, open_output, remove_output
-from fleet.jobs.packing import explode, group_items, pack, request_batches, unpack
+from fleet.jobs.jsonl_output import JsonlOutput
+from fleet.jobs.outputs import NpyOutput, NpzOutput, open_output, remove_output
+from fleet.jobs.packing import check_rows, explode, group_items, pack, request_batches, unpack
+from fleet.jobs.sink import JobOutput, write_each
 
 __all__ = [
     "InputItem",
@@ -23,6 +25,7 @@ __all__ = [
     "NpyOutput",
     "NpzInput",
     "NpzOutput",
+    "check_rows",
     "count_lines",
     "explode",
     "group_items",
@@ -32,4 +35,5 @@ __all__ = [
     "remove_output",
     "request_batches",
     "unpack",
+    "write_each",
 ]

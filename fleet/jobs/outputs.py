@@ -3,9 +3,9 @@
 Writers receive items in input order, exactly once each, and `flush()` returns the resume offset the
 runner stores with its cursor: reopening with that offset drops whatever was written after it, so a
 resumed job produces the same file as an uninterrupted one. JSONL lines are the online /infer JSON
-response (same `data` rendering) plus the item's `line`; array writers write rows in place into
-preallocated .npy files (mapped for the failure mask, resume and the .npz), so memory stays flat whatever
-the job size.
+response (same `data` rendering) plus the item's `line` (fleet/jobs/jsonl_output.py); array writers write
+rows in place into preallocated .npy files (mapped for the failure mask, resume and the .npz), so memory
+stays flat whatever the job size.
 
 A job that ends `failed` keeps its output (`finish(partial=True)`): JSONL holds the lines written before
 it stopped, arrays hold every row with the rows never written flagged in `failed`. A cancelled job's
@@ -19,38 +19,21 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
-import orjson
 
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem
+from fleet.jobs.items import InputItem
+from fleet.jobs.jsonl_output import JsonlOutput
+from fleet.jobs.packing import unpack
+from fleet.jobs.sink import JobOutput, write_each
 from fleet.model_spec import ModelSpec, TensorSpec
-from fleet.tensor_json import json_array
 
 OUTPUT_KINDS = ("jsonl", "npy", "npz")
 FAILED = "failed"  # the mask's name in an .npz, and its file in the parts directory
-
-
-class JobOutput(Protocol):
-    """Where results go, written in input order; `flush()` returns the resume offset."""
-
-    path: Path
-
-    def write(
-        self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
-    ) -> None: ...
-
-    def flush(self) -> int: ...
-
-    def finish(self, partial: bool = False) -> None:
-        """Make the output final; `partial`: the job stopped early (failed), keep what was written."""
-        ...
-
-    def close(self) -> None: ...
 
 
 def remove_output(path: Path) -> None:
@@ -79,64 +62,6 @@ def open_output(path: Path, kind: str, spec: ModelSpec, total: int, resume_offse
     except OSError as exc:
         raise InvalidInput(f"cannot open job output '{path}': {exc}") from exc
     raise InvalidInput(f"unknown job output kind '{kind}', expected one of {list(OUTPUT_KINDS)}")
-
-
-class JsonlOutput:
-    """One compact JSON line per item: the /infer response with `line`, or `{"line", "error"}`."""
-
-    def __init__(self, path: Path, resume_offset: int) -> None:
-        # The online /infer response's values and refusals (fleet/tensor_json.py), written by orjson: ~20x
-        # json's speed (the job worker's rendering bounds a JSONL job), floats in their shortest exact form.
-        self._json_array = json_array
-        self.path = path
-        if resume_offset > 0:
-            size = path.stat().st_size if path.exists() else -1
-            if size < resume_offset:
-                raise InvalidInput(f"cannot resume '{path.name}' at byte {resume_offset}: the file has {size} bytes")
-            os.truncate(path, resume_offset)  # drop what was written after the last flush
-            self._file: IO[bytes] = path.open("ab", buffering=JSONL_BUFFER_BYTES)
-        else:
-            self._file = path.open("wb", buffering=JSONL_BUFFER_BYTES)
-        self._offset = resume_offset
-
-    def write(
-        self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
-    ) -> None:
-        doc: dict[str, Any] = {"line": item.line}
-        if error is not None:
-            doc["error"] = error
-        else:
-            if item.client_id:
-                doc["id"] = item.client_id
-            doc["model_name"] = model
-            doc["model_version"] = str(version)
-            try:
-                doc["outputs"] = [
-                    {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
-                     "data": self._json_array(t, tensors.lookup(t.datatype))}
-                    for t in outputs or ()
-                ]
-            except InvalidInput as exc:  # NaN, infinity, non-UTF-8 BYTES: the /infer advice (binary) is
-                # not open to a JSONL job, so its line says only what JSON cannot carry.
-                raise InvalidInput(f"{exc.message.split('; ')[0]} (a JSONL job's output is JSON only)") from None
-        try:
-            line = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
-        except orjson.JSONEncodeError as exc:
-            raise InvalidInput(f"the response cannot be written as JSON: {exc}") from None
-        self._file.write(line)
-        self._offset += len(line)
-
-    def flush(self) -> int:
-        self._file.flush()
-        return self._offset
-
-    def finish(self, partial: bool = False) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
 
 
 def _array_output(spec: ModelSpec, ts: TensorSpec) -> tuple[int, ...]:
@@ -232,6 +157,11 @@ class _ArrayOutput:
             data = np.ascontiguousarray(value, dtype=array.dtype).reshape(-1).view(np.uint8).data
             _write_at(self._files[ts.name], data, array.offset + item.index * array.strides[0])
         failed[rows] = False
+
+    def write_reply(self, items: Sequence[InputItem], outputs: Sequence[WireTensor], model: str,
+                    version: int) -> list[str | None]:
+        return write_each(self, items, unpack(outputs, [item.rows for item in items]), [None] * len(items), model,
+                          version)
 
     def _rows_value(self, ts: TensorSpec, t: WireTensor | None, count: int) -> np.ndarray:
         if t is None:

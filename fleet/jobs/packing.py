@@ -110,30 +110,43 @@ def _bytes_cuts(data: bytes | memoryview, elements: Sequence[int], name: str) ->
     return cuts
 
 
-def _split(t: WireTensor, rows: Sequence[int]) -> list[WireTensor]:
+def _cuts(t: WireTensor, rows: Sequence[int]) -> list[int]:
+    """Byte offsets where each piece of `t` (`rows[i]` rows along axis 0) ends; InvalidInput where `t` does
+    not hold sum(rows) rows."""
     if not t.shape or t.shape[0] != sum(rows):
         raise InvalidInput(
             f"output '{t.name}' has shape {list(t.shape)}, expected {sum(rows)} rows along the batch axis"
         )
     per_row = tensors.element_count(t.shape[1:])
     if t.datatype == "BYTES":
-        cuts = _bytes_cuts(t.data, [r * per_row for r in rows], t.name)
-    else:
-        row_bytes = per_row * tensors.lookup(t.datatype).itemsize
-        if len(t.data) != row_bytes * t.shape[0]:
-            raise InvalidInput(
-                f"output '{t.name}' holds {len(t.data)} bytes, its shape {list(t.shape)} needs {row_bytes * t.shape[0]}"
-            )
-        cuts, end = [], 0
-        for r in rows:
-            end += r * row_bytes
-            cuts.append(end)
+        return _bytes_cuts(t.data, [r * per_row for r in rows], t.name)
+    row_bytes = per_row * tensors.lookup(t.datatype).itemsize
+    if len(t.data) != row_bytes * t.shape[0]:
+        raise InvalidInput(
+            f"output '{t.name}' holds {len(t.data)} bytes, its shape {list(t.shape)} needs {row_bytes * t.shape[0]}"
+        )
+    cuts, end = [], 0
+    for r in rows:
+        end += r * row_bytes
+        cuts.append(end)
+    return cuts
+
+
+def _split(t: WireTensor, rows: Sequence[int]) -> list[WireTensor]:
     view = memoryview(t.data)
     pieces, start = [], 0
-    for r, end in zip(rows, cuts, strict=True):
+    for r, end in zip(rows, _cuts(t, rows), strict=True):
         pieces.append(WireTensor(t.name, t.datatype, (r, *t.shape[1:]), bytes(view[start:end])))
         start = end
     return pieces
+
+
+def check_rows(outputs: Sequence[WireTensor], rows: Sequence[int]) -> None:
+    """unpack's checks without its split: InvalidInput where an output does not hold the items' rows (a
+    reply is checked as it comes, and split, if at all, as its items are written: JsonlOutput.write_reply)."""
+    if len(rows) > 1:
+        for t in outputs:
+            _cuts(t, rows)
 
 
 def unpack(outputs: Sequence[WireTensor], rows: Sequence[int]) -> list[list[WireTensor]]:

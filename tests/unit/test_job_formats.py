@@ -19,6 +19,7 @@ from fleet.errors import InvalidInput
 from fleet.jobs import jsonl_input as jsonl_module
 from fleet.jobs.formats import (
     InputItem,
+    check_rows,
     explode,
     group_items,
     open_input,
@@ -26,6 +27,7 @@ from fleet.jobs.formats import (
     pack,
     remove_output,
     unpack,
+    write_each,
 )
 from fleet.model_config import parse_config
 from fleet.model_spec import ModelSpec
@@ -423,6 +425,104 @@ def test_jsonl_output_refuses_what_json_cannot_carry_and_writes_nothing(tmp_path
     out.finish()
     assert [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()] == [
         {"line": 1, "error": exc.value.message}]
+
+
+def reply_column(rng: np.random.Generator, name: str, datatype: str, rows: int, width: int,
+                 bad_rows: list[int]) -> WireTensor:
+    """An output of `rows` rows: random values of `datatype`, NaN (or, for BYTES, bytes that are not UTF-8)
+    in each of `bad_rows`."""
+    dt = BY_NAME[datatype]
+    if datatype == "BYTES":
+        arr = np.array([bytes(rng.integers(97, 123, rng.integers(0, 5))) for _ in range(rows * width)],
+                       dtype=object).reshape(rows, width)
+        for r in bad_rows:
+            if width:
+                arr[r, 0] = b"\xff"
+    elif datatype == "BOOL":
+        arr = rng.integers(0, 2, (rows, width)).astype(bool)
+    elif dt.numpy.kind == "f":
+        scale = 10.0 ** rng.integers(-4, 5) if datatype == "FP16" else 10.0 ** rng.integers(-30, 31)
+        arr = (rng.standard_normal((rows, width)) * scale).astype(dt.numpy)
+        for r in bad_rows:
+            if width:
+                arr[r, rng.integers(0, width)] = [np.nan, np.inf, -np.inf][r % 3]
+    else:
+        info = np.iinfo(dt.numpy)
+        arr = rng.integers(info.min, info.max, (rows, width), dtype=dt.numpy, endpoint=True)
+    return WireTensor(name, datatype, (rows, width), tensors.to_bytes(arr, dt))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    datatypes=st.lists(st.sampled_from(["FP32", "FP16", "BF16", "FP64", "INT8", "INT64", "UINT64", "BOOL",
+                                         "BYTES"]), min_size=0, max_size=3),
+    rows=st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    width=st.integers(0, 4),
+    bad=st.sets(st.integers(0, 17), max_size=3),
+    ids=st.lists(st.sampled_from(["", "a", "\ud800"]), min_size=6, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_a_replys_items_are_written_as_one_by_one(tmp_path_factory: pytest.TempPathFactory, datatypes: list[str],
+                                                    rows: list[int], width: int, bad: set[int], ids: list[str],
+                                                    seed: int) -> None:
+    """JsonlOutput.write_reply (each output read and checked once for the reply, each item's data a slice of
+    it) writes the same bytes, and says the same errors, as unpacking the reply and writing item by item;
+    only an item whose own rows hold NaN, infinity or bytes that are not UTF-8 fails, and an id JSON
+    cannot carry (a lone surrogate) fails its item alone."""
+    rng = np.random.default_rng(seed)
+    total = sum(rows)
+    outputs = [reply_column(rng, f"O{k}", d, total, width, sorted(r for r in bad if r < total))
+               for k, d in enumerate(datatypes)]
+    items = [InputItem(k, k + 1, 0, [], client_id=ids[k], rows=r) for k, r in enumerate(rows)]
+    check_rows(outputs, rows)
+    folder = tmp_path_factory.mktemp("reply")
+    fast = open_output(folder / "fast.jsonl", "jsonl", BATCHED, len(items))
+    slow = open_output(folder / "slow.jsonl", "jsonl", BATCHED, len(items))
+    got = fast.write_reply(items, outputs, "m", 3)
+    want = write_each(slow, items, unpack(outputs, rows), [None] * len(items), "m", 3)
+    assert got == want
+    assert fast.flush() == slow.flush()
+    fast.finish()
+    slow.finish()
+    assert (folder / "fast.jsonl").read_bytes() == (folder / "slow.jsonl").read_bytes()
+    lines = [json.loads(line) for line in (folder / "fast.jsonl").read_text().splitlines()]
+    assert [line["line"] for line in lines] == [k + 1 for k in range(len(items))]
+    assert [line.get("error") for line in lines] == got
+
+
+def test_a_reply_with_nan_fails_only_the_items_whose_rows_hold_it(tmp_path: Path) -> None:
+    values = np.arange(24, dtype=np.float32).reshape(6, 4)
+    values[3, 1] = np.nan  # the second item's (rows 2-3)
+    items = [InputItem(k, k + 1, 0, [], rows=r) for k, r in enumerate([2, 2, 1, 1])]
+    out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 4)
+    errors = out.write_reply(items, [fp32("OUT", values.tolist())], "m", 1)
+    out.finish()
+    assert errors[0] is None and errors[2:] == [None, None]
+    assert errors[1] == "output 'OUT' holds NaN or infinity, which JSON cannot represent (a JSONL job's output is JSON only)"
+    lines = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert lines[1] == {"line": 2, "error": errors[1]}
+    assert lines[0]["outputs"][0] == {"name": "OUT", "datatype": "FP32", "shape": [2, 4], "data": list(range(8))}
+    assert lines[3]["outputs"][0]["data"] == [20.0, 21.0, 22.0, 23.0]
+
+
+def test_a_reply_of_one_item_passes_through_without_a_batch_axis(tmp_path: Path) -> None:
+    out = open_output(tmp_path / "o.jsonl", "jsonl", FLAT, 1)
+    flat = WireTensor("OUT", "FP32", (4,), np.arange(4, dtype="<f4").tobytes())
+    assert out.write_reply([InputItem(0, 1, 0, [])], [flat], "m", 1) == [None]
+    out.finish()
+    assert json.loads((tmp_path / "o.jsonl").read_text())["outputs"][0]["shape"] == [4]
+
+
+def test_check_rows_refuses_what_unpack_refuses() -> None:
+    good = fp32("OUT", [[1, 2, 3, 4]] * 3)
+    check_rows([good], [1, 2])
+    check_rows([WireTensor("OUT", "FP32", (4,), b"\0" * 16)], [1])  # one item: its outputs as they are
+    for outputs, rows, words in (([good], [2, 2], "expected 4 rows"),
+                                 ([WireTensor("OUT", "FP32", (3, 4), b"\0" * 40)], [1, 2], "holds 40 bytes"),
+                                 ([WireTensor("S", "BYTES", (2, 1), b"\1\0\0\0x")], [1, 1], "BYTES")):
+        for check in (check_rows, unpack):
+            with pytest.raises(InvalidInput, match=words):
+                check(outputs, rows)
 
 
 def test_jsonl_output_resume_truncates(tmp_path: Path) -> None:
