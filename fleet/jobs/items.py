@@ -3,6 +3,7 @@ parsed yet. Plain data, shared by the readers, the line parsers, packing and the
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ class InputItem:
     error: str | None = None  # why this item cannot be sent; recorded as failed
     rows: int = 1  # rows along the batch axis (1 for a non-batching model)
     count: int = 1  # input items it stands for: a block of array rows is `rows` items (read(block_rows=))
+    # Which items may share a request (fleet/jobs/packing.py's `signature`), where the reader knew it already (a
+    # JSONL line of a known head: fleet/jobs/line_heads.py); None: computed when packed. Not part of the item.
+    key: Hashable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ The lines are read here, one thread; with `parse_processes` they are parsed by t
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import IO
 
 from fleet.errors import InvalidInput
 from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem, RawLine
-from fleet.jobs.lines import line_parser, parse_item
+from fleet.jobs.line_heads import item_parser
 from fleet.jobs.parse_pool import ParsePool, auto_processes
 from fleet.model_spec import ModelSpec
 
@@ -62,8 +61,7 @@ class JsonlInput:
     def __init__(self, path: Path, spec: ModelSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
                  parse_processes: int | None = 0) -> None:
         self.path = path
-        self._spec = spec
-        self._parse = line_parser(spec)
+        self._items = item_parser(spec, path.name)  # one per input: the heads its lines share checked once
         self._max_line_bytes = max_line_bytes
         self._processes = auto_processes(_cpus()) if parse_processes is None else parse_processes
         self._pools: list[ParsePool] = []
@@ -72,9 +70,8 @@ class JsonlInput:
         return count_lines(self.path)
 
     def read(self, start_index: int = 0, start_offset: int = 0, block_rows: int = 1) -> Iterator[InputItem]:
-        parse = functools.partial(parse_item, spec=self._spec, parse=self._parse, source=self.path.name)
         worth_it = self._processes > 0 and self.path.stat().st_size - start_offset >= POOL_MIN_BYTES
-        pool = ParsePool(parse, self._processes if worth_it else 0)  # with none, it parses here
+        pool = ParsePool(self._items, self._processes if worth_it else 0)  # with none, it parses here
         self._pools.append(pool)
         try:
             yield from pool.items(self._lines(start_index, start_offset))

@@ -7,7 +7,10 @@ thread bounds a JSONL job. Here a line whose head was checked before only has it
 inputs' data packed (`pack_json`, as parse_infer does): a 256-float `mlp` line in 38 µs, not 47-49, in a
 loop on the test host (what is left: orjson's read 8.6, the data's packing 18); in a job, the job worker's
 CPU a line 13 % less (bench/RESULTS.md, stop 67). Every other line, and a line where the id or the data is
-refused, is parsed by parse_infer as before. So a line's result or error is always parse_infer's.
+refused, is parsed by parse_infer as before. So a line's result or error is always parse_infer's. A job reads
+its lines as items (`item_parser`): one of a known head becomes its item directly, with the packing key its
+head's items share (fleet/jobs/packing.py's `signature`, worked out once a head), so that neither a request
+(ParsedInfer, whose containers are copies) nor each item's key is made a line.
 
 A line's head is its document, as orjson read it, with each input's `data` and the request's `id` written
 as null (their keys kept where they are), serialized again by orjson: two lines with one head are one
@@ -21,14 +24,21 @@ past CAPACITY; none longer than its LONGEST_KEY_BYTES). A head is kept only:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import orjson
 
 from fleet import tensors
+from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
+from fleet.jobs.items import InputItem, RawLine
+from fleet.jobs.lines import LineParser, parse_generation_line, parse_item
+from fleet.jobs.packing import signature
 from fleet.known_requests import Known, KnownRequests
 from fleet.kserve import ParsedInfer, parse_infer_read, request_id
+from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 from fleet.tensor_json import pack_json
@@ -36,40 +46,115 @@ from fleet.tensor_json import pack_json
 CAPACITY = 64  # heads (a job has one or a few)
 _NO_BINARY = memoryview(b"")
 
+ItemParser = Callable[[RawLine], InputItem]
+
+
+def line_parser(spec: ModelSpec) -> LineParser:
+    """A line is exactly an /infer body (or, for a generative model, also a /generate one). One parser per
+    job input: the head its /infer lines share is checked once."""
+    return parse_generation_line if is_llm(spec) else LineHeads().parse
+
+
+def item_parser(spec: ModelSpec, source: str = "") -> ItemParser:
+    """A job input's lines as its items (fleet/jobs/lines.py's parse_item with line_parser's parser); an
+    /infer line of a known head made an item directly (`LineHeads.item`). One per job input."""
+    if is_llm(spec):
+        return functools.partial(parse_item, spec=spec, parse=parse_generation_line, source=source)
+    return functools.partial(LineHeads().item, spec=spec, source=source)
+
 
 class LineHeads:
-    """`parse(line, spec)` is parse_infer(line, None, spec): its result or its error. One per job input reader
-    (and so one in each forked parsing helper): not thread-safe."""
+    """`parse(line, spec)` is parse_infer(line, None, spec): its result or its error; `item(raw, spec)` is
+    parse_item(raw, spec, parse). One per job input reader (and so one in each forked parsing helper): not
+    thread-safe."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         self._known = KnownRequests(capacity)
+        self._capacity = capacity
+        self._keys: dict[tuple[str, bytes], tuple[Known, Hashable]] = {}  # a known head's items' packing key
 
     def __len__(self) -> int:
         return len(self._known)
 
     def parse(self, line: bytes, spec: ModelSpec) -> ParsedInfer:
         read = load_json(line)
+        known, head = self._lookup(read, spec)
+        if known is not None:
+            try:
+                return _with_data(known, read[0])
+            except InvalidInput:
+                pass  # parse_infer's error, in its words and order of checks (below)
+        return self._parse_read(line, read, head, spec)
+
+    def item(self, raw: RawLine, spec: ModelSpec, source: str = "") -> InputItem:
+        """parse_item(raw, spec, self.parse, source). A line of a known head becomes its item without a request
+        first (ParsedInfer's copies), and carries its head's packing key: the job worker's CPU a 256-float
+        line ~7 % less (bench/RESULTS.md, stop 70)."""
+        try:
+            read = load_json(raw.body)
+        except Exception:  # parse_item reads it again, for its error (or its log, for a parser bug)
+            return parse_item(raw, spec, self.parse, source)
+        known, head = self._lookup(read, spec)
+        if known is not None and head is not None:
+            item = self._known_item(raw, known, head, read[0], spec)
+            if item is not None:
+                return item
+        return parse_item(raw, spec, lambda line, spec: self._parse_read(line, read, head, spec), source)
+
+    def _lookup(self, read: tuple[dict[str, Any], bool], spec: ModelSpec) -> tuple[Known | None, bytes | None]:
+        """The entry of the line's head, if known, and that head (None where it cannot be one)."""
         doc, by_orjson = read
         head = _head(doc) if by_orjson else None
-        if head is not None:
-            known = self._known.get(spec.name, head, spec)
-            if known is not None:
-                try:
-                    return _with_data(known, doc)
-                except InvalidInput:
-                    pass  # parse_infer's error, in its words and order of checks (below)
+        return (None if head is None else self._known.get(spec.name, head, spec)), head
+
+    def _parse_read(self, line: bytes, read: tuple[dict[str, Any], bool], head: bytes | None,
+                    spec: ModelSpec) -> ParsedInfer:
         request = parse_infer_read(line, read, spec, _NO_BINARY)
-        if head is not None and _reusable(request, doc):
+        if head is not None and _reusable(request, read[0]):
             self._known.keep(spec.name, head, spec, request)
         return request
+
+    def _known_item(self, raw: RawLine, known: Known, head: bytes, doc: dict[str, Any],
+                    spec: ModelSpec) -> InputItem | None:
+        """parse_item's item for a line of a known head; None where parse_item is to say why it has none."""
+        request = known.request
+        if request.classification or not request.inputs:
+            return None
+        try:
+            data = _data(known, doc)
+            client_id = request_id(doc)
+        except InvalidInput:
+            return None
+        inputs = [WireTensor(t.name, t.datatype, t.shape, d) for t, d in zip(request.inputs, data, strict=True)]
+        first = inputs[0].shape
+        rows = max(1, first[0]) if spec.max_batch_size > 0 and first else 1
+        item = InputItem(raw.index, raw.line, raw.end_offset, inputs,
+                         None if request.outputs is None else list(request.outputs), client_id,
+                         dict(request.parameters), rows=rows)
+        item.key = self._key(spec.name, head, known, item)
+        return item
+
+    def _key(self, model: str, head: bytes, known: Known, item: InputItem) -> Hashable:
+        """The packing key of every item of `known` (the same inputs' layout, outputs and parameters)."""
+        kept = self._keys.get((model, head))
+        if kept is not None and kept[0] is known:
+            return kept[1]
+        if len(self._keys) >= self._capacity:
+            self._keys.clear()  # as bounded as the heads; those still used are made again
+        key = signature(item)
+        self._keys[(model, head)] = (known, key)
+        return key
+
+
+def _data(known: Known, doc: dict[str, Any]) -> list[bytes]:
+    """The wire bytes of each input of `doc`, whose head `known` is; InvalidInput where its data is refused."""
+    return [pack_json(raw["data"], tensors.lookup(t.datatype), t.shape, t.name)
+            for t, raw in zip(known.request.inputs, doc["inputs"], strict=True)]
 
 
 def _with_data(known: Known, doc: dict[str, Any]) -> ParsedInfer:
     """The request of `doc`, whose head `known` is; InvalidInput where its id or data is refused."""
-    data = [pack_json(raw["data"], tensors.lookup(t.datatype), t.shape, t.name)
-            for t, raw in zip(known.request.inputs, doc["inputs"], strict=True)]
-    return known.with_data(data, request_id(doc))
-
+    return known.with_data(_data(known, doc), request_id(doc))
 
 def _head(doc: dict[str, Any]) -> bytes | None:
     """`doc` with its inputs' data and its id null, as bytes; None where it cannot be written again (text

@@ -1,8 +1,8 @@
 """A bulk job's JSONL line as a request, read exactly as the online routes read and check theirs (with
 orjson, keeping json's behaviour: fleet/request_json.py; the job worker's parsing bounds a JSONL job).
 
-- `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`); a job's parser (`line_parser`) reads
-  its lines so, from the head they share (fleet/jobs/line_heads.py).
+- `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`); a job's parser (fleet/jobs/line_heads.py's
+  `line_parser` and `item_parser`) reads its lines so, from the head they share.
 - `parse_generation_line`, for a generative model: an /infer body when it has "inputs", else a /generate
   body (fleet/generate_body.py) with its prompt under `text_input` or `prompt`.
 - `parse_item`: a read line as the job's item, or the line's error (a parse failure costs one line).
@@ -17,13 +17,11 @@ from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.input_checks import untagged
 from fleet.jobs.items import InputItem, RawLine
-from fleet.jobs.line_heads import LineHeads
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
-from fleet.llm_spec import is_llm
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 
-__all__ = ["LineParser", "line_parser", "parse_generation_line", "parse_infer_line", "parse_item"]
+__all__ = ["LineParser", "parse_generation_line", "parse_infer_line", "parse_item"]
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +40,6 @@ def parse_generation_line(line: bytes, spec: ModelSpec) -> ParsedInfer:
     if "prompt" in doc and spec.input("prompt") is None:
         doc["text_input"] = doc.pop("prompt")
     return parse_generate_doc(doc, spec)
-
-
-def line_parser(spec: ModelSpec) -> LineParser:
-    """A line is exactly an /infer body (or, for a generative model, also a /generate one). One parser per
-    job input: the head its /infer lines share is checked once (fleet/jobs/line_heads.py)."""
-    return parse_generation_line if is_llm(spec) else LineHeads().parse
 
 
 def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "") -> InputItem:

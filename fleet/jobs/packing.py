@@ -20,9 +20,9 @@ from fleet.model_spec import ModelSpec
 _LEN = struct.Struct("<I")
 
 
-def _signature(item: InputItem) -> Hashable:
+def signature(item: InputItem) -> Hashable:
     """What must agree for two items to share a request: input layout (less the batch dim), outputs,
-    parameters."""
+    parameters. (An item may carry it already: `InputItem.key`.)"""
     layout = tuple((t.name, t.datatype, tuple(t.shape[1:])) for t in item.inputs or ())
     outputs = None if item.outputs is None else tuple(item.outputs)
     params = tuple(sorted((k, type(v).__name__, v) for k, v in item.parameters.items()))
@@ -55,7 +55,7 @@ def group_items(items: Iterable[InputItem], max_rows: int) -> Iterator[list[Inpu
                 group, group_rows = [], 0
             yield [item]
             continue
-        sig = _signature(item)
+        sig = item.key if item.key is not None else signature(item)
         if group and (sig != group_sig or group_rows + item.rows > max_rows):
             yield group
             group, group_rows = [], 0

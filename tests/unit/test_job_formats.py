@@ -498,7 +498,8 @@ def test_a_reply_with_nan_fails_only_the_items_whose_rows_hold_it(tmp_path: Path
     errors = out.write_reply(items, [fp32("OUT", values.tolist())], "m", 1)
     out.finish()
     assert errors[0] is None and errors[2:] == [None, None]
-    assert errors[1] == "output 'OUT' holds NaN or infinity, which JSON cannot represent (a JSONL job's output is JSON only)"
+    assert errors[1] == ("output 'OUT' holds NaN or infinity, which JSON cannot represent (a JSONL job's output is "
+                         "JSON only)")
     lines = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert lines[1] == {"line": 2, "error": errors[1]}
     assert lines[0]["outputs"][0] == {"name": "OUT", "datatype": "FP32", "shape": [2, 4], "data": list(range(8))}

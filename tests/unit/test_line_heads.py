@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.errors import ServingError
-from fleet.jobs.line_heads import LineHeads
-from fleet.jobs.lines import line_parser
+from fleet.jobs.items import RawLine
+from fleet.jobs.line_heads import LineHeads, item_parser, line_parser
+from fleet.jobs.lines import parse_infer_line, parse_item
+from fleet.jobs.packing import signature
 from fleet.kserve import MAX_ID_CHARS, parse_infer
 from fleet.model_config import parse_config
 from tests.support.parsed_infer import CONFIG, SPEC, outcome, same, with_outputs_and_parameters
@@ -29,6 +31,11 @@ def _doc(a: Any, b: Any, **extra: Any) -> dict[str, Any]:
 
 def _check(heads: LineHeads, line: bytes) -> None:
     same(outcome(lambda: heads.parse(line, SPEC)), outcome(lambda: parse_infer(line, None, SPEC)))
+    # The same line as a job's item: parse_item's, field by field, and its packing key the item's own.
+    raw = RawLine(7, 8, 9, line)
+    item, want = heads.item(raw, SPEC, "in.jsonl"), parse_item(raw, SPEC, parse_infer_line, "in.jsonl")
+    assert item == want
+    assert item.key is None or (item.key == signature(item) and item.key == signature(want))
 
 
 def test_a_known_head_gives_each_line_its_own_data_and_id() -> None:
@@ -161,6 +168,20 @@ def test_a_jobs_infer_lines_are_read_through_their_heads() -> None:
     assert isinstance(owner, LineHeads)
     parse(_line(_doc([1, 2, 3, 4], [5, 6])), SPEC)
     assert len(owner) == 1
+
+
+def test_a_known_heads_items_share_its_key_and_nothing_mutable() -> None:
+    items = item_parser(SPEC, "in.jsonl")
+    extra = {"outputs": [{"name": "Y"}], "parameters": {"k": "v"}}
+    first, second, third = (items(RawLine(k, k + 1, 0, _line(_doc([k, 2, 3, 4], [5, 6], **extra))))
+                            for k in range(3))
+    assert first.key is None  # its head was not known yet: computed when packed
+    assert second.key is not None and second.key is third.key and second.key == signature(second)
+    assert second.parameters is not third.parameters and second.outputs is not third.outputs
+    assert [bytes(t.data) for t in second.inputs or []] != [bytes(t.data) for t in third.inputs or []]
+    other = items(RawLine(3, 4, 0, _line(_doc([1, 2, 3, 4], [5, 6], parameters={"k": "w"}))))
+    again = items(RawLine(4, 5, 0, _line(_doc([1, 2, 3, 4], [5, 6], parameters={"k": "w"}))))
+    assert again.key == signature(again) != second.key and other.key is None
 
 
 # ---------------------------------------------------------------- every line, as parse_infer reads it

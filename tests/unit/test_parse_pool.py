@@ -8,9 +8,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import pytest
@@ -18,7 +17,8 @@ import pytest
 from fleet.jobs import jsonl_input, parse_child, parse_pool
 from fleet.jobs.formats import InputItem, open_input
 from fleet.jobs.items import RawLine
-from fleet.jobs.lines import line_parser, parse_item
+from fleet.jobs.line_heads import line_parser
+from fleet.jobs.lines import parse_item
 from fleet.jobs.parse_child import parse_chunk
 from fleet.jobs.parse_pool import ParsePool, auto_processes
 from fleet.jobs.parse_wire import decode_item, encode_item
@@ -63,16 +63,23 @@ def parsers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     log = tmp_path / "parsed-by"
     me = os.getpid()
 
-    def parse(raw: RawLine, **kw: Any) -> InputItem:
-        if os.getpid() != me and b"DIE" in raw.body:
-            os._exit(3)
-        if os.getpid() != me and b"HANG" in raw.body:
-            time.sleep(3600)
-        with log.open("a") as f:
-            f.write(f"{os.getpid()}\n")
-        return parse_item(raw, **kw)
+    real = jsonl_input.item_parser
 
-    monkeypatch.setattr(jsonl_input, "parse_item", parse)
+    def item_parser(spec: ModelSpec, source: str = "") -> Callable[[RawLine], InputItem]:
+        items = real(spec, source)
+
+        def parse(raw: RawLine) -> InputItem:
+            if os.getpid() != me and b"DIE" in raw.body:
+                os._exit(3)
+            if os.getpid() != me and b"HANG" in raw.body:
+                time.sleep(3600)
+            with log.open("a") as f:
+                f.write(f"{os.getpid()}\n")
+            return items(raw)
+
+        return parse
+
+    monkeypatch.setattr(jsonl_input, "item_parser", item_parser)
     return log
 
 
