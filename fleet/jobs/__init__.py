@@ -2,7 +2,8 @@
 
     runner.py    the RQ job function: one run of a job under its lease (JobOptions, JobRunner)
     feed.py      the send / collect / write loop: window, lost-reply resends, progress, cancel
-    formats.py   readers, packing and writers (inputs.py, jsonl_input.py, items.py, packing.py, outputs.py)
+    formats.py   readers, packing and writers (inputs.py, jsonl_input.py, items.py, packing.py, outputs.py,
+                 jsonl_output.py, sink.py; a JSONL line as an item: lines.py, line_heads.py)
     parse_pool.py  a JSONL job's lines parsed by forked helpers, in order (parse_child.py the helper's side,
                  parse_wire.py the frames and items on their pipes)
     records.py   job records in Redis (JobStore): state, progress, error samples

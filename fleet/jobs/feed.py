@@ -91,6 +91,10 @@ class _Group:
     def rows(self) -> int:
         return sum(i.rows for i in self.items)
 
+    def parts(self) -> list[_Group]:
+        """The groups its items were last sent in, in order: itself, or (once split, perhaps again) its parts'."""
+        return [self] if self.split is None else [leaf for part in self.split for leaf in part.parts()]
+
     @property
     def resolved(self) -> bool:
         if self.split is not None:
@@ -307,7 +311,7 @@ class Feed:
         while self.order and self.order[0].resolved:
             group = self.order.popleft()
             self.held_rows -= group.rows
-            for part in group.split or [group]:
+            for part in group.parts():
                 if part.reply is not None:
                     errors = self.sink.write_reply(part.items, part.reply, self.model, self.version)
                 else:

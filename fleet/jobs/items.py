@@ -3,7 +3,7 @@ parsed yet. Plain data, shared by the readers, the line parsers, packing and the
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,3 +42,7 @@ class RawLine:
     line: int
     end_offset: int
     body: bytes
+
+
+# A JSONL input's parser: a line read (not parsed yet) as its item (fleet/jobs/line_heads.py's item_parser).
+ItemParser = Callable[[RawLine], InputItem]

@@ -1,5 +1,6 @@
 """A bulk job's JSONL input: one KServe v2 infer request body per non-blank line, read line by line from
-a resume cursor and parsed exactly as POST /infer parses a body (fleet/jobs/lines.py).
+a resume cursor and parsed exactly as POST /infer parses a body (fleet/jobs/lines.py, through the head its
+lines share: fleet/jobs/line_heads.py).
 
 A line longer than the job's line limit is skipped in bounded chunks, never held whole, and becomes an
 item with `error`, as does a line that does not parse.

@@ -15,8 +15,7 @@ from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem
-from fleet.jobs.packing import unpack
-from fleet.jobs.sink import write_each
+from fleet.jobs.sink import write_unpacked
 from fleet.tensor_json import json_array, json_rows
 
 
@@ -57,14 +56,14 @@ class JsonlOutput:
         carry, once for the whole reply, and each item's `data` a slice of it; not split into a tensor an
         item first (7 µs a 256-float line less than that: bench/RESULTS.md, stop 70). A reply of one item
         (whose outputs may have no batch axis), of BYTES, or with NaN or infinity somewhere is written item
-        by item (write_each), so that only the items whose own rows JSON cannot carry fail."""
-        rows = [item.rows for item in items]
+        by item (write_unpacked), so that only the items whose own rows JSON cannot carry fail."""
         columns = None if len(items) == 1 else _json_columns(outputs)
         if columns is None:
-            return write_each(self, items, unpack(outputs, rows), [None] * len(items), model, version)
+            return write_unpacked(self, items, outputs, model, version)
         written: list[str | None] = []
         start = 0
-        for item, n in zip(items, rows, strict=True):
+        for item in items:
+            n = item.rows
             data = [(t.name, t.datatype, [n, *t.shape[1:]], arr[start:start + n].reshape(-1)) for t, arr in columns]
             start += n
             try:

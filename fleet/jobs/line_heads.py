@@ -25,7 +25,7 @@ past CAPACITY; none longer than its LONGEST_KEY_BYTES). A head is kept only:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import orjson
@@ -33,8 +33,8 @@ import orjson
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.items import InputItem, RawLine
-from fleet.jobs.lines import LineParser, parse_generation_line, parse_item
+from fleet.jobs.items import InputItem, ItemParser, RawLine
+from fleet.jobs.lines import item_rows, parse_generation_line, parse_item
 from fleet.jobs.packing import signature
 from fleet.known_requests import Known, KnownRequests
 from fleet.kserve import ParsedInfer, parse_infer_read, request_id
@@ -46,18 +46,11 @@ from fleet.tensor_json import pack_json
 CAPACITY = 64  # heads (a job has one or a few)
 _NO_BINARY = memoryview(b"")
 
-ItemParser = Callable[[RawLine], InputItem]
-
-
-def line_parser(spec: ModelSpec) -> LineParser:
-    """A line is exactly an /infer body (or, for a generative model, also a /generate one). One parser per
-    job input: the head its /infer lines share is checked once."""
-    return parse_generation_line if is_llm(spec) else LineHeads().parse
-
 
 def item_parser(spec: ModelSpec, source: str = "") -> ItemParser:
-    """A job input's lines as its items (fleet/jobs/lines.py's parse_item with line_parser's parser); an
-    /infer line of a known head made an item directly (`LineHeads.item`). One per job input."""
+    """A job input's lines as its items (fleet/jobs/lines.py's parse_item): a line is exactly an /infer body (or,
+    for a generative model, also a /generate one), read through the head it shares with the input's other
+    lines (`LineHeads.item`). One per job input: each head is checked once."""
     if is_llm(spec):
         return functools.partial(parse_item, spec=spec, parse=parse_generation_line, source=source)
     return functools.partial(LineHeads().item, spec=spec, source=source)
@@ -79,12 +72,7 @@ class LineHeads:
     def parse(self, line: bytes, spec: ModelSpec) -> ParsedInfer:
         read = load_json(line)
         known, head = self._lookup(read, spec)
-        if known is not None:
-            try:
-                return _with_data(known, read[0])
-            except InvalidInput:
-                pass  # parse_infer's error, in its words and order of checks (below)
-        return self._parse_read(line, read, head, spec)
+        return self._parse_read(line, read, known, head, spec)
 
     def item(self, raw: RawLine, spec: ModelSpec, source: str = "") -> InputItem:
         """parse_item(raw, spec, self.parse, source). A line of a known head becomes its item without a request
@@ -92,14 +80,13 @@ class LineHeads:
         line ~7 % less (bench/RESULTS.md, stop 70)."""
         try:
             read = load_json(raw.body)
-        except Exception:  # parse_item reads it again, for its error (or its log, for a parser bug)
+            known, head = self._lookup(read, spec)
+            item = None if known is None or head is None else self._known_item(raw, known, head, read[0], spec)
+        except Exception:  # parse_item parses it again, for its error (or its log, for a parser bug)
             return parse_item(raw, spec, self.parse, source)
-        known, head = self._lookup(read, spec)
-        if known is not None and head is not None:
-            item = self._known_item(raw, known, head, read[0], spec)
-            if item is not None:
-                return item
-        return parse_item(raw, spec, lambda line, spec: self._parse_read(line, read, head, spec), source)
+        if item is not None:
+            return item
+        return parse_item(raw, spec, lambda line, spec: self._parse_read(line, read, known, head, spec), source)
 
     def _lookup(self, read: tuple[dict[str, Any], bool], spec: ModelSpec) -> tuple[Known | None, bytes | None]:
         """The entry of the line's head, if known, and that head (None where it cannot be one)."""
@@ -107,8 +94,13 @@ class LineHeads:
         head = _head(doc) if by_orjson else None
         return (None if head is None else self._known.get(spec.name, head, spec)), head
 
-    def _parse_read(self, line: bytes, read: tuple[dict[str, Any], bool], head: bytes | None,
+    def _parse_read(self, line: bytes, read: tuple[dict[str, Any], bool], known: Known | None, head: bytes | None,
                     spec: ModelSpec) -> ParsedInfer:
+        if known is not None:
+            try:
+                return _with_data(known, read[0])
+            except InvalidInput:
+                pass  # parse_infer's error, in its words and order of checks (below)
         request = parse_infer_read(line, read, spec, _NO_BINARY)
         if head is not None and _reusable(request, read[0]):
             self._known.keep(spec.name, head, spec, request)
@@ -116,7 +108,8 @@ class LineHeads:
 
     def _known_item(self, raw: RawLine, known: Known, head: bytes, doc: dict[str, Any],
                     spec: ModelSpec) -> InputItem | None:
-        """parse_item's item for a line of a known head; None where parse_item is to say why it has none."""
+        """parse_item's item for a line of a known head; None where parse_item is to say why it has none (an
+        unexpected error too: raised from here, it would not be the line's alone)."""
         request = known.request
         if request.classification or not request.inputs:
             return None
@@ -126,11 +119,9 @@ class LineHeads:
         except InvalidInput:
             return None
         inputs = [WireTensor(t.name, t.datatype, t.shape, d) for t, d in zip(request.inputs, data, strict=True)]
-        first = inputs[0].shape
-        rows = max(1, first[0]) if spec.max_batch_size > 0 and first else 1
         item = InputItem(raw.index, raw.line, raw.end_offset, inputs,
                          None if request.outputs is None else list(request.outputs), client_id,
-                         dict(request.parameters), rows=rows)
+                         dict(request.parameters), rows=item_rows(inputs, spec))
         item.key = self._key(spec.name, head, known, item)
         return item
 
@@ -155,6 +146,7 @@ def _data(known: Known, doc: dict[str, Any]) -> list[bytes]:
 def _with_data(known: Known, doc: dict[str, Any]) -> ParsedInfer:
     """The request of `doc`, whose head `known` is; InvalidInput where its id or data is refused."""
     return known.with_data(_data(known, doc), request_id(doc))
+
 
 def _head(doc: dict[str, Any]) -> bytes | None:
     """`doc` with its inputs' data and its id null, as bytes; None where it cannot be written again (text

@@ -2,7 +2,7 @@
 orjson, keeping json's behaviour: fleet/request_json.py; the job worker's parsing bounds a JSONL job).
 
 - `parse_infer_line`: an /infer body (fleet/kserve.py's `parse_infer`); a job's parser (fleet/jobs/line_heads.py's
-  `line_parser` and `item_parser`) reads its lines so, from the head they share.
+  `item_parser`) reads its lines so, from the head they share.
 - `parse_generation_line`, for a generative model: an /infer body when it has "inputs", else a /generate
   body (fleet/generate_body.py) with its prompt under `text_input` or `prompt`.
 - `parse_item`: a read line as the job's item, or the line's error (a parse failure costs one line).
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from fleet.envelope import WireTensor
 from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.input_checks import untagged
@@ -21,7 +22,7 @@ from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
 
-__all__ = ["LineParser", "parse_generation_line", "parse_infer_line", "parse_item"]
+__all__ = ["LineParser", "item_rows", "parse_generation_line", "parse_infer_line", "parse_item"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,11 @@ def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "
     if parsed.classification:  # a job writes each output's tensor: none would be answered as classes
         return InputItem(index, line, end_offset, None,
                          error="the classification extension is not supported in bulk jobs")
-    first = parsed.inputs[0].shape
-    rows = max(1, first[0]) if spec.max_batch_size > 0 and first else 1
     return InputItem(index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters,
-                     rows=rows)
+                     rows=item_rows(parsed.inputs, spec))
+
+
+def item_rows(inputs: list[WireTensor], spec: ModelSpec) -> int:
+    """An item's rows along the batch axis: its first input's first dim (at least 1) for a batching model."""
+    first = inputs[0].shape
+    return max(1, first[0]) if spec.max_batch_size > 0 and first else 1

@@ -28,8 +28,7 @@ from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import InputItem
 from fleet.jobs.jsonl_output import JsonlOutput
-from fleet.jobs.packing import unpack
-from fleet.jobs.sink import JobOutput, write_each
+from fleet.jobs.sink import JobOutput, write_unpacked
 from fleet.model_spec import ModelSpec, TensorSpec
 
 OUTPUT_KINDS = ("jsonl", "npy", "npz")
@@ -160,8 +159,7 @@ class _ArrayOutput:
 
     def write_reply(self, items: Sequence[InputItem], outputs: Sequence[WireTensor], model: str,
                     version: int) -> list[str | None]:
-        return write_each(self, items, unpack(outputs, [item.rows for item in items]), [None] * len(items), model,
-                          version)
+        return write_unpacked(self, items, outputs, model, version)
 
     def _rows_value(self, ts: TensorSpec, t: WireTensor | None, count: int) -> np.ndarray:
         if t is None:

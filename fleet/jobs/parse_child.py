@@ -8,21 +8,19 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import msgpack
 
-from fleet.jobs.items import InputItem, RawLine
+from fleet.jobs.items import InputItem, ItemParser, RawLine
 from fleet.jobs.parse_wire import encode_item, read_frame, write_frame
 from fleet.lifetime import die_with_parent
 
-LineParse = Callable[[RawLine], InputItem]
 # Blocked by the job worker around the fork, unblocked by the child once its own handlers are set.
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-def parse_chunk(lines: list[list[Any]], parse: LineParse) -> bytes:
+def parse_chunk(lines: list[list[Any]], parse: ItemParser) -> bytes:
     """A child's work on one chunk: each [index, line, end_offset, body] parsed, its items packed in order."""
     items = [encode_item(parse(RawLine(index, line, end_offset, body))) for index, line, end_offset, body in lines]
     try:
@@ -42,7 +40,7 @@ def _packable(fields: list[Any]) -> list[Any]:
                                      error="the request cannot be encoded for the model's queue"))
 
 
-def run_child(requests: int, results: int, parse: LineParse, parent: int) -> NoReturn:
+def run_child(requests: int, results: int, parse: ItemParser, parent: int) -> NoReturn:
     """A forked child's whole life: chunks in, items out, until its input pipe ends. Never returns."""
     code = 0
     try:

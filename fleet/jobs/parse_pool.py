@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from fleet.jobs.items import InputItem, RawLine
-from fleet.jobs.parse_child import STOP_SIGNALS, LineParse, run_child
+from fleet.jobs.items import InputItem, ItemParser, RawLine
+from fleet.jobs.parse_child import STOP_SIGNALS, run_child
 from fleet.jobs.parse_wire import decode_item, read_frame, write_frame
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class ParsePool:
     """`processes` forked parsers for one read of a JSONL input; `items()` yields every entry's item in order.
     Use it once; `close()` (also at the end of `items()`) stops the children and reaps them."""
 
-    def __init__(self, parse: LineParse, processes: int) -> None:
+    def __init__(self, parse: ItemParser, processes: int) -> None:
         self._parse = parse
         self._helpers: list[_Helper] = []
         # Chunks sent, oldest first: (the chunk's entries, the helper parsing its lines or None).

@@ -10,6 +10,7 @@ from typing import Protocol
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
 from fleet.jobs.items import InputItem
+from fleet.jobs.packing import unpack
 
 
 class JobOutput(Protocol):
@@ -52,3 +53,10 @@ def write_each(sink: JobOutput, items: Sequence[InputItem], outputs: Sequence[Se
             sink.write(item, None, error, model, version)  # its line (or flagged rows) still
         written.append(error)
     return written
+
+
+def write_unpacked(sink: JobOutput, items: Sequence[InputItem], outputs: Sequence[WireTensor], model: str,
+                   version: int) -> list[str | None]:
+    """JobOutput.write_reply item by item: the reply split (packing.unpack), each item's part written."""
+    return write_each(sink, items, unpack(outputs, [item.rows for item in items]), [None] * len(items), model,
+                      version)

@@ -154,6 +154,29 @@ def test_packed_requests_hold_several_batches_and_a_failed_one_goes_again_unpack
     check_output(job, items)
 
 
+def test_an_item_failing_in_a_request_split_twice_fails_alone(make_job: Callable[..., Job]) -> None:
+    """pack_batches 4: the request of rows 0-15 fails, and so does the one of rows 4-7 it is sent again as;
+    rows 4-7 then go one by one, and only row 5's own request fails: its line is its error, every other line
+    its result, in order."""
+    items = inputs(40)
+    job = make_job(items, window_rows=64, reply_timeout_s=3600, pack_batches=4)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        start, count = (int(v) for v in env.id.rsplit(":", 1)[1].split("+"))
+        return FAIL if start <= 5 < start + count else ANSWER
+
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and job.record()["failed"] == 1
+    assert {f"{job.id}:0+16", f"{job.id}:4+4", f"{job.id}:5+1", f"{job.id}:4+1", f"{job.id}:7+1"} <= set(worker.sent)
+    lines = [json.loads(line) for line in job.output.read_text().splitlines()]
+    assert [d["line"] for d in lines] == list(range(1, 41))
+    assert lines[5] == {"line": 6, "error": "the model failed"}
+    got = np.array([d["outputs"][0]["data"] for k, d in enumerate(lines) if k != 5], dtype=np.float32)
+    np.testing.assert_array_equal(got, np.delete(items, 5, axis=0) * 2)
+
+
 def test_a_stuck_head_never_lets_the_runner_hold_more_than_the_window(make_job: Callable[..., Job]) -> None:
     items = inputs(400)
     window = 16

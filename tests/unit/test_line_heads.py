@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fleet.errors import ServingError
 from fleet.jobs.items import RawLine
-from fleet.jobs.line_heads import LineHeads, item_parser, line_parser
+from fleet.jobs.line_heads import LineHeads, item_parser
 from fleet.jobs.lines import parse_infer_line, parse_item
 from fleet.jobs.packing import signature
 from fleet.kserve import MAX_ID_CHARS, parse_infer
@@ -163,10 +163,10 @@ def test_the_oldest_head_goes_when_full() -> None:
 
 
 def test_a_jobs_infer_lines_are_read_through_their_heads() -> None:
-    parse = line_parser(SPEC)
-    owner = getattr(parse, "__self__", None)
+    items = item_parser(SPEC)
+    owner = getattr(getattr(items, "func", None), "__self__", None)
     assert isinstance(owner, LineHeads)
-    parse(_line(_doc([1, 2, 3, 4], [5, 6])), SPEC)
+    items(RawLine(0, 1, 0, _line(_doc([1, 2, 3, 4], [5, 6]))))
     assert len(owner) == 1
 
 

@@ -17,8 +17,7 @@ import pytest
 from fleet.jobs import jsonl_input, parse_child, parse_pool
 from fleet.jobs.formats import InputItem, open_input
 from fleet.jobs.items import RawLine
-from fleet.jobs.line_heads import line_parser
-from fleet.jobs.lines import parse_item
+from fleet.jobs.line_heads import item_parser
 from fleet.jobs.parse_child import parse_chunk
 from fleet.jobs.parse_pool import ParsePool, auto_processes
 from fleet.jobs.parse_wire import decode_item, encode_item
@@ -187,7 +186,7 @@ def test_a_stopped_helper_whose_pipe_stays_full_is_dropped(
     expected = in_process(path, limit=limit)
     src = open_input(path, BATCHED, max_line_bytes=limit)
     assert isinstance(src, jsonl_input.JsonlInput)
-    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, line_parser(BATCHED)), 1)
+    pool = ParsePool(item_parser(BATCHED), 1)
     (pid,) = pool.pids
     os.kill(pid, signal.SIGSTOP)  # neither reads its pipe nor answers; SIGKILL still ends it
     with caplog.at_level(logging.WARNING, logger="fleet.jobs.parse_pool"):
@@ -215,7 +214,7 @@ def test_an_error_reading_the_input_is_the_jobs(tmp_path: Path) -> None:
             yield RawLine(i, i + 1, (i + 1) * 100, body)
         raise OSError(5, "Input/output error")
 
-    pool = ParsePool(lambda raw: parse_item(raw, BATCHED, line_parser(BATCHED)), 2)
+    pool = ParsePool(item_parser(BATCHED), 2)
     pids = pool.pids
     items = pool.items(entries())
     got = []
@@ -276,7 +275,7 @@ def test_items_cross_the_pipe_unchanged() -> None:
     item = InputItem(3, 4, 99, None, ["OUT"], "id", {"a": 1.5}, None, 2, 1)
     assert decode_item(msgpack.unpackb(msgpack.packb(encode_item(item), use_bin_type=True), raw=False)) == item
     raw = RawLine(0, 1, 5, json.dumps(request(2)).encode())
-    parsed = parse_item(raw, BATCHED, line_parser(BATCHED))
+    parsed = item_parser(BATCHED)(raw)
     wire = decode_item(msgpack.unpackb(msgpack.packb(encode_item(parsed), use_bin_type=True), raw=False))
     assert wire == parsed and wire.inputs is not None and isinstance(wire.inputs[0].shape, tuple)
 
