@@ -54,7 +54,7 @@ class JsonlOutput:
                     version: int) -> list[str | None]:
         """Each item's line from its rows of the reply: each output read, and checked for what JSON cannot
         carry, once for the whole reply, and each item's `data` a slice of it; not split into a tensor an
-        item first (7 µs a 256-float line less than that: bench/RESULTS.md, stop 70). A reply of one item
+        item first (6 of 17 µs a 256-float line less than that: bench/RESULTS.md, stop 70). A reply of one item
         (whose outputs may have no batch axis), of BYTES, or with NaN or infinity somewhere is written item
         by item (write_unpacked), so that only the items whose own rows JSON cannot carry fail."""
         columns = None if len(items) == 1 else _json_columns(outputs)
