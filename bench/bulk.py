@@ -49,13 +49,17 @@ from summary import print_table, read_level
 
 def run_job(port: int, source: Path, *, wait: bool = True, fmt: str = "npy", model: str = "mlp") -> dict[str, Any]:
     record = api(port, "POST", "/v2/jobs", {"model": model, "input": str(source), "output": {"format": fmt}})
-    if not wait:
-        return record
-    deadline = time.monotonic() + 600
+    return wait_job(port, record) if wait else record
+
+
+def wait_job(port: int, record: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """The job's record once it completed; SystemExit if it ended otherwise or ran past `timeout_s` (then
+    cancelled)."""
+    deadline = time.monotonic() + timeout_s
     while record["state"] not in ("completed", "failed", "cancelled"):
         if time.monotonic() > deadline:
             api(port, "DELETE", f"/v2/jobs/{record['id']}")
-            raise SystemExit(f"job {record['id']} still running after 600 s: cancelled")
+            raise SystemExit(f"job {record['id']} still running after {timeout_s:.0f} s: cancelled")
         time.sleep(0.2)
         record = api(port, "GET", f"/v2/jobs/{record['id']}")
     if record["state"] != "completed":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bulk import run_job, write_jsonl  # bench/bulk.py
+from bulk import run_job, wait_job, write_jsonl  # bench/bulk.py
 from procs import cpu_ticks, descendants  # bench/procs.py
 from served import ROOT, Fleet, api  # bench/served.py
 from summary import print_table  # bench/summary.py
@@ -54,12 +54,7 @@ def record(port: int, job: str) -> dict[str, Any]:
     return api(port, "GET", f"/v2/jobs/{job}")
 
 
-def finished(port: int, job: str, deadline: float) -> dict[str, Any]:
-    while True:
-        doc = record(port, job)
-        if doc["state"] in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return doc
-        time.sleep(0.2)
+
 
 
 def main() -> None:
@@ -116,9 +111,9 @@ def main() -> None:
                 cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0)
                 print(f"round {r + 1} {n}: {rows / elapsed:,.0f} rows/s; CPU µs a row: {cpu}", flush=True)
             for n in names:
-                doc = finished(fleets[n][0], jobs[n], deadline)
-                if doc["state"] != "completed" or doc["failed"]:
-                    raise SystemExit(f"{n}'s job {jobs[n]}: {doc['state']}, {doc['failed']} rows failed")
+                doc = wait_job(fleets[n][0], record(fleets[n][0], jobs[n]), max(1.0, deadline - time.monotonic()))
+                if doc["failed"]:
+                    raise SystemExit(f"{n}'s job {jobs[n]}: {doc['failed']} rows failed")
     finally:
         for _, fleet in fleets.values():
             fleet.stop(30.0)

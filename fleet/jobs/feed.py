@@ -84,7 +84,7 @@ class _Group:
     entry: bytes | None = None  # the lane entry id of the latest submission, while unanswered
     sent_at: float = 0.0  # monotonic: the latest submission, or the latest check that found it queued
     reply: list[WireTensor] | None = None  # the items' outputs, their rows in order, once answered
-    errors: list[str | None] = field(default_factory=list)  # per item, once answered
+    errors: list[str | None] = field(default_factory=list)  # per item, once answered with an error (or not sent)
     split: list[_Group] | None = None
 
     @property
@@ -99,7 +99,7 @@ class _Group:
     def resolved(self) -> bool:
         if self.split is not None:
             return all(g.resolved for g in self.split)
-        return bool(self.errors)
+        return self.reply is not None or bool(self.errors)
 
 
 class Feed:
@@ -257,7 +257,6 @@ class Feed:
                 outputs = list(reply.outputs or [])
                 check_rows(outputs, [i.rows for i in group.items])  # (split as they are written: write_reply)
                 group.reply = outputs
-                group.errors = [None] * len(group.items)
                 return
             except InvalidInput as exc:
                 reply = ReplyEnvelope(id=reply.id, error_code="INTERNAL", error_message=exc.message)

@@ -64,7 +64,8 @@ class LineHeads:
     def __init__(self, capacity: int = CAPACITY) -> None:
         self._known = KnownRequests(capacity)
         self._capacity = capacity
-        self._keys: dict[tuple[str, bytes], tuple[Known, Hashable]] = {}  # a known head's items' packing key
+        # What a known head's items share (_shared): its entry, their packing key and their rows.
+        self._keys: dict[tuple[str, bytes], tuple[Known, Hashable, int]] = {}
 
     def __len__(self) -> int:
         return len(self._known)
@@ -118,23 +119,25 @@ class LineHeads:
             client_id = request_id(doc)
         except InvalidInput:
             return None
+        key, rows = self._shared(spec, head, known)
         inputs = [WireTensor(t.name, t.datatype, t.shape, d) for t, d in zip(request.inputs, data, strict=True)]
-        item = InputItem(raw.index, raw.line, raw.end_offset, inputs,
+        return InputItem(raw.index, raw.line, raw.end_offset, inputs,
                          None if request.outputs is None else list(request.outputs), client_id,
-                         dict(request.parameters), rows=item_rows(inputs, spec))
-        item.key = self._key(spec.name, head, known, item)
-        return item
+                         dict(request.parameters), rows=rows, key=key)
 
-    def _key(self, model: str, head: bytes, known: Known, item: InputItem) -> Hashable:
-        """The packing key of every item of `known` (the same inputs' layout, outputs and parameters)."""
-        kept = self._keys.get((model, head))
+    def _shared(self, spec: ModelSpec, head: bytes, known: Known) -> tuple[Hashable, int]:
+        """What every item of `known` has alike, worked out once: its packing key (the inputs' layout, outputs
+        and parameters) and its rows (the first input's shape)."""
+        kept = self._keys.get((spec.name, head))
         if kept is not None and kept[0] is known:
-            return kept[1]
+            return kept[1], kept[2]
         if len(self._keys) >= self._capacity:
             self._keys.clear()  # as bounded as the heads; those still used are made again
-        key = signature(item)
-        self._keys[(model, head)] = (known, key)
-        return key
+        request = known.request
+        key = signature(InputItem(0, 0, 0, request.inputs, request.outputs, parameters=request.parameters))
+        rows = item_rows(request.inputs, spec)
+        self._keys[(spec.name, head)] = (known, key, rows)
+        return key, rows
 
 
 def _data(known: Known, doc: dict[str, Any]) -> list[bytes]:
