@@ -17,6 +17,7 @@ from fleet.redis_server import LocalServer
 from tests.support.queue_models import sleeper_repository
 from tests.support.system import InProcessSystem, in_process_system
 from tests.support.timed_repo import Execution, timed_repository, timed_request
+from tests.support.waiting import until
 
 
 def run(redis_server: LocalServer, key_prefix: str, repo: Path,
@@ -240,7 +241,11 @@ def test_a_request_the_gateway_gave_up_on_is_never_computed(redis_server: LocalS
         late = await asyncio.gather(*(timed_post(s.client, "abandoned", request(i)) for i in (1, 2)))
         assert all(r.status_code == 504 for r, _ in late), [r.text for r, _ in late]  # the gateway gave up
         assert (await first)[0].status_code == 504  # it gave up on the one executing too, but that one ran
-        await asyncio.sleep(1.2)  # long enough for the worker to have computed them, had it kept them
+        async def first_counted() -> bool:  # the one executing (900 ms) ends and is counted
+            return bool((await stats(s.client, "abandoned"))["execution_count"])
+
+        await until(first_counted, 10, "the executing request's statistics")
+        await asyncio.sleep(1.2)  # long enough for the worker to have computed the others, had it kept them
         st = await stats(s.client, "abandoned")
         # Dropped either way: cancelled by the gateway when it gave up (not counted), or by the worker at
         # the envelope's expiry (counted as failed) if that came first.
