@@ -61,9 +61,12 @@ def _decode(env: RequestEnvelope, to_arrays: bool, reshaped: dict[str, TensorSpe
             t.data) for t in wire]
     inputs = {t.name: tensors.from_bytes(t.data, tensors.lookup(t.datatype), t.shape) for t in wire} \
         if to_arrays else {}
-    return InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
+    item = InferenceItem(inputs=inputs, requested_outputs=env.outputs, parameters=env.parameters,
                          request_id=env.client_id, wire=wire, bls_chain=env.bls_chain, key=env.id,
                          reply_to=env.reply_to, version=env.version, reads_out_of_band=env.reads_out_of_band)
+    if env.sequence is not None:
+        item.correlation_id, item.flags = env.sequence.id, env.sequence.start | env.sequence.end << 1
+    return item
 
 
 def run_batch(spec: ModelSpec, backend: Backend, envs: list[RequestEnvelope],

@@ -42,6 +42,10 @@ class InferenceItem:
     version: int = 0
     lane: int = 0  # where it waited (0: the highest priority; the last: bulk); set for generation engines
     reads_out_of_band: bool = True  # its caller reads out-of-band replies (fleet/envelope.py)
+    # A sequence model's request: its sequence's id and Triton's request flags (1 START, 2 END), what a
+    # Python model reads as request.correlation_id() and request.flags(). 0 and 0 otherwise.
+    correlation_id: int | str = 0
+    flags: int = 0
 
 
 @dataclass(slots=True)

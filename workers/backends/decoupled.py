@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.errors import ServingError
 from workers.backends.base import InferenceItem, ItemResult
 
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -67,9 +68,14 @@ class DecoupledCall:
             self._cv.wait_for(lambda: self._died or all(e.done for e in self._open.values()))
             return all(e.done for e in self._open.values())
 
-    def results(self, decode: Callable[[dict[str, Any]], ItemResult]) -> list[ItemResult]:
+    def results(self, decode: Callable[[dict[str, Any]], ItemResult],
+                failed: ServingError | None = None) -> list[ItemResult]:
+        """Each request's last word; `failed`: the error of those with no final flag (the call failed)."""
         out = []
         for key in self._order:
-            last = self._open[key].last
-            out.append(ItemResult(empty=True) if last is None else decode(last))
+            entry = self._open[key]
+            if failed is not None and not entry.done:
+                out.append(ItemResult(error=failed))
+            else:
+                out.append(ItemResult(empty=True) if entry.last is None else decode(entry.last))
         return out

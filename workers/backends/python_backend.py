@@ -96,6 +96,9 @@ class PythonBackend:
         # This instance's own link in BLS chains (what it runs now waits for the models it calls).
         self._link = f"{ctx.spec.name}:{ctx.version}"
         self._frames = StubFrames(ctx, self._link)
+        # What request.requested_output_names() lists where the client named none: as in Triton, every
+        # output of the config (a std::set there, so in name order).
+        self._all_outputs = sorted(o.name for o in ctx.spec.outputs)
         self._start()
 
     def _start(self) -> None:
@@ -269,11 +272,15 @@ class PythonBackend:
         """The execute frame for `items`, and a decoupled model's call that gathers its responses (raises
         ServingError for batch inputs that cannot be computed)."""
         extra = self._batch_inputs(items)
-        requests = [
-            {"id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
-             "o": item.requested_outputs, "p": item.parameters, "k": item.key}
-            for item, more in zip(items, extra, strict=True)
-        ]
+        requests = []
+        for item, more in zip(items, extra, strict=True):
+            request: dict[str, Any] = {
+                "id": item.request_id, "i": [[t.name, t.datatype, list(t.shape), t.data] for t in item.wire] + more,
+                "o": self._all_outputs if item.requested_outputs is None else item.requested_outputs,
+                "p": item.parameters, "k": item.key}
+            if item.flags or item.correlation_id:  # a sequence's request (sequence batching)
+                request["c"], request["f"] = item.correlation_id, item.flags
+            requests.append(request)
         # BLS calls made while this runs wait on behalf of every request of the call: their chain is the
         # longest of the requests' (its length is the depth), then any other model waiting, then this one.
         longest = max((item.bls_chain for item in items), key=len, default=[])
@@ -306,7 +313,10 @@ class PythonBackend:
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])
             elif reply.get("warning"):
                 log.warning("%s: %s", self._ctx.instance_name, reply["warning"])
-            return call.results(self._result)
+            # The stub could not run the call (its reply an error, no final flags): the requests not
+            # complete fail with it, not end as empty successes.
+            failed = InferenceFailed(reply["error"]) if "error" in reply else None
+            return call.results(self._result, failed)
         if "error" in reply:
             if reply.get("trace"):
                 log.warning("%s execute() raised:\n%s", self._ctx.instance_name, reply["trace"])

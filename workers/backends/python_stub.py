@@ -60,15 +60,17 @@ def _load_model(model_py: Path) -> Any:
     return import_model_module(model_py).TritonPythonModel()
 
 
-def _decode_inputs(raw: list[Any]) -> dict[str, np.ndarray]:
-    out = {}
+def _decode_inputs(pb: Any, raw: list[Any]) -> list[Any]:
+    out = []
     for name, datatype, shape, data in raw:
         dt = tensors.lookup(datatype)
-        if dt.name in ("BYTES", "BF16"):
-            out[name] = tensors.from_bytes(data, dt, shape)
+        if dt.name == "BF16":  # widened to float32 (fleet.datatypes), still a BF16 tensor to the model
+            out.append(pb.Tensor(name, tensors.from_bytes(data, dt, shape), pb._FROM_NAME["BF16"]))
+        elif dt.name == "BYTES":
+            out.append(pb.Tensor(name, tensors.from_bytes(data, dt, shape)))
         else:
             # bytearray: models get writable inputs, as in Triton.
-            out[name] = np.frombuffer(bytearray(data), dtype=dt.numpy).reshape(shape)
+            out.append(pb.Tensor(name, np.frombuffer(bytearray(data), dtype=dt.numpy).reshape(shape)))
     return out
 
 
@@ -151,8 +153,8 @@ class Stub:
         pb = self.pb
         return [
             pb._incoming_request(
-                _decode_inputs(r["i"]), request_id=r.get("id", ""), parameters=r.get("p") or {},
-                requested_output_names=r.get("o") or [],
+                _decode_inputs(pb, r["i"]), request_id=r.get("id", ""), parameters=r.get("p") or {},
+                requested_output_names=r.get("o") or [], correlation_id=r.get("c", 0), flags=r.get("f", 0),
                 response_sender=None if senders is None else senders[i],
             )
             for i, r in enumerate(msg["requests"])
@@ -195,19 +197,28 @@ class Stub:
         senders = [pb.InferenceResponseSender(on_send=functools.partial(self._sent, key)) for key in keys]
         with self._senders_lock:
             self._senders.update(zip(keys, senders, strict=True))
-        requests = self._requests(msg, senders)
         try:
-            result = self._call(self.model.execute, requests)
+            result = self._call(self.model.execute, self._requests(msg, senders))
         except Exception as exc:  # every request not complete yet gets the error as its final response
-            error = pb.TritonError(f"{type(exc).__name__}: {exc}")
-            for sender in senders:
+            self._fail_open(senders, f"{type(exc).__name__}: {exc}")
+            return {"decoupled": True, "trace": traceback.format_exc()}
+        if result is not None:  # as Triton: an error for every request not complete yet
+            message = (f"Python model '{self.model_name}' is using the decoupled mode and the execute function "
+                       f"must return None.")
+            self._fail_open(senders, message)
+            return {"decoupled": True, "warning": message}
+        return {"decoupled": True}
+
+    def _fail_open(self, senders: list[Any], message: str) -> None:
+        """`message` as the final response of each request whose sender is still open."""
+        pb = self.pb
+        error = pb.TritonError(message)
+        for sender in senders:
+            try:
                 if not sender.closed:
                     sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return {"decoupled": True, "trace": traceback.format_exc()}
-        if result is not None:
-            return {"decoupled": True, "warning": "a decoupled model's execute() should return None; "
-                                                  "what it returned was ignored"}
-        return {"decoupled": True}
+            except pb.TritonModelException:  # closed meanwhile by one of the model's own threads
+                pass
 
     def _sent(self, key: str, response: Any, flags: int) -> None:
         frame: dict[str, Any] = {"op": "send", "k": key, "f": int(flags)}
