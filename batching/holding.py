@@ -66,6 +66,10 @@ class Holding:
     def rows(self) -> int:
         return sum(self._rows)
 
+    def held(self) -> int:
+        """Messages held, answered ones waiting for their acknowledgement included (`rows` counts neither)."""
+        return len(self._rows_of)
+
     def online_rows(self) -> int:
         """Rows held on the lanes above the bulk lane, until their replies are written (read from an instance's
         thread too: a sum of a list of ints, at worst a moment old)."""

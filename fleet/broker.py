@@ -335,6 +335,13 @@ class Broker:
             self._start_flush()
         return True
 
+    def _enqueued_once(self, batch: list[_Outgoing]) -> bool:
+        """Whether `batch` holds a request that must not be enqueued twice: a decoupled model's (two runs
+        would both stream to its caller) or a sequence's (its state would take the step twice), the requests
+        that keep no payload (`submit`). Its round trip is then not sent again where it may have run."""
+        waiters = self._waiters
+        return any((w := waiters.get(rid)) is not None and w.payload is None for rid, *_ in batch)
+
     def _start_flush(self) -> None:
         if self._stopping:
             return  # `stop` fails what the outbox holds
@@ -372,7 +379,7 @@ class Broker:
             # cost a NOSCRIPT round trip.
             results = await link.execute([
                 ("EVAL", BOUNDED_XADD, 1, stream, bound, payload) if bound > 0 else ("XADD", stream, "*", "d", payload)
-                for _, stream, payload, bound, _ in batch])
+                for _, stream, payload, bound, _ in batch], once=self._enqueued_once(batch))
         except (RedisError, OSError, asyncio.CancelledError) as exc:
             # Cancelled: the broker is stopping (`stop`), and whether Redis took them is unknown.
             err = BrokerUnavailable(_STOPPING if isinstance(exc, asyncio.CancelledError) else

@@ -64,6 +64,10 @@ _READ_BYTES = 1 << 16
 _BIG_ARG = LONG_BUFFER
 
 
+class _ClosedWhileIdle(RedisConnectionError):
+    """The connection was found closed before anything was written on it: nothing of the round trip ran."""
+
+
 class RedisLink:
     def __init__(self, client: aioredis.Redis, timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_connect: Callable[[int], None] | None = None) -> None:
@@ -82,10 +86,11 @@ class RedisLink:
         self.connects = 0
 
     async def execute(self, commands: Sequence[Command], block_ms: int = 0,
-                      resend: Callable[[], Sequence[Command]] | None = None) -> list[Any]:
+                      resend: Callable[[], Sequence[Command]] | None = None, once: bool = False) -> list[Any]:
         """Each command's reply in order (a ResponseError for an error reply). `block_ms`: the longest BLOCK
         among them, added to the deadline. `resend`: what to send instead if the round trip is sent again
-        (the same commands, in the same order, marked as possibly run already)."""
+        (the same commands, in the same order, marked as possibly run already). `once`: the commands must
+        not run twice, so a round trip is sent again only where nothing of it was written."""
         if not commands:
             return []
         deadline_s = self.timeout_s + block_ms / 1000
@@ -94,14 +99,14 @@ class RedisLink:
             reused = self._conn.is_connected
             try:
                 return await self._round_trip(packed, len(commands), deadline_s)
-            except RedisConnectionError:
+            except RedisConnectionError as exc:
                 # A reused connection that failed (Redis closed it while it sat idle, or it dropped
                 # mid-round-trip): once more on a new one, as redis-py's own retry does. Commands may
                 # then run twice if the first attempt reached Redis before it went away, as with
                 # redis-py: a request enqueued twice is computed twice and answered once (replies are
                 # by id); a batch's statistics go again as copies (`resend`), which count once
                 # (fleet/stats.py).
-                if not reused:
+                if not reused or (once and not isinstance(exc, _ClosedWhileIdle)):
                     raise
                 if resend is not None:
                     packed = [_pack(c) for c in resend()]
@@ -128,7 +133,7 @@ class RedisLink:
             if replies is None or replies.writer is not writer:  # a new connection: read by the link from now on
                 replies = self._replies = _Replies.attach(writer, self._parser)
             if replies.ended or writer.transport.is_closing():  # Redis closed it while it sat idle
-                raise RedisConnectionError("Connection closed by server.")
+                raise _ClosedWhileIdle("Connection closed by server.")
             deadline.start(deadline_s, writer.transport, replies.loop)
             try:
                 if all(isinstance(p, bytes) for p in packed):

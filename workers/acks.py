@@ -88,7 +88,10 @@ class Acks:
             carried = self.take()
             try:
                 await self._consumer.ack([m for ms, _ in carried for m in ms])
-            except (RedisError, OSError) as exc:
+            except BaseException as exc:
+                if not isinstance(exc, (RedisError, OSError)):  # cancelled, or a bug: kept, for the next flush
+                    self.settle(carried, False)
+                    raise
                 raise_if_cancelled()
                 self.settle(carried, False)
                 delay = backoff.next_delay()

@@ -192,7 +192,10 @@ class Custody:
                                               [m for ms, _ in carried for m in ms],
                                               [Letter(a.message, a.park or "", a.payload) for a in to_park],
                                               copies=copies)
-            except (RedisError, OSError) as exc:
+            except BaseException as exc:
+                if not isinstance(exc, (RedisError, OSError)):  # cancelled, or a bug: the ride's acks go on
+                    self._acks.settle(carried, False)
+                    raise
                 # The connection failed: Redis may have run some or all of the write. Replies written
                 # twice are dropped by the gateway, letters are at least once; counts go again as copies,
                 # which the fold counts only if their first did not land (fleet/stats.py).
@@ -246,6 +249,8 @@ class Custody:
         """No longer held (answered, or left pending for another worker to claim): room for new reads."""
         self.holding.release(messages)
         self._released()
+        if self._stopping:  # keepalive ends once nothing is held: let it look now, not a keepalive_s later
+            self._refresh_now.set()
 
     async def drained(self) -> None:
         """Until every background finish is done."""
@@ -265,9 +270,10 @@ class Custody:
 
     async def keep_alive(self) -> None:
         """Refresh what this worker holds, every keepalive_s (or at once when asked), until it holds
-        nothing and is stopping."""
+        nothing and is stopping: answered messages too, until their acknowledgements are sent (a worker
+        that closed its connections first would leave them pending, to be claimed and computed again)."""
         backoff = Backoff()
-        while not (self._stopping and not self.holding.rows() and not self._finishing):
+        while not (self._stopping and not self.holding.held() and not self._finishing):
             try:
                 async with asyncio.timeout(self.config.keepalive_s):
                     await self._refresh_now.wait()

@@ -152,6 +152,10 @@ class ModelLoop:
         try:
             self._neighbours.add(self.holding)  # (removed below however this ends)
             await asyncio.gather(*readers)  # they return once stopping
+            # Claims too: one whose round trip was in flight would admit its messages after the driver
+            # saw nothing held and returned, and they would stay held, uncomputed, for ever. (Cancelled
+            # mid-flight, what Redis gave this worker stays pending, claimed again by another.)
+            await cancel_and_wait([background[1]], f"model '{self.spec.name}': claims")
             self._readers_done = True
             self._wake.set()
             await driver  # returns once everything read is answered

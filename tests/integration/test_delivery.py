@@ -683,3 +683,45 @@ def test_a_keepalive_round_reports_lost_only_what_was_not_answered(redis_server:
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_stopping_workers_keepalive_ends_only_once_its_answered_messages_are_acknowledged(
+        redis_server: LocalServer, key_prefix: str) -> None:
+    """workers/custody.py: answered messages wait for their acknowledgement (workers/acks.py, ACK_DELAY_S
+    for a ride); a worker that stops meanwhile keeps them held, and its keepalive (what the model's run
+    waits for before its connections close) ends only once they are acknowledged, not with them pending,
+    to be claimed and computed again by another worker."""
+    from batching.holding import Holding
+    from workers.consumer import StreamConsumer
+    from workers.custody import Answer, Custody, CustodyConfig
+
+    keys = Keys(key_prefix)
+
+    async def main() -> None:
+        r = async_client(redis_server.url)
+        consumer = StreamConsumer(r, keys, "stopping", 1, "c")
+        holding = Holding(1, 4, 16)
+        custody = Custody(consumer, holding, CustodyConfig(keepalive_s=5.0), admit=lambda m, p: None,
+                          lost=lambda ms: None, released=lambda: None)
+        try:
+            await consumer.join()
+            queue = keys.queue("stopping", version=1)
+            entry = await r.xadd(queue, {b"d": b"x"})
+            await r.xreadgroup(GROUP, "c", {queue: ">"}, count=1)
+            message = (0, entry)
+            holding.hold(message, 1)
+            custody.finish([Answer(message, f"{key_prefix}:reply:stopping",
+                                   ReplyEnvelope(id="a", model_version=1))])
+            custody.stop()
+            await custody.drained()  # the reply is written; its acknowledgement waits for a ride
+            assert holding.rows() == 0 and holding.held() == 1
+            started = time.monotonic()
+            await asyncio.wait_for(custody.keep_alive(), 3.0)  # not a keepalive_s (5 s) round later either
+            assert time.monotonic() - started < 2.0
+            assert (await r.xpending(queue, GROUP))["pending"] == 0 and await r.xlen(queue) == 0
+            assert holding.held() == 0
+        finally:
+            await consumer.close()
+            await r.aclose()
+
+    asyncio.run(main())

@@ -172,3 +172,23 @@ def test_a_lookup_redis_refuses_is_tried_again(tmp_path: Path, key_prefix: str) 
         with_broker(server, key_prefix, 50, test, url=f"redis://gw:x@127.0.0.1:{server.port}")
     finally:
         acl.close()
+
+
+def test_a_decoupled_or_sequence_request_is_never_enqueued_twice(tmp_path: Path, key_prefix: str) -> None:
+    """The requests the broker never sends again (no payload kept) are also not sent again by the link's
+    retry of a round trip that may have run (fleet/redis_link.py `once`): their flush asks for it."""
+    server = start_server(tmp_path / "valkey", appendonly=False)
+
+    async def test(broker: Broker, queue: str, admin: aioredis.Redis) -> None:
+        futures = [broker.submit("plain", queue, b"P", model="m", version=1),
+                   broker.submit("streamed", queue, b"S", model="m", version=1, streamed=True),
+                   broker.submit("step", queue, b"Q", model="m", version=1, on_enqueued=lambda: None)]
+        plain, streamed, step = list(broker._outbox)  # not flushed yet: that runs on the loop's next turn
+        assert not broker._enqueued_once([plain])
+        assert broker._enqueued_once([streamed]) and broker._enqueued_once([plain, step])
+        await until(lambda: admin.xlen(queue), 5, "the three enqueued")
+        for rid in ("plain", "streamed", "step"):
+            await admin.xadd(broker.reply_key, reply(rid))
+        assert [(await asyncio.wait_for(f, 5)).id for f in futures] == ["plain", "streamed", "step"]
+
+    with_broker(server, key_prefix, 50, test)

@@ -296,3 +296,40 @@ def test_a_busy_links_deadline_follows_its_round_trips_and_a_large_write_goes_wh
         assert await link.execute([("STRLEN", "big")]) == [len(big)]
 
     _on_own_server(tmp_path, 0.3, body, loop)
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_a_round_trip_that_may_have_run_is_sent_again_only_where_it_may_run_twice(tmp_path: Path, once: bool) -> None:
+    """A reused connection dropped mid-round-trip, after Redis ran its XADD: sent again on a new one as
+    redis-py does (two entries), unless `once` (fleet/broker.py: a decoupled model's or a sequence's
+    request), which fails instead; one found closed before anything was written is sent again either way."""
+    async def body(server: LocalServer, link: RedisLink) -> None:
+        client = async_client(server.url)
+        try:
+            (own_id,) = await link.execute([("CLIENT", "ID")])  # connected: the next round trip reuses it
+
+            async def kill_soon() -> None:
+                await asyncio.sleep(0.3)  # the XADD ran; the BLPOP behind it waits
+                await client.execute_command("CLIENT", "KILL", "ID", own_id)
+
+            killer = asyncio.ensure_future(kill_soon())
+            commands = [("XADD", "jobs", "*", "d", "x"), ("BLPOP", "nothing", 0.5)]
+            if once:
+                with pytest.raises(RedisConnectionError):
+                    await link.execute(commands, block_ms=500, once=True)
+            else:
+                assert (await link.execute(commands, block_ms=500))[1] is None  # the retry's BLPOP timed out
+            await killer
+            assert await client.xlen("jobs") == (1 if once else 2)
+
+            # Closed while idle (Redis restarted): found before writing, so sent again even `once`.
+            assert await link.execute([("PING",)]) == [b"PONG"]  # connected again, to be found closed
+            server.stop()
+            await asyncio.sleep(0.2)
+            server.restart()
+            assert await link.execute([("XADD", "idle", "*", "d", "x")], once=True)
+            assert await client.xlen("idle") == 1
+        finally:
+            await client.aclose()
+
+    _on_own_server(tmp_path, 2.0, body)
