@@ -260,7 +260,7 @@ class Feed:
                 return
             except InvalidInput as exc:
                 reply = ReplyEnvelope(id=reply.id, error_code="INTERNAL", error_message=exc.message)
-        if len(group.items) == 1:
+        if len(group.items) == 1 and group.items[0].count == 1:
             group.errors = [reply.error_message or reply.error_code]
             return
         # A packed request failed: retry its items (rows of a block) one by one so only bad ones fail; one of
@@ -270,7 +270,9 @@ class Feed:
         if group.rows > self.max_rows:
             group.split = [_Group(g, f"{job}:{g[0].index}+{len(g)}") for g in group_items(group.items, self.max_rows)]
         else:
-            group.split = [_Group([one], f"{job}:{one.index}+1") for item in group.items for one in explode(item)]
+            # A block's rows one by one too, under ids of their own (its first row's plain id is the block's).
+            group.split = [_Group([one], f"{job}:{one.index}+1" + ("/r" if item.count > 1 else ""))
+                           for item in group.items for one in explode(item)]
         self._send(group.split)
 
     # -- liveness: a lost reply never stalls the job

@@ -46,3 +46,13 @@ class RawLine:
 
 # A JSONL input's parser: a line read (not parsed yet) as its item (fleet/jobs/line_heads.py's item_parser).
 ItemParser = Callable[[RawLine], InputItem]
+
+
+def printable(message: str) -> str:
+    """`message` as text any writer takes: a lone surrogate the line's JSON spelled (`"x\\ud800"`, which the
+    error may quote) as its escape, which orjson, msgpack and Redis refuse as it is."""
+    try:
+        message.encode()
+    except UnicodeEncodeError:
+        return message.encode("utf-8", "backslashreplace").decode()
+    return message

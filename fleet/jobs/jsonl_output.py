@@ -14,7 +14,7 @@ import orjson
 from fleet import tensors
 from fleet.envelope import WireTensor
 from fleet.errors import InvalidInput
-from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem
+from fleet.jobs.items import JSONL_BUFFER_BYTES, InputItem, printable
 from fleet.jobs.sink import write_unpacked
 from fleet.tensor_json import json_array, json_rows
 
@@ -40,7 +40,7 @@ class JsonlOutput:
         self, item: InputItem, outputs: Sequence[WireTensor] | None, error: str | None, model: str, version: int
     ) -> None:
         if error is not None:
-            self._put({"line": item.line, "error": error})
+            self._put({"line": item.line, "error": printable(error)})
             return
         try:
             data = [(t.name, t.datatype, list(t.shape), json_array(t, tensors.lookup(t.datatype)))

@@ -17,7 +17,7 @@ from fleet.envelope import WireTensor
 from fleet.errors import ServingError
 from fleet.generate_body import parse_generate_doc
 from fleet.input_checks import untagged
-from fleet.jobs.items import InputItem, RawLine
+from fleet.jobs.items import InputItem, RawLine, printable
 from fleet.kserve import ParsedInfer, parse_infer, parse_infer_read
 from fleet.model_spec import ModelSpec
 from fleet.request_json import load_json
@@ -51,7 +51,7 @@ def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "
     except ServingError as exc:
         # Without the online route's "[request id: ...]" prefix: a job counts its lines' errors by message,
         # and each line's own id would make every one of them different.
-        return InputItem(index, line, end_offset, None, error=untagged(exc.message))
+        return InputItem(index, line, end_offset, None, error=printable(untagged(exc.message)))
     except RecursionError:
         return InputItem(index, line, end_offset, None, error="failed to parse the request JSON: nested too deeply")
     except Exception:  # a parser bug must cost one line, and its message (Python internals) stays in the log
@@ -61,6 +61,8 @@ def parse_item(raw: RawLine, spec: ModelSpec, parse: LineParser, source: str = "
     if parsed.classification:  # a job writes each output's tensor: none would be answered as classes
         return InputItem(index, line, end_offset, None,
                          error="the classification extension is not supported in bulk jobs")
+    if not parsed.inputs:  # a generate line of a model whose inputs are all optional: nothing to batch by
+        return InputItem(index, line, end_offset, None, error="the line gives none of the model's inputs")
     return InputItem(index, line, end_offset, parsed.inputs, parsed.outputs, parsed.client_id, parsed.parameters,
                      rows=item_rows(parsed.inputs, spec))
 

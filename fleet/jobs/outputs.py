@@ -141,7 +141,8 @@ class _ArrayOutput:
         if item.index < 0 or item.index + item.count > self._total:
             raise InvalidInput(f"item {item.index} is outside the {self._total} rows of '{self.path.name}'")
         failed = self._mask()
-        self._rows += item.count
+        # Once, however often its rows are written (a refused reply's rows again as failed: write_each).
+        self._rows = max(self._rows, item.index + item.count)
         if error is not None:
             self._fail(rows)
             return

@@ -172,8 +172,11 @@ class JobRunner:
                            resume_offset=record.get("out_offset") or 0)
         try:
             outcome = Feed(self, record, spec, source, sink).run()
+        except (redis.RedisError, KeyboardInterrupt, SystemExit):
+            sink.close()  # resumed by another runner: kept as it is
+            raise
         except BaseException:
-            sink.close()
+            sink.finish(partial=True)  # the job fails (run): its rows never written are flagged, as on FAILED
             raise
         finally:
             source.close()

@@ -57,19 +57,23 @@ class Job:
     """One job record and a runner for it on a thread, as an RQ job worker would run it."""
 
     def __init__(self, url: str, key_prefix: str, repo: Path, tmp: Path, items: np.ndarray | list[str],
-                 window_rows: int, reply_timeout_s: float, max_failures: int = -1, pack_batches: int = 1) -> None:
+                 window_rows: int, reply_timeout_s: float, max_failures: int = -1, pack_batches: int = 1,
+                 npy: bool = False) -> None:
         self.client = redis.Redis.from_url(url, protocol=2)
         self.keys = Keys(key_prefix)
         self.store = JobStore(self.client, self.keys)
         self.id = "job1"
-        self.output = tmp / "out.jsonl"
-        source = tmp / "in.jsonl"
+        kind = "npy" if npy else "jsonl"  # .npy: the rows as one array, read and written in blocks
+        self.output = tmp / f"out.{kind}"
+        source = tmp / f"in.{kind}"
         if isinstance(items, list):
             source.write_text("".join(line + "\n" for line in items))
+        elif npy:
+            np.save(source, items)
         else:
             write_jsonl(source, items)
         self.store.create(self.id, {"model": MODEL, "version": 1, "priority": 0, "input": str(source),
-                                    "input_kind": "jsonl", "output": str(self.output), "output_format": "jsonl",
+                                    "input_kind": kind, "output": str(self.output), "output_format": kind,
                                     "max_failures": max_failures, "pack_batches": pack_batches})
         options = JobOptions(key_prefix, [str(repo)], window_rows, lease_ms=5000, reply_timeout_s=reply_timeout_s)
         self.runner = JobRunner(redis.Redis.from_url(url, protocol=2), self.id, options)
@@ -106,9 +110,9 @@ def make_job(redis_server: LocalServer, key_prefix: str, repo: Path, tmp_path: P
     jobs: list[Job] = []
 
     def make(items: np.ndarray | list[str], window_rows: int, reply_timeout_s: float, max_failures: int = -1,
-             pack_batches: int = 1) -> Job:
+             pack_batches: int = 1, npy: bool = False) -> Job:
         job = Job(redis_server.url, key_prefix, repo, tmp_path, items, window_rows, reply_timeout_s, max_failures,
-                  pack_batches)
+                  pack_batches, npy)
         jobs.append(job)
         return job
 
@@ -175,6 +179,28 @@ def test_an_item_failing_in_a_request_split_twice_fails_alone(make_job: Callable
     assert lines[5] == {"line": 6, "error": "the model failed"}
     got = np.array([d["outputs"][0]["data"] for k, d in enumerate(lines) if k != 5], dtype=np.float32)
     np.testing.assert_array_equal(got, np.delete(items, 5, axis=0) * 2)
+
+
+def test_a_row_failing_in_an_arrays_block_fails_alone(make_job: Callable[..., Job]) -> None:
+    """An .npy job's rows go as blocks of a batch (one item of 4 rows each). The block of rows 4-7 fails, as
+    a model might on one bad row: its rows go again one by one, under ids of their own, and only row 5 fails
+    (flagged in the mask, zero); before, all four of the block's rows failed."""
+    items = inputs(12)
+    job = make_job(items, window_rows=64, reply_timeout_s=3600, npy=True)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+
+    def decide(env: RequestEnvelope, sends: int) -> str:
+        start = int(env.id.rsplit(":", 1)[1].split("+")[0])  # a block's id counts its item, not its rows
+        return FAIL if start <= 5 < start + env.batch_rows(True) else ANSWER
+
+    serve_until(job, worker, decide, lambda: bool(job.outcome))
+    assert job.outcome == [COMPLETED] and job.record()["failed"] == 1
+    assert set(worker.sent) == {f"{job.id}:{i}+1" for i in (0, 4, 8)} | {f"{job.id}:{i}+1/r" for i in range(4, 8)}
+    np.testing.assert_array_equal(np.load(f"{job.output}.failed.npy"), [k == 5 for k in range(12)])
+    want = items * 2
+    want[5] = 0
+    np.testing.assert_array_equal(np.load(job.output), want)
 
 
 def test_a_stuck_head_never_lets_the_runner_hold_more_than_the_window(make_job: Callable[..., Job]) -> None:
@@ -372,3 +398,29 @@ def test_a_cancelled_job_deletes_its_partial_output(make_job: Callable[..., Job]
     serve_until(job, worker, decide, lambda: bool(job.outcome))
     assert job.outcome == [CANCELLED] and not job.output.exists()
     assert job.output.parent.exists()  # only the output goes: the directory still holds the input
+
+
+def test_a_job_failing_on_a_fault_of_ours_flags_the_rows_it_never_wrote(make_job: Callable[..., Job],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner fault (an exception of no kind the feed expects, here from the output's write of rows 4-5) fails
+    the job with an internal error, and its .npy keeps what it wrote with every row never written flagged,
+    as a job failed by its lines' errors does, not left zero and unflagged as if results."""
+    from fleet.jobs import outputs
+
+    write = outputs._ArrayOutput.write
+
+    def faulty(self: Any, item: Any, *args: Any) -> None:
+        if item.index >= MAX_BATCH:  # the second block (rows 4-5)
+            raise RuntimeError("a bug")
+        write(self, item, *args)
+
+    monkeypatch.setattr(outputs._ArrayOutput, "write", faulty)
+    items = inputs(6)
+    job = make_job(items, window_rows=64, reply_timeout_s=3600, npy=True)
+    worker = LaneWorker(job.client, job.lane)
+    job.thread.start()
+    serve_until(job, worker, answer_all, lambda: bool(job.outcome))
+    assert job.outcome[0].startswith("failed: internal error in the job runner (RuntimeError)")
+    assert job.record()["state"] == FAILED
+    mask = np.load(f"{job.output}.failed.npy")
+    assert not mask[:MAX_BATCH].any() and mask[MAX_BATCH:].all(), mask

@@ -112,6 +112,42 @@ def test_jsonl_items_errors_and_positions(jsonl: Path) -> None:
     src.close()
 
 
+def test_an_error_quoting_a_lone_surrogate_is_written_as_its_escape(tmp_path: Path) -> None:
+    """JSON can spell a lone surrogate (\\ud800), which no writer takes as text (orjson, msgpack, Redis): a
+    line whose error quotes one (an input's name here) fails alone, its error written with the escape."""
+    bad = '{"inputs": [{"name": "IN\\ud800", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}'
+    src = open_input(write_jsonl(tmp_path / "in.jsonl", [bad, json.dumps(request())]), BATCHED)
+    surrogate, plain = list(src.read())
+    src.close()
+    assert surrogate.error is not None and "'IN\\ud800'" in surrogate.error and plain.error is None
+    surrogate.error.encode()  # text any writer takes
+    out = open_output(tmp_path / "o.jsonl", "jsonl", BATCHED, 3)
+    out.write(surrogate, None, surrogate.error, "m", 1)
+    out.write(plain, None, "raw \ud800 text", "m", 1)  # the writer's own guard, for any error's text
+    out.close()
+    lines = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [d["line"] for d in lines] == [1, 2] and "IN\\ud800" in lines[0]["error"]
+    assert lines[1]["error"] == "raw \\ud800 text"
+
+
+def test_a_generate_line_that_gives_no_input_is_its_own_error(tmp_path: Path) -> None:
+    """A generative model whose inputs are all optional takes a /generate body without any: as a job's line
+    it fails alone (it has nothing to batch by), not the job."""
+    spec = spec_of("""name: "gen"
+backend: "llm"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+""", "gen")
+    src = open_input(write_jsonl(tmp_path / "in.jsonl", ["{}", '{"temperature": 0.7}', '{"text_input": "hi"}']),
+                     spec)
+    empty, params_only, prompt = list(src.read())
+    src.close()
+    assert empty.error == params_only.error == "the line gives none of the model's inputs"
+    assert prompt.error is None and prompt.inputs is not None
+
+
 def test_a_line_asking_for_classes_is_its_own_error(tmp_path: Path) -> None:
     """A job writes each output's tensor: a line asking for classes (classification) is refused, not
     answered with the tensor."""
@@ -567,6 +603,19 @@ def test_npy_output_with_failed_mask_and_resume(tmp_path: Path) -> None:
     flat.write(array_item(0), [WireTensor("OUT", "FP32", (4,), np.arange(4, dtype="<f4").tobytes())], None, "m", 1)
     flat.finish()
     np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), [[0, 1, 2, 3]])
+
+
+def test_a_refused_replys_rows_are_counted_once(tmp_path: Path) -> None:
+    """A reply the array writer refuses (its shape) is written again as its item's failure (write_each):
+    its rows count once, so the progress saved (flush) is rows written and a failed job flags the rest."""
+    path = tmp_path / "o.npy"
+    out = open_output(path, "npy", BATCHED, 4)
+    errors = write_each(out, [array_item(0), array_item(1)], [results(0), [fp32("OUT", [[1, 2, 3, 4]] * 2)]],
+                        [None, None], "m", 1)
+    assert errors[0] is None and errors[1] is not None and "1 row(s) need" in errors[1]
+    assert out.flush() == 2
+    out.finish(partial=True)
+    np.testing.assert_array_equal(np.load(f"{path}.failed.npy"), [False, True, True, True])
 
 
 def test_an_npy_output_in_fortran_order_is_not_resumed(tmp_path: Path) -> None:
