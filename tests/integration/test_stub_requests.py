@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -162,3 +163,51 @@ def test_a_decoupled_call_the_stub_could_not_run_fails_its_open_requests() -> No
     assert still_open.error is failed
     # Without an error (every request completed, or the stub died and the caller restarts it), as before.
     assert [r.empty for r in call.results(lambda last: pytest.fail("no response"))] == [True, True]
+
+
+# Forks a process of its own at initialize (as multiprocessing's default start method does), which lives
+# until the test says so; IN < 0 kills the stub mid-call.
+FORKING_MODEL = """
+import os, signal, time
+from pathlib import Path
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        stop = Path(args["model_repository"]) / "stop"
+        if os.fork() == 0:
+            deadline = time.monotonic() + 60
+            while not stop.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0)
+
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()
+        if x.reshape(-1)[0] < 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x * 2)])]
+"""
+PLAIN_CONFIG = """
+backend: "python"
+max_batch_size: 4
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
+"""
+
+
+def test_a_stub_killed_mid_call_is_seen_dead_though_a_process_it_forked_lives_on(tmp_path: Path) -> None:
+    """The worker sees a stub die by its pipe's end; a process the model forked no longer holds that pipe
+    open (before, the call waited for as long as the child lived)."""
+    backend = _backend(tmp_path, "forking", PLAIN_CONFIG, FORKING_MODEL, max_deliveries=1)
+    try:
+        started = time.monotonic()
+        (killed,) = backend.execute([InferenceItem(inputs={}, wire=[WireTensor("IN", "FP32", (1, 1),
+                                                                                struct.pack("<f", -1.0))])])
+        assert killed.error is not None and "killed by SIGKILL" in killed.error.message, killed.error
+        assert time.monotonic() - started < 30  # the child lives 60 s
+        (doubled,) = backend.execute([InferenceItem(inputs={}, wire=[WireTensor("IN", "FP32", (1, 1),
+                                                                                 struct.pack("<f", 2.0))])])
+        assert doubled.wire_outputs is not None and struct.unpack("<f", doubled.wire_outputs["OUT"].data) == (4.0,)
+    finally:
+        (tmp_path / "forking" / "stop").write_text("")
+        backend.close()

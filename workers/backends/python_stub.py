@@ -292,6 +292,18 @@ class Stub:
             self._call(self.model.finalize)
 
 
+def _drop_pipes(fds: tuple[int, ...]) -> None:
+    """In a process the model forks (multiprocessing's default on Linux): the worker sees this stub die by its
+    pipe's end, which a child holding the write end would keep open for as long as it lives; the worker's
+    calls are this stub's alone. /dev/null in their place, so the child's copies of the files stay valid."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def main(argv: list[str]) -> int:
     # Armed after exec, not in a preexec_fn (unsafe in the threaded worker); the PID check covers a
     # worker that died before this line.
@@ -301,6 +313,7 @@ def main(argv: list[str]) -> int:
     # Buffered reading, a pipe's capacity at a time: a frame's length and body in one read of the pipe, not
     # one each (only this process reads it, one thread at a time, so nothing it buffers is anyone else's).
     channel = StubChannel(os.fdopen(int(argv[1]), "rb", buffering=PIPE_READ_BUFFER), os.fdopen(int(argv[2]), "wb"))
+    os.register_at_fork(after_in_child=functools.partial(_drop_pipes, (int(argv[1]), int(argv[2]))))
     stub = Stub(channel)
     while True:
         msg = channel.next_op()
