@@ -211,3 +211,30 @@ def test_a_stub_killed_mid_call_is_seen_dead_though_a_process_it_forked_lives_on
     finally:
         (tmp_path / "forking" / "stop").write_text("")
         backend.close()
+
+
+HANGING_FINALIZE = """
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")]) for r in requests]
+
+    def finalize(self):
+        time.sleep(3600)
+"""
+
+
+def test_an_unload_waits_for_finalize_only_so_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finalize() that never returns: close() (an unload) kills the stub after FINALIZE_TIMEOUT_S (30 s,
+    as Triton's stub timeout; 1 s here) instead of waiting for ever."""
+    from workers.backends import python_backend
+
+    monkeypatch.setattr(python_backend, "FINALIZE_TIMEOUT_S", 1.0)
+    backend = _backend(tmp_path, "stuck", PLAIN_CONFIG, HANGING_FINALIZE)
+    proc = backend._proc
+    assert proc is not None
+    started = time.monotonic()
+    backend.close()
+    assert time.monotonic() - started < 10 and proc.poll() is not None

@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 _spawner: ThreadPoolExecutor | None = None
 _spawner_lock = threading.Lock()
 _stub_numbers = itertools.count(1)
+# How long an unload waits for the model's finalize() before killing its stub (Triton's Python backend waits
+# its stub-timeout-seconds, 30 by default): a finalize() that never returns must not hold the unload for ever.
+FINALIZE_TIMEOUT_S = 30.0
 
 
 def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
@@ -382,11 +385,23 @@ class PythonBackend:
         proc = self._proc
         if proc is None:
             return
-        try:
-            if proc.poll() is None:
-                self._roundtrip({"op": "finalize"})
-        except InferenceFailed:
-            pass
+        if proc.poll() is None:
+            finalized = threading.Event()
+
+            def finalize() -> None:
+                try:
+                    self._roundtrip({"op": "finalize"})
+                except InferenceFailed:
+                    pass
+                finally:
+                    finalized.set()
+
+            threading.Thread(target=finalize, name=f"{self._ctx.instance_name}-finalize", daemon=True).start()
+            if not finalized.wait(FINALIZE_TIMEOUT_S):
+                log.warning("%s: finalize() did not return within %.0f s; killing its stub", self._ctx.instance_name,
+                            FINALIZE_TIMEOUT_S)
+                proc.kill()  # its pipe ends: the call above fails and returns
+                finalized.wait(5)
         self._pipe.close()
         try:
             proc.wait(10)

@@ -288,8 +288,10 @@ class Stub:
                 return
 
     def finalize(self) -> None:
-        if self.model is not None and hasattr(self.model, "finalize"):
-            self._call(self.model.finalize)
+        """The model's finalize(), once: one that raised is not run again when the pipe then closes."""
+        model, self.model = self.model, None
+        if model is not None and hasattr(model, "finalize"):
+            self._call(model.finalize)
 
 
 def _drop_pipes(fds: tuple[int, ...]) -> None:
