@@ -84,7 +84,8 @@ class InferenceService:
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         name = request.name or None
         doc = await self.state.statistics(name, request_version(request.version) if name else None)
-        return json_format.ParseDict(doc, pb.ModelStatisticsResponse())
+        # Fields of fleet's own (a generative model's "generation") have no place in Triton's message.
+        return json_format.ParseDict(doc, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         if request.repository_name:

@@ -205,3 +205,12 @@ def test_generation_metrics(cluster: Cluster) -> None:
     assert 'vllm:time_per_output_token_seconds_bucket{le="+Inf",model="tiny",version="1"}' in text
     assert 'vllm:num_requests_running{model="tiny",version="1"} 0.0' in text
     assert 'vllm:generation_tokens_total{model="tiny",version="1"}' in text
+    # Over gRPC, the same statistics as Triton's message holds them: the generation's own (HTTP's
+    # "generation") are not fields of it, and must not fail the call (perf_analyzer -i grpc asks for them).
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{cluster.grpc_port}")
+    try:
+        (one,) = client.get_inference_statistics("tiny").model_stats
+        every = client.get_inference_statistics().model_stats
+    finally:
+        client.close()
+    assert one.name == "tiny" and one.inference_count >= 1 and "tiny" in [m.name for m in every]
