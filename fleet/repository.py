@@ -138,3 +138,26 @@ def scan(repositories: Sequence[Path], *, auto_complete: bool = False) -> Reposi
             errors[name] = exc.message
     return Repository(models=MappingProxyType(models), errors=MappingProxyType(errors),
                       dirs=MappingProxyType(dirs))
+
+
+def composing_models(repository: Repository, name: str) -> list[str]:
+    """The models an ensemble's steps name, nested ensembles' included (steps first), without repeats; none
+    for a model that is not an ensemble: what loads with it in explicit mode (and unloads with it, asked)."""
+    found: list[str] = []
+
+    def visit(model: str, depth: int) -> None:
+        entry = repository.models.get(model)
+        if entry is None or not entry.spec.ensemble or depth > 8:
+            return
+        for step in entry.spec.proto.ensemble_scheduling.step:
+            visit(step.model_name, depth + 1)
+            if step.model_name not in found and step.model_name != name:
+                found.append(step.model_name)
+
+    visit(name, 0)
+    return found
+
+
+def with_composing(repository: Repository, names: list[str]) -> list[str]:
+    """`names` with each ensemble's composing models before it (explicit mode's startup models)."""
+    return list(dict.fromkeys(m for n in names for m in (*composing_models(repository, n), n)))

@@ -8,9 +8,11 @@ gateway/routes.py and gateway/grpc/service.py call it). fleet/model_control.py s
   fails at once with "failed to load"), then a control record with a new generation is written (with
   the `file:` contents beside it), workers are nudged on `fleet:control`, and the call waits until a
   worker serves that generation, or every live worker has reconciled it and none serves or loads it
-  (then it fails with a worker's reason), at most `model_load_timeout_s`.
-* `unload(name)`: writes the record and returns; this gateway stops routing to the model at once,
-  others within a heartbeat poll; workers drain what is queued before they stop reading.
+  (then it fails with a worker's reason), at most `model_load_timeout_s`. An ensemble's steps not loaded
+  load with it, as in Triton; the ensemble is loaded once this gateway can plan it (workers load none).
+* `unload(name)`: writes the record (with `unload_dependents`, an ensemble's steps' too) and returns; this
+  gateway stops routing to the model at once, others within a heartbeat poll; workers drain what is
+  queued before they stop reading.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fleet.errors import ConfigError, ControlNotAllowed, InvalidInput, ModelNotReady
+from fleet.errors import ConfigError, ControlNotAllowed, InvalidInput, ModelNotReady, Unsupported
 from fleet.keys import Keys
 from fleet.model_config import parse_config_proto
 from fleet.model_control import (
@@ -38,7 +40,7 @@ from fleet.model_control import (
     fingerprint,
     startup_names,
 )
-from fleet.repository import Repository, scan
+from fleet.repository import Repository, composing_models, scan, with_composing
 from fleet.settings import Settings
 from gateway.catalog import Catalog
 
@@ -75,7 +77,8 @@ class ModelControl:
     async def seed(self) -> None:
         """Explicit mode: `--load-model` names become control records unless one exists already."""
         if self.mode is ControlMode.EXPLICIT and self.settings.load_models:
-            for name in startup_names(self.settings.load_models, self.catalog.repository.dirs):
+            repository = self.catalog.repository
+            for name in with_composing(repository, startup_names(self.settings.load_models, repository.dirs)):
                 await self.client.hsetnx(self.keys.models(), name, ControlRecord(BOOT_GEN, True).encode())
 
     async def refresh(self) -> None:
@@ -133,19 +136,33 @@ class ModelControl:
             if name not in repository.dirs and not files:
                 why = repository.errors.get(name, "model not found in any model repository")
                 raise InvalidInput(f"failed to load '{name}', failed to poll from model repository: {why}")
-            gen = f"e{await self.client.incr(self.keys.models_gen())}"
+            if (config or files) and name in repository.models and repository.models[name].spec.ensemble:
+                # Gateways plan an ensemble from the configs workers publish, and no worker loads one.
+                raise Unsupported(f"failed to load '{name}': overriding an ensemble's config is not supported")
+            # An ensemble's steps that are not loaded load with it, as in Triton (nested ensembles' too).
+            self._records = decode_records(await self.client.hgetall(self.keys.models()))
+            loaded = {m for m, r in self._records.items() if r.load}
+            steps = [m for m in composing_models(repository, name) if m not in loaded]
+            gens = {m: f"e{await self.client.incr(self.keys.models_gen())}" for m in [*steps, name]}
+            gen = gens[name]
             record = ControlRecord(gen, True, config, tuple(sorted(files)))
             pipe = self.client.pipeline(transaction=True)
             if files:
                 pipe.hset(self.keys.model_files(name, gen), mapping=files)  # type: ignore[arg-type]
                 pipe.expire(self.keys.model_files(name, gen), FILES_TTL_S)
-            pipe.hset(self.keys.models(), name, record.encode())
-            pipe.publish(self.keys.control(), name)
+            for model, model_gen in gens.items():
+                self._records[model] = record if model == name else ControlRecord(model_gen, True)
+                pipe.hset(self.keys.models(), model, self._records[model].encode())
+                pipe.publish(self.keys.control(), model)
             await pipe.execute()
-            self._records[name] = record
             self.catalog.set_targets(repository, self.targets(repository))
-            log.info("load of model '%s' requested (generation %s)", name, gen)
-            await self._wait_loaded(name, gen)
+            log.info("load of model%s requested (generation %s)", f"s {', '.join(map(repr, gens))}" if steps else
+                     f" '{name}'", gen)
+            for model, model_gen in gens.items():
+                if model in repository.models and repository.models[model].spec.ensemble:
+                    await self._wait_planned(model)  # gateways run ensembles: no worker serves one
+                else:
+                    await self._wait_loaded(model, model_gen)
 
     async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         self._require_explicit()
@@ -154,14 +171,33 @@ class ModelControl:
         if not isinstance(dependents, bool):
             raise InvalidInput("'unload_dependents' must be a boolean")
         async with self._lock:
-            gen = f"e{await self.client.incr(self.keys.models_gen())}"
+            # unload_dependents: an ensemble's steps go with it, as in Triton.
+            names = [name, *(composing_models(self.catalog.repository, name) if dependents else [])]
             pipe = self.client.pipeline(transaction=True)
-            pipe.hset(self.keys.models(), name, ControlRecord(gen, False).encode())
-            pipe.publish(self.keys.control(), name)
+            for model in names:
+                gen = f"e{await self.client.incr(self.keys.models_gen())}"
+                pipe.hset(self.keys.models(), model, ControlRecord(gen, False).encode())
+                pipe.publish(self.keys.control(), model)
+                self._records[model] = ControlRecord(gen, False)
             await pipe.execute()
-            self._records[name] = ControlRecord(gen, False)
             self.catalog.set_targets(self.catalog.repository, self.targets(self.catalog.repository))
-            log.info("unload of model '%s' requested (generation %s)", name, gen)
+            log.info("unload of %s requested", ", ".join(f"'{m}'" for m in names))
+
+    async def _wait_planned(self, name: str) -> None:
+        """Until this gateway runs the ensemble `name` (every step's model has a ready version), or why not."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.settings.model_load_timeout_s
+        while True:
+            await self._read_heartbeats()
+            if name in self.catalog.ensemble_plans:
+                return
+            problem = self.catalog.ensemble_problems.get(name)
+            if problem is not None and "has no ready version" not in problem:
+                raise InvalidInput(f"failed to load '{name}': {problem}")
+            if loop.time() >= give_up:
+                raise ModelNotReady(f"failed to load '{name}': {problem or 'its steps did not become ready'} within "
+                                    f"{self.settings.model_load_timeout_s:g} s")
+            await asyncio.sleep(LOAD_POLL_S)
 
     async def _wait_loaded(self, name: str, gen: str) -> None:
         loop = asyncio.get_running_loop()

@@ -42,7 +42,7 @@ from fleet.model_control import (
 )
 from fleet.placement import instance_device, placement_problem
 from fleet.redis_clients import async_client
-from fleet.repository import Completer, ModelEntry
+from fleet.repository import Completer, ModelEntry, with_composing
 from fleet.settings import Settings
 from workers.backends.base import LoadContext
 from workers.consumer import StreamConsumer
@@ -143,7 +143,7 @@ class ModelHost:
         if self.mode is not ControlMode.EXPLICIT or not self.settings.load_models:
             return
         repo = await asyncio.to_thread(self.targets.scan)
-        for name in startup_names(self.settings.load_models, repo.dirs):
+        for name in with_composing(repo, startup_names(self.settings.load_models, repo.dirs)):  # and their steps
             await self.ctx.client.hsetnx(self.ctx.keys.models(), name, ControlRecord(BOOT_GEN, True).encode())
 
     async def run(self) -> None:

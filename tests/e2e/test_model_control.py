@@ -54,6 +54,17 @@ IO = ('input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
       'output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
 
 
+ENSEMBLE = """platform: "ensemble"
+max_batch_size: MAX
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ DIMS ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ DIMS ] } ]
+ensemble_scheduling { step [
+  { model_name: "STEP" model_version: -1 input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "mid" } },
+  { model_name: "STEP" model_version: -1 input_map { key: "IN" value: "mid" } output_map { key: "OUT" value: "OUT" } }
+] }
+"""
+
+
 def python_model(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -73,6 +84,11 @@ def build_repository(root: Path) -> Path:
     # No config.pbtxt at all: a worker completes it from the ONNX graph (workers/auto_complete.py).
     (repo / "completed" / "1").mkdir(parents=True)
     shutil.copy(TRITON_EXAMPLES / "simple" / "1" / "model.onnx", repo / "completed" / "1" / "model.onnx")
+    # An ensemble of two doubler steps (doubler loads at start), and one of `slow`, which nothing loads first.
+    for name, step in (("twice", "doubler"), ("slow_twice", "slow")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(ENSEMBLE.replace("STEP", step).replace(
+            "MAX", "8" if step == "doubler" else "0").replace("DIMS", "-1" if step == "doubler" else "1"))
     return repo
 
 
@@ -107,7 +123,8 @@ def index_of(client: th.InferenceServerClient) -> dict[str, list[dict[str, str]]
 
 def test_only_the_startup_models_load_and_the_index_lists_every_model(client: th.InferenceServerClient) -> None:
     index = index_of(client)
-    assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "simple", "slow"]
+    assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "simple", "slow", "slow_twice",
+                             "twice"]
     assert index["doubler"] == [{"name": "doubler", "version": "1", "state": "READY"}]
     assert index["simple"] == [{"name": "simple"}]  # never loaded: its name alone, as Triton
     assert not client.is_model_ready("simple")
@@ -265,3 +282,24 @@ def test_a_model_name_is_never_a_path(cluster: Cluster) -> None:
     finally:
         grpc.close()
     assert not (cluster.tmp / "escape").exists()
+
+
+def test_an_ensemble_loads_and_unloads_with_its_composing_models(client: th.InferenceServerClient) -> None:
+    """As Triton in explicit mode: loading an ensemble loads the models its steps name that are not loaded
+    (`slow` here), and unload_dependents unloads them with it; one whose steps already serve loads too."""
+    x = th.InferInput("IN", [1, 1], "FP32")
+    x.set_data_from_numpy(np.array([[3.0]], np.float32))
+    client.load_model("twice")
+    assert client.is_model_ready("twice")
+    assert client.infer("twice", [x]).as_numpy("OUT").tolist() == [[12.0]]
+    client.unload_model("twice")
+    assert not client.is_model_ready("twice") and client.is_model_ready("doubler")
+
+    assert not client.is_model_ready("slow")
+    client.load_model("slow_twice")
+    assert client.is_model_ready("slow_twice") and client.is_model_ready("slow")
+    y = th.InferInput("IN", [1], "FP32")
+    y.set_data_from_numpy(np.array([3.0], np.float32))
+    assert client.infer("slow_twice", [y]).as_numpy("OUT").tolist() == [3.0]  # slow is the identity
+    client.unload_model("slow_twice", unload_dependents=True)
+    assert not client.is_model_ready("slow_twice") and not client.is_model_ready("slow")

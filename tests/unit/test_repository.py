@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fleet.errors import ConfigError
-from fleet.repository import load_model, scan, version_dirs
+from fleet.repository import composing_models, load_model, scan, version_dirs, with_composing
 from tests.support.model_repo import TRITON_EXAMPLES, python_config, write_model
 
 EXAMPLE_NAMES = ["simple", "simple_dyna_sequence", "simple_int8", "simple_sequence",
@@ -116,3 +116,23 @@ def test_results_are_read_only(tmp_path: Path) -> None:
     repo = scan([tmp_path])
     with pytest.raises(TypeError):
         repo.models["x"] = repo.models["m"]  # type: ignore[index]
+
+
+def _ensemble(*steps: str) -> str:
+    return ('platform: "ensemble"\nmax_batch_size: 8\n'
+            'input [ { name: "IN", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
+            'output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]\nensemble_scheduling { step [ '
+            + ", ".join(f'{{ model_name: "{s}" model_version: -1 input_map {{ key: "IN" value: "IN" }} '
+                        f'output_map {{ key: "OUT" value: "OUT" }} }}' for s in steps) + " ] }\n")
+
+
+def test_an_ensembles_composing_models_nested_first_without_repeats(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        write_model(tmp_path, name, python_config())
+    write_model(tmp_path, "inner", _ensemble("b", "c"))
+    write_model(tmp_path, "outer", _ensemble("a", "inner", "a"))
+    repo = scan([tmp_path])
+    assert composing_models(repo, "outer") == ["a", "b", "c", "inner"]
+    assert composing_models(repo, "inner") == ["b", "c"] and composing_models(repo, "a") == []
+    assert composing_models(repo, "missing") == []
+    assert with_composing(repo, ["outer", "b"]) == ["a", "b", "c", "inner", "outer"]
