@@ -215,13 +215,13 @@ class InferenceService:
         req = self.heads.decode(request, spec, dataplane.regions)
         async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):
             if not reply.ok:
-                yield StreamAnswer(None, reply.error_message, reply.final)
+                yield StreamAnswer(None, reply.error_message, reply.final, in_order=False)
             elif reply.empty:
                 response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(v), id=req.client_id)
-                yield StreamAnswer(_marked(response, True) if empty_final else None, None, True)
+                yield StreamAnswer(_marked(response, True) if empty_final else None, None, True, in_order=False)
             else:
                 response = encode_infer(request.model_name, v, req, reply.outputs or [], reply.parameters)
-                yield StreamAnswer(_marked(response, reply.final), None, reply.final)
+                yield StreamAnswer(_marked(response, reply.final), None, reply.final, in_order=False)
 
 
 EMPTY_FINAL = "triton_enable_empty_final_response"

@@ -1,8 +1,9 @@
-"""ModelStreamInfer: a bidirectional stream of ModelInferRequests, each answered as it completes.
+"""ModelStreamInfer: a bidirectional stream of ModelInferRequests.
 
-Every request read from a stream starts at once, so many are in flight on one stream; answers go back
-in the order they complete, each with its request's id. A decoupled model's request gets each of its
-responses as it comes (service.py's infer_stream). A request
+Every request read from a stream starts at once, so many are in flight on one stream. As in tritonserver,
+a request's one response (a model that is not decoupled, or an error before its model is known) goes back
+in the order the requests came, after those of the requests before it; a decoupled model's request gets
+each of its responses as it comes (service.py's infer_stream), waiting for no one. A request
 that fails is answered with `error_message` (and its id, as tritonserver fills it in) and the stream
 stays open. Each request takes one of the gateway's `max_in_flight` places like any other.
 
@@ -36,6 +37,7 @@ class StreamAnswer:
     response: Any
     error: str | None
     last: bool
+    in_order: bool = True  # False: a decoupled model's, written as it comes
 
 
 Answers = Callable[[Any, float | None], AsyncIterator[StreamAnswer]]
@@ -44,13 +46,15 @@ Answers = Callable[[Any, float | None], AsyncIterator[StreamAnswer]]
 class _Stream:
     """One open stream: answers waiting to be written, and what is still being computed."""
 
-    __slots__ = ("answers", "computing", "tasks")
+    __slots__ = ("answers", "computing", "tasks", "turn")
 
     def __init__(self) -> None:
         # None: no more requests will be read; b"": nothing to write, look again whether the stream is done.
         self.answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.computing = 0  # requests read and not yet answered
         self.tasks: set[asyncio.Task[None]] = set()
+        # Done once the last request read has queued its in-order answer (or needs none): the next waits on it.
+        self.turn: asyncio.Future[None] | None = None
 
 
 class StreamSessions:
@@ -95,18 +99,26 @@ class StreamSessions:
 
     async def _read(self, requests: AsyncIterator[bytes], context: Any, stream: _Stream) -> None:
         try:
+            loop = asyncio.get_running_loop()
             async for raw in requests:
                 stream.computing += 1
-                task = asyncio.ensure_future(self._answer(raw, context.time_remaining(), stream))
+                after, stream.turn = stream.turn, loop.create_future()
+                task = asyncio.ensure_future(self._answer(raw, context.time_remaining(), stream, after, stream.turn))
                 stream.tasks.add(task)
                 task.add_done_callback(stream.tasks.discard)
         except Exception as exc:  # the client's side failed (reset, cancelled): the stream ends
             log.debug("ModelStreamInfer: reading requests stopped: %r", exc)
 
-    async def _answer(self, raw: bytes, timeout_s: float | None, stream: _Stream) -> None:
+    async def _answer(self, raw: bytes, timeout_s: float | None, stream: _Stream, after: asyncio.Future[None] | None,
+                      turn: asyncio.Future[None]) -> None:
+        """Queue the answers to one request; `after` is the request before it's turn, `turn` its own."""
         counted = True
         try:
-            async for answer, last in self._respond(raw, timeout_s):
+            async for answer, last, in_order in self._respond(raw, timeout_s):
+                if not in_order:
+                    _pass_on(after, turn)  # a decoupled model's: the next waits for the one before it, not this
+                elif after is not None and not after.done():
+                    await asyncio.wait([after])  # (a wait, not an await: a cancel here must not cancel it)
                 if last:
                     stream.computing -= 1  # before the answer is queued, so the writer never waits for nothing
                     counted = False
@@ -117,11 +129,13 @@ class StreamSessions:
                     # again whether the stream is done (the client may have closed its side already).
                     stream.answers.put_nowait(b"")
         finally:
+            _pass_on(after, turn)
             if counted:
                 stream.computing -= 1
                 stream.answers.put_nowait(b"")
 
-    async def _respond(self, raw: bytes, timeout_s: float | None) -> AsyncGenerator[tuple[bytes | None, bool], None]:
+    async def _respond(self, raw: bytes, timeout_s: float | None
+                       ) -> AsyncGenerator[tuple[bytes | None, bool, bool], None]:
         request_id = ""
         try:
             request = parse_message(pb.ModelInferRequest, raw)
@@ -132,12 +146,12 @@ class StreamSessions:
                     if answer.error is not None:
                         error = pb.ModelStreamInferResponse(error_message=answer.error,
                                                             infer_response=pb.ModelInferResponse(id=request_id))
-                        yield bytes(error.SerializeToString()), answer.last
+                        yield bytes(error.SerializeToString()), answer.last, answer.in_order
                     elif answer.response is None:
-                        yield None, answer.last
+                        yield None, answer.last, answer.in_order
                     else:
                         response = pb.ModelStreamInferResponse(infer_response=answer.response)
-                        yield bytes(response.SerializeToString()), answer.last
+                        yield bytes(response.SerializeToString()), answer.last, answer.in_order
             finally:
                 self._dataplane.release()
             return
@@ -147,4 +161,14 @@ class StreamSessions:
             log.exception("a ModelStreamInfer request failed")
             message = f"internal error: {type(exc).__name__}: {exc}"
         error = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(id=request_id))
-        yield bytes(error.SerializeToString()), True
+        yield bytes(error.SerializeToString()), True, True
+
+
+def _pass_on(after: asyncio.Future[None] | None, turn: asyncio.Future[None]) -> None:
+    """`turn` done once `after` is (at once if it is): what comes next waits for what came before."""
+    if turn.done():
+        return
+    if after is None or after.done():
+        turn.set_result(None)
+    else:
+        after.add_done_callback(lambda _: _pass_on(None, turn))
