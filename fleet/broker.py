@@ -85,6 +85,7 @@ class Broker:
         # enqueued only then, since XADDs of different flushes may reach Redis in any order
         # (gateway/sequences.py).
         self._on_enqueued: dict[str, Callable[[], None]] = {}
+        self._streamed: set[str] = set()  # a decoupled model's requests waiting (never enqueued twice)
         self._seq = 0
         self._looking: asyncio.Future[None] | None = None  # the look for lost requests running (_look_for_lost)
         self._look_again, self._look_until, self.resent_requests = False, 0.0, 0  # resent: Redis had lost them
@@ -183,6 +184,8 @@ class Broker:
                                            payload=None if streamed or on_enqueued is not None else payload)
         if on_enqueued is not None:
             self._on_enqueued[request_id] = on_enqueued
+        if streamed:
+            self._streamed.add(request_id)
         self._outbox.append((request_id, stream, payload, max_queue_size, fut))
         if len(self._outbox) == 1:
             loop.call_soon(self._start_flush)
@@ -223,6 +226,7 @@ class Broker:
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
+        self._streamed.discard(request_id)
 
     def after_enqueue(self, request_id: str, call: Callable[[], None]) -> None:
         """`call` once the request's XADD has come back: now if it has (or it asked for nothing), else
@@ -338,9 +342,10 @@ class Broker:
     def _enqueued_once(self, batch: list[_Outgoing]) -> bool:
         """Whether `batch` holds a request that must not be enqueued twice: a decoupled model's (two runs
         would both stream to its caller) or a sequence's (its state would take the step twice), the requests
-        that keep no payload (`submit`). Its round trip is then not sent again where it may have run."""
-        waiters = self._waiters
-        return any((w := waiters.get(rid)) is not None and w.payload is None for rid, *_ in batch)
+        that keep no payload (`submit`). Its round trip is then not sent again where it may have run. (Two
+        empty collections' look where no such request waits: the usual flush.)"""
+        once, streamed = self._on_enqueued, self._streamed
+        return bool(once or streamed) and any(rid in once or rid in streamed for rid, *_ in batch)
 
     def _start_flush(self) -> None:
         if self._stopping:

@@ -49,6 +49,7 @@ from workers.execute import run_batch
 log = logging.getLogger(__name__)
 
 READY_TTL_S = 0.5  # how long the heartbeats read for a resolution are reused
+NESTED_THREADS = 8  # cyclic calls of one depth run at once (each on a nested instance of its own)
 Reply = Callable[[dict[str, Any]], None]
 
 
@@ -79,9 +80,14 @@ class BlsService:
         self._ready: dict[str, dict[int, str]] = {}  # model -> version -> generation, from heartbeats
         self._ready_read = 0.0
         self._specs: dict[tuple[str, str], ModelSpec] = {}
-        self._nested: dict[tuple[str, int, int], list[Any]] = {}  # (model, version, depth) -> idle backends
+        # (model, version, depth) -> the config they were loaded with and the idle backends: a reload's new
+        # config (a new spec) retires them, so a cyclic call never runs the model's old code or config.
+        self._nested: dict[tuple[str, int, int], tuple[ModelSpec, list[Any]]] = {}
         self._nested_lock = threading.Lock()
-        self._inline = ThreadPoolExecutor(max(2, self._max_depth), thread_name_prefix="bls-nested")
+        # A pool of threads per depth: a nested call waits only for calls deeper than itself, so no call can
+        # wait for a thread that a call waiting on it holds (one pool for all depths deadlocked once its
+        # threads all held calls waiting for deeper ones).
+        self._inline: dict[int, ThreadPoolExecutor] = {}
 
     # ------------------------------------------------------------------ entry (any thread)
 
@@ -220,19 +226,27 @@ class BlsService:
     async def _nested_call(self, spec: ModelSpec, env: RequestEnvelope, depth: int) -> ReplyEnvelope:
         if spec.decoupled:
             raise InvalidInput(f"a cyclic BLS call to the decoupled model '{spec.name}' is not supported")
-        return await self._loop.run_in_executor(self._inline, self._run_nested, spec, env, depth)
+        ctx = self._local(env.model, env.version)  # (on the loop, which changes what is loaded)
+        if ctx is None:
+            raise ModelNotReady(f"BLS call to '{env.model}' would wait on an instance its own chain holds, and "
+                                f"this worker does not load '{env.model}' version {env.version} to run it on a "
+                                f"nested instance")
+        with self._nested_lock:
+            pool = self._inline.get(depth)
+            if pool is None:
+                pool = self._inline[depth] = ThreadPoolExecutor(NESTED_THREADS, thread_name_prefix=f"bls-nested{depth}")
+        return await self._loop.run_in_executor(pool, self._run_nested, spec, env, depth, ctx)
 
-    def _run_nested(self, spec: ModelSpec, env: RequestEnvelope, depth: int) -> ReplyEnvelope:
+    def _run_nested(self, spec: ModelSpec, env: RequestEnvelope, depth: int, ctx: LoadContext) -> ReplyEnvelope:
         key = (env.model, env.version, depth)
         with self._nested_lock:
-            idle = self._nested.setdefault(key, [])
-            backend = idle.pop() if idle else None
+            entry = self._nested.get(key)
+            stale = [] if entry is None or entry[0] is ctx.spec else entry[1]
+            if entry is None or stale:
+                entry = self._nested[key] = (ctx.spec, [])
+            backend = entry[1].pop() if entry[1] else None
+        _close(stale)  # loaded with a config the model no longer has
         if backend is None:
-            ctx = self._local(env.model, env.version)
-            if ctx is None:
-                raise ModelNotReady(f"BLS call to '{env.model}' would wait on an instance its own chain holds, "
-                                    f"and this worker does not load '{env.model}' version {env.version} to "
-                                    f"run it on a nested instance")
             from workers.backends import load_backend  # the backend registry imports frameworks lazily
 
             backend = load_backend(replace(ctx, instance_name=f"{ctx.instance_name}_bls{depth}", bls=self))
@@ -241,21 +255,33 @@ class BlsService:
             outcome = run_batch(spec, backend, [env])
         finally:
             with self._nested_lock:
-                self._nested.setdefault(key, []).append(backend)
+                current = self._nested.get(key)
+                kept = current is not None and current[0] is ctx.spec
+                if kept and current is not None:
+                    current[1].append(backend)
+            if not kept:
+                _close([backend])
         return outcome.replies[0]
 
     def close(self) -> None:
         with self._nested_lock:
-            backends = [b for idle in self._nested.values() for b in idle]
+            backends = [b for _, idle in self._nested.values() for b in idle]
             self._nested.clear()
-        for backend in backends:
-            try:
-                backend.close()
-            except Exception:
-                log.exception("closing a nested BLS instance")
-        self._inline.shutdown(wait=False)
+        _close(backends)
+        with self._nested_lock:
+            pools, self._inline = list(self._inline.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False)
 
     async def stop(self) -> None:
         if self._broker is not None:
             await self._broker.stop()
         await asyncio.to_thread(self.close)
+
+
+def _close(backends: list[Any]) -> None:
+    for backend in backends:
+        try:
+            backend.close()
+        except Exception:
+            log.exception("closing a nested BLS instance")

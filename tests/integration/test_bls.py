@@ -95,3 +95,66 @@ def test_bls_calls_through_the_queue(redis_server: LocalServer, key_prefix: str,
             assert r.status_code == 200 and outputs(r.json()) == want
 
     asyncio.run(main())
+
+
+def test_concurrent_cyclic_calls_do_not_wait_for_each_others_threads(redis_server: LocalServer, key_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    """Two instances of a model calling itself two deep at once (FLEET_BLS_MAX_DEPTH 2): both depth-1 calls
+    run on nested instances while their depth-2 calls run on others. With one pool of max(2, depth) threads
+    for every depth, the two depth-1 calls held both threads waiting for depth-2 calls that had none: a hang."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copytree(MODELS / "countdown", repo / "countdown")
+    config = repo / "countdown" / "config.pbtxt"
+    config.write_text(config.read_text().replace("count: 1", "count: 2"))
+
+    async def main() -> None:
+        async with in_process_system(redis_server.url, key_prefix, [repo], bls_max_depth=2) as s:
+            replies = await asyncio.wait_for(asyncio.gather(
+                *[s.client.post("/v2/models/countdown/infer", json=countdown(2)) for _ in range(4)]), 60)
+            assert [(r.status_code, outputs(r.json())["DEPTH"]) for r in replies] == [(200, [2])] * 4
+
+    asyncio.run(main())
+
+
+def test_a_reloaded_models_nested_instances_are_retired(tmp_path: Path, key_prefix: str) -> None:
+    """Nested instances (cyclic calls) are kept per config: a call made with the config of a reload (a new
+    spec) closes the idle ones of the old and starts its own, so the model's old code and config never
+    answer again (they lived until the worker stopped)."""
+    import struct
+
+    from fleet.envelope import RequestEnvelope, WireTensor
+    from fleet.keys import Keys
+    from fleet.model_config import parse_config
+    from fleet.settings import Settings
+    from workers.backends.base import LoadContext
+    from workers.bls import BlsService
+
+    model_dir = tmp_path / "countdown"
+    shutil.copytree(MODELS / "countdown", model_dir)
+    text = (model_dir / "config.pbtxt").read_text()
+    loop = asyncio.new_event_loop()
+    bls = BlsService(Settings(key_prefix=key_prefix), Keys(key_prefix), None, "w", loop,  # type: ignore[arg-type]
+                     lambda model, version: None)
+
+    def context() -> LoadContext:
+        return LoadContext(spec=parse_config(text, source="test", model_name="countdown"), model_dir=model_dir,
+                           version=1, instance_name="countdown_0", device="cpu")
+
+    def call(ctx: LoadContext) -> Any:
+        env = RequestEnvelope(id="r", model="countdown", version=1, reply_to="x", enqueued_at_us=0,
+                              inputs=[WireTensor("N", "INT32", (1,), struct.pack("<i", 0))])
+        assert bls._run_nested(ctx.spec, env, 1, ctx).ok
+        ((_, idle),) = bls._nested.values()
+        (backend,) = idle
+        return backend
+
+    try:
+        first = context()
+        old = call(first)
+        assert call(first) is old  # idle, reused
+        new = call(context())  # the same text parsed again: another load's config
+        assert new is not old and old._proc is None and new._proc is not None
+    finally:
+        bls.close()
+        loop.close()
