@@ -23,10 +23,11 @@ from batching.sequences import no_correlation_id
 from fleet import tensors
 from fleet.classification import requested_classes
 from fleet.envelope import SequenceFlags, WireTensor
-from fleet.errors import InferenceFailed, InvalidInput, Unsupported
+from fleet.errors import InferenceFailed, InvalidInput
 from fleet.input_checks import check_input, check_input_names, check_input_set, request_tag
 from fleet.model_spec import ModelSpec
 from fleet.parts import LONG_BUFFER, Parts, byte_view, total_bytes
+from fleet.raw_binary import raw_header
 from fleet.request_json import dump_json, load_exact, load_json
 from fleet.sequence_spec import ControlKind
 from fleet.tensor_json import INT64_MAX, INT64_MIN, UINT64_MAX, json_data, pack_json
@@ -81,8 +82,9 @@ class ParsedInfer:
                            classification=dict(self.classification))
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
-    """(JSON header, binary tail) as framed by Inference-Header-Content-Length."""
+def split_body(body: bytes, header_length: str | None, spec: ModelSpec) -> tuple[bytes, memoryview]:
+    """(JSON header, binary tail) as framed by Inference-Header-Content-Length (0: a raw binary request, the
+    header it stands for, fleet/raw_binary.py)."""
     if header_length is None:
         return body, memoryview(b"")
     try:
@@ -92,7 +94,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     if n < 0 or n > len(body):
         raise InvalidInput(f"Inference-Header-Content-Length {n} is outside the body of {len(body)} bytes")
     if n == 0:
-        raise Unsupported("raw binary requests (Inference-Header-Content-Length: 0) are not supported")
+        return raw_header(spec, len(body)), memoryview(body)
     view = memoryview(body)
     return bytes(view[:n]), view[n:]
 
@@ -289,7 +291,7 @@ def parse_infer(body: bytes, header_length: str | None, spec: ModelSpec, regions
                 ) -> ParsedInfer:
     """Parse and validate one infer request against `spec`; raises InvalidInput / Unsupported. `regions`: the
     gateway's shared-memory regions, for tensors that name one (fleet.tensor_regions); None refuses them."""
-    header, binary = split_body(body, header_length)
+    header, binary = split_body(body, header_length, spec)
     return parse_infer_read(header, load_json(header), spec, binary, regions)
 
 

@@ -39,7 +39,7 @@ class HeaderCache:
         """parse_infer(body, header_length, spec, regions), from a known header when it can be."""
         if header_length is None:  # JSON alone: its data is in the header
             return parse_infer(body, header_length, spec, regions)
-        header, binary = split_body(body, header_length)
+        header, binary = split_body(body, header_length, spec)
         known = self._known.get(spec.name, header, spec)
         if known is not None and len(binary) == sum(known.sizes):
             data: list[bytes | memoryview] = []

@@ -45,8 +45,8 @@ SOURCES = {"doubler": ROOT / "tests" / "models" / "doubler",  # FP32 [-1], batch
 MODELS = tuple(SOURCES)
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
              "FP64", "BF16", "BYTES"]
-# 501 is fleet's documented answer for Triton features it does not implement (shared memory, raw binary
-# bodies); every other 5xx is a bug.
+# 501 is fleet's documented answer for Triton features it does not implement (a few shared-memory forms);
+# every other 5xx is a bug.
 ALLOWED = {200, 400, 404, 501}
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

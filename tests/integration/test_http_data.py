@@ -407,3 +407,31 @@ def test_an_empty_version_is_a_404_on_every_route(client: httpx.Client, method: 
         assert "Request for unknown model: 'add_sub' version" in error_of(r, 404)
     r = client.request(method, f"/v2/models/add_sub/versions/1{suffix}", content=content)
     assert r.status_code == 200, r.text
+
+
+# --- raw binary requests ----------------------------------------------------------------------------------
+
+
+def test_a_raw_binary_request_is_its_one_inputs_bytes(client: httpx.Client) -> None:
+    """Inference-Header-Content-Length: 0 (Triton's binary tensor data extension): the body is the model's one
+    input, batch 1, its variable dim told by the byte count; every output comes back binary."""
+    x = np.array([1.5, -2.0, 3.25], np.float32)
+    r = infer(client, "doubler", content=x.tobytes(), headers={"Inference-Header-Content-Length": "0"})
+    assert r.status_code == 200, r.text
+    header = int(r.headers["inference-header-content-length"])
+    doc = strict_json(r.content[:header])
+    (out,) = doc["outputs"]
+    assert (out["name"], out["datatype"], out["shape"]) == ("OUT", "FP32", [1, 3])
+    assert out["parameters"]["binary_data_size"] == 12 and "data" not in out
+    np.testing.assert_array_equal(np.frombuffer(r.content[header:], np.float32), x * 2)
+
+
+@pytest.mark.parametrize("model,body,needle", [
+    ("add_sub", b"\0" * 32, "raw binary requests are for models of one input; it has 2"),
+    ("doubler", b"\0" * 13, "13 bytes are no whole number of FP32 elements"),
+    ("echo_params", b"\0" * 8, "unexpected total byte size 8 for input 'IN', expecting 4"),  # INT32 [1]
+])
+def test_a_raw_binary_request_a_model_cannot_take_is_a_400(client: httpx.Client, model: str, body: bytes,
+                                                          needle: str) -> None:
+    r = infer(client, model, content=body, headers={"Inference-Header-Content-Length": "0"})
+    assert needle in error_of(r, 400)
