@@ -85,7 +85,9 @@ class Broker:
         # enqueued only then, since XADDs of different flushes may reach Redis in any order
         # (gateway/sequences.py).
         self._on_enqueued: dict[str, Callable[[], None]] = {}
-        self._streamed: set[str] = set()  # a decoupled model's requests waiting (never enqueued twice)
+        # A decoupled model's requests until flushed: as a sequence's, never enqueued twice (two runs would both
+        # stream to the caller; a sequence's state would take a step twice), so never in a retried round trip.
+        self._streamed: set[str] = set()
         self._seq = 0
         self._looking: asyncio.Future[None] | None = None  # the look for lost requests running (_look_for_lost)
         self._look_again, self._look_until, self.resent_requests = False, 0.0, 0  # resent: Redis had lost them
@@ -226,7 +228,6 @@ class Broker:
 
     def forget(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
-        self._streamed.discard(request_id)
 
     def after_enqueue(self, request_id: str, call: Callable[[], None]) -> None:
         """`call` once the request's XADD has come back: now if it has (or it asked for nothing), else
@@ -340,11 +341,8 @@ class Broker:
         return True
 
     def _enqueued_once(self, batch: list[_Outgoing]) -> bool:
-        """Whether `batch` holds a request that must not be enqueued twice: a decoupled model's (two runs
-        would both stream to its caller) or a sequence's (its state would take the step twice), the requests
-        that keep no payload (`submit`). Its round trip is then not sent again where it may have run. (Two
-        empty collections' look where no such request waits: the usual flush.)"""
-        once, streamed = self._on_enqueued, self._streamed
+        """Whether `batch` holds a decoupled model's or a sequence's request (`_streamed`, `_on_enqueued`)."""
+        once, streamed = self._on_enqueued, self._streamed  # (two empty collections for the usual flush)
         return bool(once or streamed) and any(rid in once or rid in streamed for rid, *_ in batch)
 
     def _start_flush(self) -> None:
@@ -372,6 +370,8 @@ class Broker:
                 await self._flush_batch(link, batch)
         finally:
             self._enqueue.give(link)
+            if self._streamed:  # enqueued: no retry of this flush can send them again now
+                self._streamed.difference_update(rid for rid, *_ in batch)
             if self._on_enqueued:  # only sequence requests ask (the usual flush looks up nothing)
                 for rid, *_ in batch:
                     done = self._on_enqueued.pop(rid, None)

@@ -159,5 +159,7 @@ def composing_models(repository: Repository, name: str) -> list[str]:
 
 
 def with_composing(repository: Repository, names: list[str]) -> list[str]:
-    """`names` with each ensemble's composing models before it (explicit mode's startup models)."""
-    return list(dict.fromkeys(m for n in names for m in (*composing_models(repository, n), n)))
+    """`names` with each ensemble's composing models that the repositories hold before it (explicit mode's
+    startup models)."""
+    return list(dict.fromkeys(m for n in names for m in (*composing_models(repository, n), n)
+                              if m == n or m in repository.dirs))

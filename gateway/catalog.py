@@ -31,6 +31,8 @@ from fleet.repository import ModelEntry, Repository, version_dirs
 
 MAX_ENSEMBLE_DEPTH = 8  # ensembles of ensembles, this deep at most
 
+STEP_NOT_READY = "has no ready version"  # an ensemble waiting for a step (not a config problem)
+
 
 @dataclass(slots=True)
 class ModelView:
@@ -282,7 +284,7 @@ class Catalog:
                     continue
                 waiting = [s.model for s in planned.steps if not self._step_ready(s.model, s.version)]
                 if waiting:
-                    problems[name] = f"step model '{waiting[0]}' has no ready version"
+                    problems[name] = f"step model '{waiting[0]}' {STEP_NOT_READY}"
                     continue
                 plans[name] = planned
                 self.ready = self.ready | {(name, v) for v in self.views[name].entry.versions}

@@ -42,7 +42,7 @@ from fleet.model_control import (
 )
 from fleet.repository import Repository, composing_models, scan, with_composing
 from fleet.settings import Settings
-from gateway.catalog import Catalog
+from gateway.catalog import STEP_NOT_READY, Catalog
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +140,27 @@ class ModelControl:
                 # Gateways plan an ensemble from the configs workers publish, and no worker loads one.
                 raise Unsupported(f"failed to load '{name}': overriding an ensemble's config is not supported")
             # An ensemble's steps that are not loaded load with it, as in Triton (nested ensembles' too).
+            composing = composing_models(repository, name)
+            missing = [m for m in composing if m not in repository.dirs]
+            if missing:
+                raise InvalidInput(f"failed to load '{name}': its step model '{missing[0]}' is not in any model "
+                                   f"repository")
             self._records = decode_records(await self.client.hgetall(self.keys.models()))
             loaded = {m for m, r in self._records.items() if r.load}
-            steps = [m for m in composing_models(repository, name) if m not in loaded]
+            steps = [m for m in composing if m not in loaded]
             gens = {m: f"e{await self.client.incr(self.keys.models_gen())}" for m in [*steps, name]}
             gen = gens[name]
-            record = ControlRecord(gen, True, config, tuple(sorted(files)))
+            records = {m: ControlRecord(g, True, config, tuple(sorted(files))) if m == name else ControlRecord(g, True)
+                       for m, g in gens.items()}
             pipe = self.client.pipeline(transaction=True)
             if files:
                 pipe.hset(self.keys.model_files(name, gen), mapping=files)  # type: ignore[arg-type]
                 pipe.expire(self.keys.model_files(name, gen), FILES_TTL_S)
-            for model, model_gen in gens.items():
-                self._records[model] = record if model == name else ControlRecord(model_gen, True)
-                pipe.hset(self.keys.models(), model, self._records[model].encode())
+            for model, record in records.items():
+                pipe.hset(self.keys.models(), model, record.encode())
                 pipe.publish(self.keys.control(), model)
             await pipe.execute()
+            self._records.update(records)
             self.catalog.set_targets(repository, self.targets(repository))
             log.info("load of model%s requested (generation %s)", f"s {', '.join(map(repr, gens))}" if steps else
                      f" '{name}'", gen)
@@ -171,15 +177,22 @@ class ModelControl:
         if not isinstance(dependents, bool):
             raise InvalidInput("'unload_dependents' must be a boolean")
         async with self._lock:
-            # unload_dependents: an ensemble's steps go with it, as in Triton.
-            names = [name, *(composing_models(self.catalog.repository, name) if dependents else [])]
+            # unload_dependents: an ensemble's steps go with it, as in Triton, but for those another loaded
+            # ensemble still runs.
+            repository = self.catalog.repository
+            names = [name]
+            if dependents:
+                self._records = decode_records(await self.client.hgetall(self.keys.models()))
+                needed = {m for other, r in self._records.items() if r.load and other != name
+                          for m in composing_models(repository, other)}
+                names += [m for m in composing_models(repository, name) if m not in needed]
+            records = {m: ControlRecord(f"e{await self.client.incr(self.keys.models_gen())}", False) for m in names}
             pipe = self.client.pipeline(transaction=True)
-            for model in names:
-                gen = f"e{await self.client.incr(self.keys.models_gen())}"
-                pipe.hset(self.keys.models(), model, ControlRecord(gen, False).encode())
+            for model, record in records.items():
+                pipe.hset(self.keys.models(), model, record.encode())
                 pipe.publish(self.keys.control(), model)
-                self._records[model] = ControlRecord(gen, False)
             await pipe.execute()
+            self._records.update(records)
             self.catalog.set_targets(self.catalog.repository, self.targets(self.catalog.repository))
             log.info("unload of %s requested", ", ".join(f"'{m}'" for m in names))
 
@@ -192,7 +205,7 @@ class ModelControl:
             if name in self.catalog.ensemble_plans:
                 return
             problem = self.catalog.ensemble_problems.get(name)
-            if problem is not None and "has no ready version" not in problem:
+            if problem is not None and not problem.endswith(STEP_NOT_READY):
                 raise InvalidInput(f"failed to load '{name}': {problem}")
             if loop.time() >= give_up:
                 raise ModelNotReady(f"failed to load '{name}': {problem or 'its steps did not become ready'} within "

@@ -49,7 +49,7 @@ from workers.execute import run_batch
 log = logging.getLogger(__name__)
 
 READY_TTL_S = 0.5  # how long the heartbeats read for a resolution are reused
-NESTED_THREADS = 8  # cyclic calls of one depth run at once (each on a nested instance of its own)
+NESTED_THREADS = 4  # cyclic calls of one depth run at once (each on a nested instance of its own)
 Reply = Callable[[dict[str, Any]], None]
 
 
@@ -241,11 +241,13 @@ class BlsService:
         key = (env.model, env.version, depth)
         with self._nested_lock:
             entry = self._nested.get(key)
-            stale = [] if entry is None or entry[0] is ctx.spec else entry[1]
-            if entry is None or stale:
+            stale: list[Any] = []
+            if entry is None or entry[0] is not ctx.spec:
+                stale = entry[1] if entry is not None else []
                 entry = self._nested[key] = (ctx.spec, [])
             backend = entry[1].pop() if entry[1] else None
-        _close(stale)  # loaded with a config the model no longer has
+        if stale:  # loaded with a config the model no longer has; closed aside (a finalize may take long)
+            threading.Thread(target=_close, args=(stale,), name="bls-nested-retire", daemon=True).start()
         if backend is None:
             from workers.backends import load_backend  # the backend registry imports frameworks lazily
 

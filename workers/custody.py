@@ -193,13 +193,12 @@ class Custody:
                                               [Letter(a.message, a.park or "", a.payload) for a in to_park],
                                               copies=copies)
             except BaseException as exc:
-                if not isinstance(exc, (RedisError, OSError)):  # cancelled, or a bug: the ride's acks go on
-                    self._acks.settle(carried, False)
+                self._acks.settle(carried, False)  # (cancelled, or a bug: the ride's acks go on all the same)
+                if not isinstance(exc, (RedisError, OSError)):
                     raise
                 # The connection failed: Redis may have run some or all of the write. Replies written
                 # twice are dropped by the gateway, letters are at least once; counts go again as copies,
                 # which the fold counts only if their first did not land (fleet/stats.py).
-                self._acks.settle(carried, False)
                 error: BaseException | None = exc
             else:
                 self._acks.settle(carried, w.acked)
@@ -249,7 +248,7 @@ class Custody:
         """No longer held (answered, or left pending for another worker to claim): room for new reads."""
         self.holding.release(messages)
         self._released()
-        if self._stopping:  # keepalive ends once nothing is held: let it look now, not a keepalive_s later
+        if self._stopping and not self.holding.held():  # keepalive may end: now, not a keepalive_s later
             self._refresh_now.set()
 
     async def drained(self) -> None:

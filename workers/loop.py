@@ -44,13 +44,7 @@ from workers.consumer import StreamConsumer
 from workers.custody import Answer, Custody, LiveWorkers
 from workers.dispatch import Dispatch
 from workers.execute import BatchOutcome
-from workers.held import (
-    HeldRequest,
-    HeldRequests,
-    enqueue_times,
-    pending_for,
-    stamp_replies,
-)
+from workers.held import HeldRequest, HeldRequests, enqueue_times, pending_for, stamp_replies
 from workers.inline import Neighbours
 from workers.instance import Instance
 from workers.loop_config import DEFAULT_LOOP_CONFIG, LoopConfig, policy_for, preserves_ordering, scheduler_config
@@ -141,8 +135,8 @@ class ModelLoop:
     async def run(self) -> None:
         await self.consumer.join_when_reachable()
         sup = self.supervisor
-        background = [sup.start("keepalive", self.custody.keep_alive),
-                      sup.start("claims", self.custody.claim_abandoned), sup.start("watchdog", self.watchdog.run),
+        claims = sup.start("claims", self.custody.claim_abandoned)
+        background = [sup.start("keepalive", self.custody.keep_alive), claims, sup.start("watchdog", self.watchdog.run),
                       sup.start("statistics", self.custody.fold_statistics)]
         readers = [sup.start(f"reader-{lane}", functools.partial(self._read, lane))
                    for lane in range(self.bulk_lane + 1)]
@@ -152,10 +146,9 @@ class ModelLoop:
         try:
             self._neighbours.add(self.holding)  # (removed below however this ends)
             await asyncio.gather(*readers)  # they return once stopping
-            # Claims too: one whose round trip was in flight would admit its messages after the driver
-            # saw nothing held and returned, and they would stay held, uncomputed, for ever. (Cancelled
-            # mid-flight, what Redis gave this worker stays pending, claimed again by another.)
-            await cancel_and_wait([background[1]], f"model '{self.spec.name}': claims")
+            # Claims too, before the driver's last look: one landing after it would be held, uncomputed, for ever
+            # (cancelled mid-flight, what Redis gave this worker stays pending, for another to claim).
+            await cancel_and_wait([claims], f"model '{self.spec.name}': claims")
             self._readers_done = True
             self._wake.set()
             await driver  # returns once everything read is answered

@@ -176,7 +176,11 @@ class JobRunner:
             sink.close()  # resumed by another runner: kept as it is
             raise
         except BaseException:
-            sink.finish(partial=True)  # the job fails (run): its rows never written are flagged, as on FAILED
+            try:
+                sink.finish(partial=True)  # the job fails (run): its rows never written are flagged, as on FAILED
+            except Exception:  # (a full disk, say) the fault that failed the job is the one to report
+                log.exception("job %s: its output could not be finished", self.job_id)
+                sink.close()
             raise
         finally:
             source.close()

@@ -10,7 +10,7 @@ generated modules) served by the gateway process on the same event loop as HTTP,
     calls.py          one call on a stream: messages, compression, deadline, status and trailers
     handlers.py       every RPC of the proto: auth, request parsing, ServingError -> status (gateway/errors.py)
     service.py        the RPCs: health, metadata, config, statistics, repository, ModelInfer, and the rest
-    stream.py         ModelStreamInfer: many requests in flight on one stream, answered as they complete
+    stream.py         ModelStreamInfer: many requests in flight on one stream, answered in the order they came
     codec.py          ModelInferRequest -> ParsedInfer (what HTTP's parser produces), reply -> ModelInferResponse
     shm_rpcs.py       the shared-memory RPCs over the registry HTTP uses (gateway/shared_memory.py)
     settings_rpcs.py  LogSettings and TraceSetting over what HTTP uses (gateway/runtime_settings.py)

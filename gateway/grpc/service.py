@@ -212,6 +212,9 @@ class InferenceService:
             # tritonserver 2.51 marks a non-decoupled model's one stream response final, flag or not.
             yield StreamAnswer(_marked(await self.infer(request, timeout_s), True), None, True)
             return
+        # A decoupled model's answers go as they come: the requests after it on the stream need not wait for
+        # its first (gateway/grpc/stream.py).
+        yield StreamAnswer(None, None, False, in_order=False)
         req = self.heads.decode(request, spec, dataplane.regions)
         async for reply in dataplane.responses(request.model_name, v, spec, req, caller_timeout_s=timeout_s):
             if not reply.ok:

@@ -73,7 +73,8 @@ class StreamSessions:
             reader.cancel()
 
     async def serve(self, requests: AsyncIterator[bytes], context: Any) -> AsyncGenerator[bytes, None]:
-        """The serialized ModelStreamInferResponses of one stream, as its requests complete."""
+        """The serialized ModelStreamInferResponses of one stream: one-response requests' in the order they
+        came, a decoupled model's as they come."""
         if self._draining:
             return  # the server is stopping: a stream opened now reads nothing
         stream = _Stream()
@@ -111,7 +112,7 @@ class StreamSessions:
 
     async def _answer(self, raw: bytes, timeout_s: float | None, stream: _Stream, after: asyncio.Future[None] | None,
                       turn: asyncio.Future[None]) -> None:
-        """Queue the answers to one request; `after` is the request before it's turn, `turn` its own."""
+        """Queue the answers to one request; `after` is the turn of the request before it, `turn` its own."""
         counted = True
         try:
             async for answer, last, in_order in self._respond(raw, timeout_s):
@@ -141,8 +142,12 @@ class StreamSessions:
             request = parse_message(pb.ModelInferRequest, raw)
             request_id = request.id
             self._dataplane.admit()
+            released = False
             try:
                 async for answer in self._answers(request, timeout_s):
+                    if answer.last:  # done: its place is free while its answer may wait for its turn
+                        self._dataplane.release()
+                        released = True
                     if answer.error is not None:
                         error = pb.ModelStreamInferResponse(error_message=answer.error,
                                                             infer_response=pb.ModelInferResponse(id=request_id))
@@ -153,7 +158,8 @@ class StreamSessions:
                         response = pb.ModelStreamInferResponse(infer_response=answer.response)
                         yield bytes(response.SerializeToString()), answer.last, answer.in_order
             finally:
-                self._dataplane.release()
+                if not released:
+                    self._dataplane.release()
             return
         except ServingError as exc:
             message = exc.message

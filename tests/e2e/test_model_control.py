@@ -84,8 +84,9 @@ def build_repository(root: Path) -> Path:
     # No config.pbtxt at all: a worker completes it from the ONNX graph (workers/auto_complete.py).
     (repo / "completed" / "1").mkdir(parents=True)
     shutil.copy(TRITON_EXAMPLES / "simple" / "1" / "model.onnx", repo / "completed" / "1" / "model.onnx")
-    # An ensemble of two doubler steps (doubler loads at start), and one of `slow`, which nothing loads first.
-    for name, step in (("twice", "doubler"), ("slow_twice", "slow")):
+    # An ensemble of two doubler steps (doubler loads at start), one of `slow`, which nothing loads first, and
+    # one of a model no repository has.
+    for name, step in (("twice", "doubler"), ("slow_twice", "slow"), ("lost_twice", "nowhere")):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(ENSEMBLE.replace("STEP", step).replace(
             "MAX", "8" if step == "doubler" else "0").replace("DIMS", "-1" if step == "doubler" else "1"))
@@ -123,8 +124,8 @@ def index_of(client: th.InferenceServerClient) -> dict[str, list[dict[str, str]]
 
 def test_only_the_startup_models_load_and_the_index_lists_every_model(client: th.InferenceServerClient) -> None:
     index = index_of(client)
-    assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "simple", "slow", "slow_twice",
-                             "twice"]
+    assert sorted(index) == ["bad_file", "broken_init", "completed", "doubler", "lost_twice", "simple", "slow",
+                             "slow_twice", "twice"]
     assert index["doubler"] == [{"name": "doubler", "version": "1", "state": "READY"}]
     assert index["simple"] == [{"name": "simple"}]  # never loaded: its name alone, as Triton
     assert not client.is_model_ready("simple")
@@ -303,3 +304,6 @@ def test_an_ensemble_loads_and_unloads_with_its_composing_models(client: th.Infe
     assert client.infer("slow_twice", [y]).as_numpy("OUT").tolist() == [3.0]  # slow is the identity
     client.unload_model("slow_twice", unload_dependents=True)
     assert not client.is_model_ready("slow_twice") and not client.is_model_ready("slow")
+    # A step no repository holds: refused before anything is written (no record left behind to rescan for).
+    with pytest.raises(InferenceServerException, match="its step model 'nowhere' is not in any model repository"):
+        client.load_model("lost_twice")

@@ -309,16 +309,21 @@ def test_a_round_trip_that_may_have_run_is_sent_again_only_where_it_may_run_twic
             (own_id,) = await link.execute([("CLIENT", "ID")])  # connected: the next round trip reuses it
 
             async def kill_soon() -> None:
-                await asyncio.sleep(0.3)  # the XADD ran; the BLPOP behind it waits
+                # Once the XADD ran and the BLPOP behind it waits (however slow the host), not before.
+                while b"cmd=blpop" not in next(line for line in (await client.execute_command("CLIENT", "LIST"))
+                                               .splitlines() if b"id=%d " % own_id in line):
+                    await asyncio.sleep(0.02)
                 await client.execute_command("CLIENT", "KILL", "ID", own_id)
 
             killer = asyncio.ensure_future(kill_soon())
-            commands = [("XADD", "jobs", "*", "d", "x"), ("BLPOP", "nothing", 0.5)]
+            commands = [("XADD", "jobs", "*", "d", "x"), ("BLPOP", "nothing", 5)]
             if once:
                 with pytest.raises(RedisConnectionError):
-                    await link.execute(commands, block_ms=500, once=True)
-            else:
-                assert (await link.execute(commands, block_ms=500))[1] is None  # the retry's BLPOP timed out
+                    await link.execute(commands, block_ms=5000, once=True)
+            else:  # sent again, its BLPOP short this time (`resend`: what goes instead)
+                got = await link.execute(commands, block_ms=5000,
+                                         resend=lambda: [commands[0], ("BLPOP", "nothing", 0.1)])
+                assert got[1] is None
             await killer
             assert await client.xlen("jobs") == (1 if once else 2)
 

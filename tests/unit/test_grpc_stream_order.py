@@ -14,7 +14,7 @@ from gateway.grpc.service_proto import service_pb2 as pb
 from gateway.grpc.stream import StreamAnswer, StreamSessions
 
 # How long each request takes to answer, by its id; "dec*" ones are a decoupled model's two responses.
-DELAYS_S = {"slow": 0.3, "fast": 0.0, "error": 0.0, "dec": 0.05}
+DELAYS_S = {"slow": 0.3, "fast": 0.0, "error": 0.0, "dec": 0.05, "decslow": 0.3}
 
 
 class _Places:
@@ -30,6 +30,8 @@ class _Places:
 
 
 async def _answers(request: Any, timeout_s: float | None) -> AsyncIterator[StreamAnswer]:
+    if request.id.startswith("dec"):  # as service.infer_stream: a decoupled model's request says so first
+        yield StreamAnswer(None, None, False, in_order=False)
     await asyncio.sleep(DELAYS_S[request.id.rstrip("0123456789")])
     if request.id.startswith("error"):
         yield StreamAnswer(None, f"{request.id} failed", True)
@@ -71,3 +73,7 @@ def test_one_response_requests_are_answered_in_the_order_they_came() -> None:
 def test_a_decoupled_models_responses_go_as_they_come() -> None:
     # dec's two responses (50 ms) before slow's (300 ms) that came first; fast waits for slow, not for dec.
     assert _served(["slow", "dec", "fast"]) == ["dec", "dec", "slow", "fast"]
+
+
+def test_a_decoupled_request_holds_no_one_back_before_its_first_response() -> None:
+    assert _served(["decslow", "fast"]) == ["fast", "decslow", "decslow"]

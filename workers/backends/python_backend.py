@@ -32,12 +32,9 @@ import itertools
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -50,27 +47,15 @@ from workers.backends.frames import LENGTH, PipeClosed, pack
 from workers.backends.stub_frames import StubFrames
 from workers.backends.stub_pipe import READ as _READ
 from workers.backends.stub_pipe import StubPipe
+from workers.backends.stub_process import call_or_kill, exit_status
+from workers.backends.stub_process import spawn as _spawn
 
 log = logging.getLogger(__name__)
 
-# The kernel sends a child its parent-death signal when the *thread* that forked it exits, not only when
-# the process does. Stubs are started on load (a loader thread), on restart and on revive (instance
-# threads), so they are all forked from this one thread instead, which lives as long as the process.
-_spawner: ThreadPoolExecutor | None = None
-_spawner_lock = threading.Lock()
 _stub_numbers = itertools.count(1)
 # How long an unload waits for the model's finalize() before killing its stub (Triton's Python backend waits
 # its stub-timeout-seconds, 30 by default): a finalize() that never returns must not hold the unload for ever.
 FINALIZE_TIMEOUT_S = 30.0
-
-
-def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = ThreadPoolExecutor(1, thread_name_prefix="python-stub-spawner")
-        spawner = _spawner
-    return spawner.submit(subprocess.Popen, argv, pass_fds=pass_fds).result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,28 +144,13 @@ class PythonBackend:
             return self._pipe.reply(first)
         except (PipeClosed, OSError, ValueError) as exc:
             raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
-                                  f"{self._exit_status()}") from exc
+                                  f"{exit_status(self._proc)}") from exc
 
     def cancel_requests(self, keys: list[str]) -> None:
         """The callers of these requests went away: a decoupled model sees request.is_cancelled()."""
         if self._frames.decoupled is None or self._proc is None:
             return
         self._pipe.send({"op": "cancel", "keys": keys})
-
-    def _exit_status(self) -> str:
-        proc = self._proc
-        if proc is None:
-            return "not running"
-        try:
-            code = proc.wait(5)  # the pipe closes a moment before the process is reaped
-        except subprocess.TimeoutExpired:
-            return "its pipe closed but the process still runs"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
 
     def execute(self, items: list[InferenceItem]) -> list[ItemResult]:
         return self._recover(items, self._call(items))
@@ -304,7 +274,7 @@ class PythonBackend:
             # not even run execute(): then no flag comes).
             if call is not None and "error" not in reply and not call.wait():
                 raise InferenceFailed(f"the Python model instance {self._ctx.instance_name} stopped: "
-                                      f"{self._exit_status()}")
+                                      f"{exit_status(self._proc)}")
         except InferenceFailed as exc:
             log.error("%s; restarting it", exc)
             self._frames.decoupled = None
@@ -381,27 +351,19 @@ class PythonBackend:
         if proc is not None and proc.poll() is None:
             proc.kill()
 
+    def _finalize_call(self) -> None:
+        try:
+            self._roundtrip({"op": "finalize"})
+        except InferenceFailed:
+            pass  # the stub is gone already
+
     def close(self) -> None:
         proc = self._proc
         if proc is None:
             return
         if proc.poll() is None:
-            finalized = threading.Event()
-
-            def finalize() -> None:
-                try:
-                    self._roundtrip({"op": "finalize"})
-                except InferenceFailed:
-                    pass
-                finally:
-                    finalized.set()
-
-            threading.Thread(target=finalize, name=f"{self._ctx.instance_name}-finalize", daemon=True).start()
-            if not finalized.wait(FINALIZE_TIMEOUT_S):
-                log.warning("%s: finalize() did not return within %.0f s; killing its stub", self._ctx.instance_name,
-                            FINALIZE_TIMEOUT_S)
-                proc.kill()  # its pipe ends: the call above fails and returns
-                finalized.wait(5)
+            call_or_kill(self._finalize_call, proc, FINALIZE_TIMEOUT_S,
+                         f"{self._ctx.instance_name}: finalize()")
         self._pipe.close()
         try:
             proc.wait(10)
