@@ -565,6 +565,19 @@ def test_a_dead_letter_goes_ahead_of_its_reply_and_is_reported_on_its_own(redis_
     asyncio.run(main())
 
 
+def _custody(r: aioredis.Redis, keys: Keys, model: str, config: Any, lost: Any = None) -> tuple[Any, Any, Any]:
+    """A consumer of `model`'s streams, its holding and its custody (`config`: a CustodyConfig), as a worker's."""
+    from batching.holding import Holding
+    from workers.consumer import StreamConsumer
+    from workers.custody import Custody
+
+    consumer = StreamConsumer(r, keys, model, 1, "c")
+    holding = Holding(1, 4, 16)
+    custody = Custody(consumer, holding, config, admit=lambda m, p: None, lost=lost or (lambda ms: None),
+                      released=lambda: None)
+    return consumer, holding, custody
+
+
 def test_a_letter_redis_refuses_keeps_only_its_own_message_pending(redis_server: LocalServer,
                                                                    key_prefix: str) -> None:
     """workers/custody.py: a poison message in a batch whose dead letter Redis keeps refusing (a wrong-type
@@ -573,18 +586,14 @@ def test_a_letter_redis_refuses_keeps_only_its_own_message_pending(redis_server:
     acknowledged only once Redis has its letter."""
     from redis.exceptions import ResponseError as Refused
 
-    from batching.holding import Holding
-    from workers.consumer import Letter, StreamConsumer
-    from workers.custody import Answer, Custody, CustodyConfig
+    from workers.consumer import Letter
+    from workers.custody import Answer, CustodyConfig
 
     keys = Keys(key_prefix)
 
     async def main() -> None:
         r = async_client(redis_server.url)
-        consumer = StreamConsumer(r, keys, "mixed", 1, "c")
-        holding = Holding(1, 4, 16)
-        custody = Custody(consumer, holding, CustodyConfig(finish_retry_s=0.5), admit=lambda m, p: None,
-                          lost=lambda ms: None, released=lambda: None)
+        consumer, holding, custody = _custody(r, keys, "mixed", CustodyConfig(finish_retry_s=0.5))
         try:
             await consumer.join()
             queue = keys.queue("mixed", version=1)
@@ -639,21 +648,16 @@ def test_a_keepalive_round_reports_lost_only_what_was_not_answered(redis_server:
     started) unless its reply is written. An answered one is gone because its acknowledgement, riding on
     a reply write, landed before the round while its release had not run yet: not lost, and not worth
     the warning every benchmark logged. One deleted unanswered (its caller gone) is."""
-    from batching.holding import Holding
-    from workers.consumer import StreamConsumer
-    from workers.custody import Custody, CustodyConfig
+    from workers.custody import CustodyConfig
 
     keys = Keys(key_prefix)
 
     async def main() -> None:
         r = async_client(redis_server.url)
-        consumer = StreamConsumer(r, keys, "kept", 1, "c")
-        holding = Holding(1, 4, 16)
         reported: list[list[tuple[int, bytes]]] = []
         # Rounds every 50 ms: the first round that finds `unanswered` deleted only drops it from the group's
         # pending list (XCLAIM JUSTID of a deleted entry); the next one reports it.
-        custody = Custody(consumer, holding, CustodyConfig(keepalive_s=0.05), admit=lambda m, p: None,
-                          lost=reported.append, released=lambda: None)
+        consumer, holding, custody = _custody(r, keys, "kept", CustodyConfig(keepalive_s=0.05), reported.append)
         keeper: asyncio.Task[None] | None = None
         try:
             await consumer.join()
@@ -691,18 +695,13 @@ def test_a_stopping_workers_keepalive_ends_only_once_its_answered_messages_are_a
     for a ride); a worker that stops meanwhile keeps them held, and its keepalive (what the model's run
     waits for before its connections close) ends only once they are acknowledged, not with them pending,
     to be claimed and computed again by another worker."""
-    from batching.holding import Holding
-    from workers.consumer import StreamConsumer
-    from workers.custody import Answer, Custody, CustodyConfig
+    from workers.custody import Answer, CustodyConfig
 
     keys = Keys(key_prefix)
 
     async def main() -> None:
         r = async_client(redis_server.url)
-        consumer = StreamConsumer(r, keys, "stopping", 1, "c")
-        holding = Holding(1, 4, 16)
-        custody = Custody(consumer, holding, CustodyConfig(keepalive_s=5.0), admit=lambda m, p: None,
-                          lost=lambda ms: None, released=lambda: None)
+        consumer, holding, custody = _custody(r, keys, "stopping", CustodyConfig(keepalive_s=5.0))
         try:
             await consumer.join()
             queue = keys.queue("stopping", version=1)
