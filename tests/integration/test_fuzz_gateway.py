@@ -33,6 +33,7 @@ import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from fleet import tensors
 from fleet.keys import Keys
 from fleet.redis_server import LocalServer
 from tests.support.infer_bodies import request_inputs, response_outputs
@@ -43,6 +44,7 @@ SOURCES = {"doubler": ROOT / "tests" / "models" / "doubler",  # FP32 [-1], batch
            "simple_identity": ROOT / "model_repository" / "simple_identity",  # BYTES [-1], batching (8)
            "add_sub": ROOT / "model_repository" / "add_sub"}  # two FP32 [4] inputs, no batching
 MODELS = tuple(SOURCES)
+RAW_INPUTS = {"doubler": ("IN", "FP32"), "simple_identity": ("INPUT0", "BYTES")}  # the one-input models
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
              "FP64", "BF16", "BYTES"]
 # 501 is fleet's documented answer for Triton features it does not implement (a few shared-memory forms);
@@ -161,7 +163,13 @@ def expected_outputs(model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.
 def check_values(model: str, content: bytes, headers: dict[str, str], response: httpx.Response) -> None:
     """A 200 answers exactly what the model computes from the request's own inputs: every output asked
     for (all when none is listed), with its shape and values, and the request id echoed."""
-    request, inputs = request_inputs(content, headers.get("Inference-Header-Content-Length"))
+    if headers.get("Inference-Header-Content-Length") == "0":  # raw binary: the body is the one input, batch 1
+        name, datatype = RAW_INPUTS[model]
+        dt = tensors.lookup(datatype)
+        rows = (1, 1) if datatype == "BYTES" else (1, len(content) // dt.itemsize)
+        request, inputs = {}, {name: tensors.from_bytes(content, dt, rows)}
+    else:
+        request, inputs = request_inputs(content, headers.get("Inference-Header-Content-Length"))
     doc, outputs = response_outputs(response.headers, response.content)
     want = expected_outputs(model, inputs)
     listed = [o["name"] for o in request.get("outputs") or []]

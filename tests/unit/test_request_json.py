@@ -36,7 +36,7 @@ def _outcome(parse: Any, body: bytes, header_length: str | None = None) -> tuple
 
 def _as_json_reads(body: bytes, header_length: str | None) -> ParsedInfer:
     """What parse_infer did before orjson: the header read by json alone."""
-    header, binary = split_body(body, header_length)
+    header, binary = split_body(body, header_length, SPEC)
     return parse_infer_doc(load_exact(header), SPEC, binary, None)
 
 
