@@ -29,7 +29,7 @@ def _url_and_key(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_job_commands(sub: Any) -> None:
     """Add submit, jobs, job and cancel to the `fleet` subparsers (`sub` is argparse's _SubParsersAction)."""
-    s = _url(sub.add_parser("submit", help="run a bulk job and fetch its results"))
+    s = _url_and_key(sub.add_parser("submit", help="run a bulk job and fetch its results"))
     s.add_argument("input", help="JSONL or array file to upload (a server-side path with --server-path)")
     s.add_argument("--model", required=True)
     s.add_argument("--model-version", default=None)
@@ -45,11 +45,11 @@ def add_job_commands(sub: Any) -> None:
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
     s.add_argument("--server-path", action="store_true",
                    help="INPUT is a path on the gateway, in a directory it allows (FLEET_JOB_INPUT_DIRS); no upload")
-    _url(sub.add_parser("jobs", help="list bulk jobs"))
-    j = _url(sub.add_parser("job", help="show one bulk job"))
+    _url_and_key(sub.add_parser("jobs", help="list bulk jobs"))
+    j = _url_and_key(sub.add_parser("job", help="show one bulk job"))
     j.add_argument("job_id", metavar="ID")
     j.add_argument("--json", action="store_true", help="print the raw JSON record")
-    c = _url(sub.add_parser("cancel", help="cancel a bulk job"))
+    c = _url_and_key(sub.add_parser("cancel", help="cancel a bulk job"))
     c.add_argument("job_id", metavar="ID")
 
 

@@ -293,7 +293,8 @@ def run(args: argparse.Namespace, *, client: JobsClient | None = None, environ: 
     """Run submit, jobs, job or cancel (parsed by fleet.cli.build_parser()); returns the process exit code."""
     out = Console(file=sys.stdout, markup=False, highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, markup=False, highlight=False, soft_wrap=True)
-    jobs = client if client is not None else JobsClient(resolve_url(args.url, environ))
+    jobs = client if client is not None else JobsClient(resolve_url(args.url, environ),
+                                                        api_key=args.api_key or environ.get("FLEET_API_KEY"))
     try:
         return _dispatch(args, jobs, out, err, sleep)
     except JobsClientError as exc:

@@ -46,8 +46,10 @@ class JobsClient:
     """
 
     def __init__(self, base_url: str, client: httpx.Client | None = None, *, timeout_s: float = 30.0,
-                 chunk_bytes: int = 1 << 20) -> None:
+                 chunk_bytes: int = 1 << 20, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        # Jobs are a protected scope where the gateway has API keys (FLEET_API_KEYS): sent with every call.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owned = client is None
         self._client = client if client is not None else httpx.Client(timeout=httpx.Timeout(timeout_s))
         self._timeout_s = timeout_s
@@ -66,9 +68,9 @@ class JobsClient:
     def _url(self, *parts: str) -> str:
         return "/".join([self.base_url, "v2", "jobs", *(quote(p, safe="") for p in parts)])
 
-    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+    def _request(self, method: str, url: str, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
         try:
-            response = self._client.request(method, url, **kwargs)
+            response = self._client.request(method, url, headers={**self._headers, **(headers or {})}, **kwargs)
         except httpx.HTTPError as exc:
             raise JobsClientError(f"cannot reach the gateway at {self.base_url}: {exc}") from exc
         _raise_for_error(response)
@@ -118,7 +120,7 @@ class JobsClient:
         part = dest.with_name(dest.name + ".part")
         written = 0
         try:
-            with self._client.stream("GET", self._url(job_id, "results")) as response:
+            with self._client.stream("GET", self._url(job_id, "results"), headers=self._headers) as response:
                 if response.status_code >= 400:
                     response.read()
                     _raise_for_error(response)

@@ -353,3 +353,33 @@ def test_jobs_table_and_job_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "[b]" in table and "job-1" in table and "40/100" in table  # cells are text, not rich markup
     assert run(build_parser().parse_args(["job", "job-1", "--json"]), client=client_with(handler)) == 0
     assert json.loads(capsys.readouterr().out) == record()
+
+
+def test_every_call_carries_the_api_key(tmp_path: Path) -> None:
+    """A gateway with API keys (FLEET_API_KEYS) guards jobs: the key goes with every call, the upload and the
+    download included (before, the job commands had no --api-key and sent nothing: 401 for each)."""
+    seen: list[tuple[str, str | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((f"{request.method} {request.url.path}", request.headers.get("authorization")))
+        if request.url.path.endswith("/uploads"):
+            return httpx.Response(200, json={"upload": "t"})
+        if request.url.path.endswith("/results"):
+            return httpx.Response(200, content=b"out")
+        if request.method == "GET" and request.url.path.endswith("/jobs"):
+            return httpx.Response(200, json={"jobs": []})
+        return httpx.Response(200, json=record())
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("{}\n")
+    client = client_with(handler, api_key="k1")
+    client.upload(data)
+    client.list()
+    client.get("job-1")
+    client.cancel("job-1")
+    client.download("job-1", tmp_path / "out.jsonl")
+    assert {key for _, key in seen} == {"Bearer k1"} and len(seen) == 5, seen
+    args = build_parser().parse_args(["jobs", "--api-key", "k2", "--url", BASE])
+    assert args.api_key == "k2"
+    for command in (["submit", "x.jsonl", "--model", "m"], ["job", "j"], ["cancel", "j"]):
+        assert build_parser().parse_args([*command, "--api-key", "k"]).api_key == "k"
