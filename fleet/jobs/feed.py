@@ -1,9 +1,8 @@
 """One run of a bulk job over its items: send requests, collect replies, write outputs in input order.
 
-Flow control: at most `window_rows` rows are held, counted from the moment a row is submitted until it
-is written to the output, not merely until it is answered. Answered rows waiting behind an unanswered
-head still count, so however long the head takes, the runner holds (and Redis queues) at most a window
-of rows and their replies.
+Flow control: at most `window_rows` rows are held, counted from the moment a row is submitted until it is
+written to the output, not merely until it is answered: answered rows waiting behind an unanswered head still
+count, so however long the head takes, the runner holds (and Redis queues) at most a window of rows.
 
 Liveness: a request without a reply `reply_timeout_s` after it was sent is checked. If its stream entry
 still exists (queued on the lane, or held by a worker that has not replied yet), it is not lost and its
@@ -142,7 +141,7 @@ class Feed:
         pack = request_batches(spec, priority, int(record.get("pack_batches") or 1), self.window_rows)
         self.groups: Iterator[list[InputItem]] = group_items(source.read(self.done, self.in_offset, blocks),
                                                              max_rows * pack)
-        self.exhausted = False
+        self.exhausted, self.failure = False, ""
         self.order: deque[_Group] = deque()  # submitted or resolved, not yet written, in input order
         self.by_id: dict[str, _Group] = {}  # awaiting a reply
         self.held_rows = 0  # rows of `order`: from submission until written
@@ -166,7 +165,8 @@ class Feed:
             if reason is not None:
                 self._save()
                 self._drop_queued()
-                return FAILED if self.runner.finish_state(FAILED, reason) else CANCELLED
+                self.failure = reason  # recorded by the runner, once the output is finished
+                return FAILED
             if self.exhausted and not self.order:
                 self._save()
                 return COMPLETED

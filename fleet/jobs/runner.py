@@ -171,7 +171,8 @@ class JobRunner:
         sink = open_output(Path(record["output"]), record["output_format"], spec, total,
                            resume_offset=record.get("out_offset") or 0)
         try:
-            outcome = Feed(self, record, spec, source, sink).run()
+            feed = Feed(self, record, spec, source, sink)
+            outcome = feed.run()
         except (redis.RedisError, KeyboardInterrupt, SystemExit):
             sink.close()  # resumed by another runner: kept as it is
             raise
@@ -189,7 +190,11 @@ class JobRunner:
             if not self.finish_state(COMPLETED):  # cancelled between the last item and here
                 outcome = CANCELLED
         elif outcome == FAILED:
-            sink.finish(partial=True)  # a failed job keeps what it wrote: its completed items are results
+            # A failed job keeps what it wrote (its completed items are results), finished before the job says
+            # it failed: a client that then downloads it finds it whole (an .npz takes seconds to assemble).
+            sink.finish(partial=True)
+            if not self.finish_state(FAILED, feed.failure):  # cancelled meanwhile
+                outcome = CANCELLED
         else:
             sink.close()
         if outcome == CANCELLED:

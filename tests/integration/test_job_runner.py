@@ -309,9 +309,19 @@ SHAPE_ERROR = (f"unexpected shape for input 'IN' for model '{MODEL}'. Expected [
 
 
 def test_a_job_whose_first_lines_all_fail_fails_fast_with_its_most_common_error(
-        make_job: Callable[..., Job]) -> None:
+        make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleet.jobs.jsonl_output import JsonlOutput
+
     job = make_job([WRONG_SHAPE] * 300, window_rows=16, reply_timeout_s=3600)
+    finish, states = JsonlOutput.finish, []
+
+    def finishing(self: JsonlOutput, partial: bool = False) -> None:
+        states.append(job.state())  # its output is finished before the job says it failed (a download follows)
+        finish(self, partial)
+
+    monkeypatch.setattr(JsonlOutput, "finish", finishing)
     assert job.run_alone() == FAILED
+    assert states == [RUNNING]
     record = job.record()
     assert record["state"] == FAILED and record["total"] == 300
     assert record["error"] == f"the first 100 lines all failed; most common error (100 lines): {SHAPE_ERROR}"
