@@ -251,6 +251,8 @@ def _submit(args: argparse.Namespace, client: JobsClient, out: Console, err: Con
         fmt = str((record.get("output") or {}).get("format") or args.format or "jsonl")
         dest = args.output or default_output_path(args.input, fmt, server_path=args.server_path)
         dest = _download(client, job_id, dest, err, required=state == JobState.COMPLETED)
+        if dest is not None and fmt == "npy":  # its failed-row mask beside it, as the gateway keeps it
+            client.download(job_id, Path(f"{dest}.failed.npy"), mask=True)
     out.print(summary_line(record, dest))
     for line in common_error_lines(record):
         out.print(line)

@@ -115,12 +115,14 @@ class JobsClient:
         record: JobRecord = self._request("DELETE", self._url(job_id))
         return record
 
-    def download(self, job_id: str, dest: Path, on_chunk: OnChunk | None = None) -> int:
-        """Stream the results to `dest` (via `dest.part`, renamed when complete); return the bytes written."""
+    def download(self, job_id: str, dest: Path, on_chunk: OnChunk | None = None, *, mask: bool = False) -> int:
+        """Stream the results (`mask`: an .npy job's failed-row mask) to `dest` (via `dest.part`, renamed when
+        complete); return the bytes written."""
         part = dest.with_name(dest.name + ".part")
         written = 0
+        url = self._url(job_id, "results", *(("failed",) if mask else ()))
         try:
-            with self._client.stream("GET", self._url(job_id, "results"), headers=self._headers) as response:
+            with self._client.stream("GET", url, headers=self._headers) as response:
                 if response.status_code >= 400:
                     response.read()
                     _raise_for_error(response)

@@ -109,6 +109,12 @@ async def results(request: Request) -> Response:
                         filename=f"{job_id}{path.suffix}")
 
 
+async def failed_mask(request: Request) -> Response:
+    job_id = request.path_params["id"]
+    path = await asyncio.to_thread(service.failed_mask_path, state_of(request).jobs, job_id)
+    return FileResponse(path, media_type=MEDIA_TYPES["npy"], filename=f"{job_id}.failed.npy")
+
+
 ROUTES = [
     Route("/v2/jobs/uploads", upload, methods=["POST"]),
     Route("/v2/jobs", create, methods=["POST"]),
@@ -116,4 +122,5 @@ ROUTES = [
     Route("/v2/jobs/{id}", get, methods=["GET"]),
     Route("/v2/jobs/{id}", cancel, methods=["DELETE"]),
     Route("/v2/jobs/{id}/results", results, methods=["GET"]),
+    Route("/v2/jobs/{id}/results/failed", failed_mask, methods=["GET"]),
 ]

@@ -193,6 +193,16 @@ def results_path(ctx: JobsContext, job_id: str) -> tuple[Path, str]:
     return output, str(record.get("output_format") or "jsonl")
 
 
+def failed_mask_path(ctx: JobsContext, job_id: str) -> Path:
+    """An .npy job's `failed` row mask (`<output>.failed.npy`, beside its results: an .npy holds one array).
+    An .npz holds its mask inside, and JSONL says each line's error in it: 404 for those."""
+    output, fmt = results_path(ctx, job_id)
+    mask = Path(f"{output}.failed.npy")
+    if fmt != "npy" or not mask.is_file():
+        raise NotFound(f"job '{job_id}' has no separate failed-row mask (only an .npy output has one)")
+    return mask
+
+
 def upload_path(ctx: JobsContext, name: str) -> tuple[str, Path, bool]:
     """(token, where to store the upload, whether its name says it is gzip-compressed: `x.jsonl.gz` is
     stored decompressed as a .jsonl)."""

@@ -121,6 +121,8 @@ def test_packed_requests_run_in_parts_of_max_batch_size_and_equal_direct_computa
     out = tmp_path / "packed.out.npy"
     jobs.download(record["id"], out)
     np.testing.assert_allclose(np.load(out), reference[:2000], rtol=1e-5, atol=1e-5)
+    jobs.download(record["id"], mask := tmp_path / "packed.failed.npy", mask=True)
+    np.testing.assert_array_equal(np.load(mask), np.zeros(2000, bool))
     after = stats()
     assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 8
     assert after["execution_count"] - before["execution_count"] == 32
@@ -329,6 +331,8 @@ def test_fleet_submit_cli_uploads_waits_and_downloads(system: RunningSystem, row
     assert done.returncode == 0, done.stdout + done.stderr
     assert "completed" in done.stdout
     np.testing.assert_allclose(np.load(out), reference[:3000], rtol=1e-5, atol=1e-5)
+    # Its failed-row mask came beside it (an .npy holds one array; GET .../results/failed serves the mask).
+    np.testing.assert_array_equal(np.load(f"{out}.failed.npy"), np.zeros(3000, bool))
 
 
 def test_sigterm_on_the_job_worker_saves_progress_and_the_job_resumes(
